@@ -1,0 +1,8 @@
+"""specdec: lossless speculative decoding for HuggingFace causal language models."""
+
+from specdec.decoder import GenerateOutput, SpecDecoder, SpecDecoderConfig, StepStats
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+
+__all__ = ["GenerateOutput", "SpecDecoder", "SpecDecoderConfig", "StepStats", "ModelDrafter",
+           "PromptLookupDrafter"]
+__version__ = "0.1.0"

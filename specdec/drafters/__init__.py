@@ -1,0 +1,8 @@
+"""Drafters: everything that can guess the target's next tokens, behind one interface."""
+
+from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.model import ModelDrafter, ModelDrafterConfig
+from specdec.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter
+
+__all__ = ["Commit", "Drafter", "Prompt", "ModelDrafter", "ModelDrafterConfig",
+           "PromptLookupConfig", "PromptLookupDrafter"]

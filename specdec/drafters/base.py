@@ -1,0 +1,66 @@
+"""The drafter contract: three methods, the same for every way of guessing tokens.
+
+    begin(prompt)     a new generation starts; the drafter sets up its own state
+    propose(budget)   guess up to ``budget`` tokens after the committed text, as a DraftTree
+    accept(commit)    learn what was committed this step (accepted drafts + the target's token)
+
+The decoder owns the committed text; a drafter mirrors what it needs of it. A drafter whose
+vocabulary differs from the target's sets ``vocab_size`` so the decoder can refuse it up front.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from specdec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class Prompt:
+    input_ids: torch.Tensor  # [B, P] int64, right-padded
+    lengths: torch.Tensor  # [B] int64 real tokens per row
+    hidden: torch.Tensor | None = None  # [B, P - 1, D] target last hidden states, if the drafter asks
+
+
+@dataclass(frozen=True)
+class Commit:
+    """What one step added to each sequence: the accepted drafted tokens, then the target's token."""
+
+    tokens: torch.Tensor  # [B, A + 1] int64, row b valid up to num_new[b], right-padded
+    num_new: torch.Tensor  # [B] int64 = num_accepted + 1 (0 for a row that has already finished)
+    num_accepted: torch.Tensor  # [B] int64 drafted tokens the target agreed with
+    # [B, A + 1, D] target last hidden state at the rows that produced each new token (the pending
+    # token and the accepted nodes), for drafters that read features (EAGLE); None if not asked for.
+    hidden: torch.Tensor | None = None
+
+    def new_tokens(self, b: int) -> list[int]:
+        return self.tokens[b, : int(self.num_new[b])].tolist()
+
+
+class Drafter(ABC):
+    vocab_size: int | None = None  # None: the drafter emits whatever ids the target uses
+    needs_hidden_states: bool = False  # True: Prompt.hidden and Commit.hidden must be filled
+
+    @abstractmethod
+    def begin(self, prompt: Prompt) -> None: ...
+
+    @abstractmethod
+    def propose(self, budget: int) -> DraftTree: ...
+
+    @abstractmethod
+    def accept(self, commit: Commit) -> None: ...
+
+
+class TokenHistory:
+    """Per-row committed tokens as Python lists: what text-matching drafters search."""
+
+    def __init__(self, prompt: Prompt) -> None:
+        ids, n = prompt.input_ids.tolist(), prompt.lengths.tolist()
+        self.rows: list[list[int]] = [row[:k] for row, k in zip(ids, n)]
+
+    def extend(self, commit: Commit) -> None:
+        for b, row in enumerate(self.rows):
+            row.extend(commit.new_tokens(b))

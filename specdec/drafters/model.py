@@ -1,0 +1,86 @@
+"""A small model drafts a chain of K tokens with its own BMC KV store, rolled back on rejection."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
+from specdec.forward import forward_block
+from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.tree import DraftTree, chain_mask
+
+
+@dataclass(frozen=True)
+class ModelDrafterConfig:
+    bmc: BMCConfig = BMCConfig(period=64)  # the draft model's own store
+
+
+def vocab_size_of(model) -> int:
+    """Rows of the output embedding: the id space a model's logits cover."""
+    out = model.get_output_embeddings()
+    return out.weight.shape[0] if out is not None else model.config.vocab_size
+
+
+class ModelDrafter(Drafter):
+    """Any HF causal LM sharing the target's vocabulary drafts greedily, one token per forward.
+
+    State between steps: the draft store holds rows for committed tokens ``[0, cache_len)``; the
+    committed tokens after that (one or two per step) are *pending* and are fed first next time.
+    Drafts d1..d(K-1) are written speculatively; accept() rolls the store back to the rows whose
+    tokens the target kept.
+    """
+
+    def __init__(self, draft_model, config: ModelDrafterConfig = ModelDrafterConfig()) -> None:
+        self.model = draft_model.eval()
+        self.config = config
+        self.vocab_size = vocab_size_of(draft_model)
+        self.cache: BMCCache | None = None
+        self.history: TokenHistory | None = None
+        self._fed: list[int] = []  # per row: committed tokens in the store before the last propose
+        self._drafted = 0  # drafted tokens written into the store by the last propose (K - 1)
+
+    def begin(self, prompt: Prompt) -> None:
+        self.history = TokenHistory(prompt)
+        B = prompt.input_ids.shape[0]
+        self.cache = BMCCache.for_model(self.model, B, self.config.bmc)
+        self._fed = [0] * B
+        self._drafted = 0
+
+    def _feed(self, rows: list[list[int]]) -> torch.Tensor:
+        """Append ragged token rows to the store as chains; logits [B, V] after each row's last."""
+        B, Q = len(rows), max(len(r) for r in rows)
+        ids = torch.zeros(B, Q, dtype=torch.long)
+        for b, r in enumerate(rows):
+            ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        depth = torch.arange(Q).expand(B, Q)
+        out = forward_block(self.model, self.cache, ids, chain_mask(B, Q), depth)
+        self.cache.commit([list(range(len(r))) for r in rows])
+        last = torch.tensor([len(r) - 1 for r in rows], device=out.logits.device)
+        return out.logits[torch.arange(B), last]  # [B, V]
+
+    def propose(self, budget: int) -> DraftTree:
+        B = len(self.history.rows)
+        self._fed = list(self.cache.lengths)
+        self._drafted = 0
+        if budget <= 0:
+            return DraftTree.empty(B)
+        pending = [row[n:] for row, n in zip(self.history.rows, self._fed)]
+        logits = self._feed(pending)
+        drafts = [logits.argmax(-1)]  # [B] each
+        for _ in range(budget - 1):
+            logits = self._feed([[t] for t in drafts[-1].tolist()])
+            drafts.append(logits.argmax(-1))
+        self._drafted = budget - 1
+        return DraftTree.chain(torch.stack(drafts, dim=1).cpu())
+
+    def accept(self, commit: Commit) -> None:
+        self.history.extend(commit)
+        # Keep the pending rows plus the drafted rows whose tokens were accepted: d1..d(K-1) were
+        # fed, d_K never was. Example: 1 pending, K = 4, 2 accepted -> keep fed + 1 + 2 rows.
+        keep = []
+        for b, n_acc in enumerate(commit.num_accepted.tolist()):
+            pending = self.cache.lengths[b] - self._fed[b] - self._drafted
+            keep.append(self._fed[b] + pending + min(n_acc, self._drafted))
+        self.cache.rollback(keep)

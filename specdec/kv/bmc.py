@@ -1,0 +1,241 @@
+"""BMC: a KV cache that grows T padded rows at a time, with speculated rows written in place.
+
+After "BMC: Accelerating LLM inference via Balanced Memory and Compute" (iterative allocation copies
+the cache every step, upfront allocation attends over a full-length buffer; BMC allocates T rows at a
+time and lets speculative tokens use the padding).
+
+Per layer the store keeps K/V buffers [B, H, C, D] whose capacity C is a multiple of T. Each batch row
+b has its own committed length ``lengths[b]``. One target forward writes its Q new rows (pending
+token + draft nodes) at rows ``lengths[b] + [0, Q)`` of every layer and attends over a *view* of the
+first ``max(lengths) + Q`` rows, never the whole buffer. When that view would pass C, the buffer is
+reallocated once with room rounded up to the next multiple of T: one copy every ~T tokens, not one
+per token as a torch.cat cache does.
+
+Unused rows are hidden by an additive bias mask (0 = visible, dtype-min = hidden) built by
+``prepare``. ``commit`` then keeps the accepted rows of each block as a contiguous prefix; every row
+after a sequence's length is padding again and is overwritten by the next write.
+
+Worked example, one row, T = 4, committed length 5, block Q = 3 (pending p, drafts a, b)::
+
+    rows      0 1 2 3 4 | 5 6 7 | (8 = padding, capacity 8)
+    content   c c c c c | p a b |
+    bias      0 0 0 0 0   visible per the tree mask
+    verify accepts a only -> commit keeps block rows [0, 1] -> length 7; row 7 (b) is padding.
+
+It plugs into any HF model through transformers' ``Cache`` interface: the model calls
+``update(k, v, layer_idx)`` per layer; the caller passes the 4D bias from ``prepare`` as
+``attention_mask`` and explicit ``position_ids`` (see ``specdec.decoder``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+
+@dataclass(frozen=True)
+class BMCConfig:
+    period: int = 64  # T: rows added per reallocation; copy cost ~ N^2/T, padded compute ~ N*T
+
+    def __post_init__(self) -> None:
+        if self.period < 1:
+            raise ValueError(f"BMC period T must be >= 1, got {self.period}")
+
+
+@dataclass(frozen=True)
+class BlockInputs:
+    """What one forward over a block needs besides the token ids."""
+
+    position_ids: torch.Tensor  # [B, Q] int64
+    attention_mask: torch.Tensor  # [B, 1, Q, L] additive bias over the attended view of L rows
+
+
+class _WritePlan:
+    """Where the block of the forward in flight goes: set by ``prepare``, read by every layer."""
+
+    __slots__ = ("starts", "q", "end", "row_index")
+
+    def __init__(self, starts: list[int], q: int, device: torch.device) -> None:
+        self.starts = starts  # per batch row, first row of the block
+        self.q = q
+        self.end = max(starts) + q  # rows of the attended view
+        # ragged rows need a scatter; equal starts (always the case at B = 1) take a slice write
+        if len(set(starts)) == 1:
+            self.row_index = None
+        else:
+            s = torch.tensor(starts, device=device)[:, None]
+            self.row_index = s + torch.arange(q, device=device)  # [B, Q]
+
+
+class BMCLayer(CacheLayerMixin):
+    """One layer's K/V buffers. All bookkeeping lives in the owning ``BMCCache``."""
+
+    is_compileable = False
+    is_sliding = False
+    is_croppable = False
+
+    def __init__(self, store: "BMCCache", layer_idx: int) -> None:
+        super().__init__()
+        self.store = store
+        self.layer_idx = layer_idx
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[2]
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        # key_states, value_states: [B, H, Q, D]
+        plan = self.store._plan
+        assert plan is not None, "BMCCache.prepare() must run before each forward"
+        B, H, Q, D = key_states.shape
+        assert Q == plan.q and B == len(plan.starts), f"block {B}x{Q} != planned {len(plan.starts)}x{plan.q}"
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        if plan.end > self.capacity:
+            self._grow(plan.end, key_states, value_states)
+        if plan.row_index is None:
+            s = plan.starts[0]
+            self.keys[:, :, s : s + Q] = key_states
+            self.values[:, :, s : s + Q] = value_states
+        else:
+            idx_k = plan.row_index[:, None, :, None].expand(B, H, Q, D)
+            self.keys.scatter_(2, idx_k, key_states)
+            self.values.scatter_(2, plan.row_index[:, None, :, None].expand_as(value_states), value_states)
+        # Attend over a view of the rows in use, not the whole padded buffer (the view is what makes
+        # BMC match a sliced preallocation; a masked full buffer costs ~2x at long lengths).
+        return self.keys[:, :, : plan.end], self.values[:, :, : plan.end]
+
+    def _grow(self, needed: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        T = self.store.config.period
+        new_cap = math.ceil(needed / T) * T
+        keep = self.store.max_length  # rows worth copying: everything past is padding
+        B, H, _, Dk = k.shape
+        Dv = v.shape[-1]
+        new_k = torch.empty(B, H, new_cap, Dk, dtype=k.dtype, device=k.device)
+        new_v = torch.empty(B, H, new_cap, Dv, dtype=v.dtype, device=v.device)
+        if keep:
+            new_k[:, :, :keep] = self.keys[:, :, :keep]
+            new_v[:, :, :keep] = self.values[:, :, :keep]
+        # Padding must be finite: a masked row still enters q.k^T and weights * V (0 * NaN = NaN).
+        new_k[:, :, keep:].zero_()
+        new_v[:, :, keep:].zero_()
+        self.keys, self.values = new_k, new_v
+        if self.layer_idx == 0:
+            self.store.num_allocations += 1
+
+    def gather_rows(self, src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
+        """Move rows ``src`` to rows ``dst`` of batch rows ``batch`` (all [M]); reads happen first."""
+        self.keys[batch, :, dst] = self.keys[batch, :, src]
+        self.values[batch, :, dst] = self.values[batch, :, src]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.store.max_length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.store.max_length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.keys = self.values = None
+        self.is_initialized = False
+
+
+class BMCCache(Cache):
+    """The BMC KV store for one generation: per-row committed lengths, T-row growth, bias masks."""
+
+    def __init__(self, num_layers: int, batch_size: int, config: BMCConfig = BMCConfig(),
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.lengths: list[int] = [0] * batch_size  # committed rows per batch row (host copy: no syncs)
+        self.num_allocations = 0  # reallocations so far (counted once for all layers)
+        self._plan: _WritePlan | None = None
+        super().__init__(layers=[BMCLayer(self, i) for i in range(num_layers)])
+
+    @classmethod
+    def for_model(cls, model, batch_size: int, config: BMCConfig = BMCConfig()) -> "BMCCache":
+        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        return cls(cfg.num_hidden_layers, batch_size, config, model.dtype, model.device)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def max_length(self) -> int:
+        return max(self.lengths)
+
+    @property
+    def capacity(self) -> int:
+        return self.layers[0].capacity
+
+    def prepare(self, block_mask: torch.Tensor, depth: torch.Tensor) -> BlockInputs:
+        """Plan the next forward over a block of Q rows per batch row and build its inputs.
+
+        block_mask: [B, Q, Q] bool, which block rows each block row sees (causal for a chain, the
+        ancestor mask for a tree). depth: [B, Q] offset of each row's position from the row's start
+        (0, 1, 2, ... for a chain; tree depth for a tree). Committed rows are always visible.
+        """
+        B, Q, _ = block_mask.shape
+        assert B == self.batch_size, f"block batch {B} != cache batch {self.batch_size}"
+        assert depth.shape == (B, Q), f"depth {tuple(depth.shape)} != {(B, Q)}"
+        self._plan = plan = _WritePlan(self.lengths, Q, self.device)
+        L = plan.end
+        starts = torch.tensor(self.lengths, device=self.device)  # [B]
+        # cols < start: committed (visible); start <= col < start + Q: the block (per block_mask);
+        # col >= start + Q: padding, or rows another batch row is using (hidden).
+        rel = torch.arange(L, device=self.device)[None, :] - starts[:, None]  # [B, L]
+        in_block = (rel >= 0) & (rel < Q)
+        block_cols = block_mask.gather(2, rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, L))  # [B, Q, L]
+        visible = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_cols)
+        bias = torch.zeros(B, 1, Q, L, dtype=self.dtype, device=self.device)
+        bias.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
+        position_ids = starts[:, None] + depth.to(self.device)
+        return BlockInputs(position_ids, bias)
+
+    def commit(self, keep: list[list[int]]) -> None:
+        """Keep block rows ``keep[b]`` (in order) of the last forward as batch row b's new rows.
+
+        Example: start 7, keep [0, 2, 5] -> rows 9 and 12 move to rows 8 and 9; length 7 -> 10.
+        A chain keeps a prefix [0, 1, ..., a] that is already in place: no copy at all.
+        """
+        plan = self._plan
+        assert plan is not None and len(keep) == self.batch_size
+        src, dst, bat = [], [], []
+        for b, rows in enumerate(keep):
+            assert all(0 <= r < plan.q for r in rows), f"keep {rows} outside a block of {plan.q}"
+            s = plan.starts[b]
+            for j, r in enumerate(rows):
+                if r != j:
+                    src.append(s + r)
+                    dst.append(s + j)
+                    bat.append(b)
+            self.lengths[b] = s + len(rows)
+        if src:
+            t = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
+            for layer in self.layers:
+                layer.gather_rows(t(src), t(dst), t(bat))
+        self._plan = None
+
+    def rollback(self, lengths: list[int]) -> None:
+        """Shorten each row to ``lengths[b]`` committed rows; the rows after become padding."""
+        assert len(lengths) == self.batch_size
+        for b, n in enumerate(lengths):
+            assert 0 <= n <= self.lengths[b], f"row {b}: cannot roll back {self.lengths[b]} rows to {n}"
+        self.lengths = list(lengths)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.max_length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int) -> tuple[int, int]:
+        return self.max_length + query_length, 0

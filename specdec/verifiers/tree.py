@@ -1,0 +1,76 @@
+"""Greedy verification of a token tree (a chain is a tree with one branch).
+
+Glossary (after vLLM's rejection sampler):
+    accepted tokens  drafted tokens the target agrees with, a path from the root down the tree
+    bonus token      the target's own next token after the last accepted node; every step yields
+                     num_accepted + 1 tokens, so a step is never worse than plain decoding
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.tree import DraftTree, node_depths
+
+
+@dataclass(frozen=True)
+class Verification:
+    accepted: torch.Tensor  # [B, K] node indices of the accepted path, root first, padded with -1
+    num_accepted: torch.Tensor  # [B] int64
+    next_token: torch.Tensor  # [B] int64 the target's bonus/correction token
+
+    def kept_rows(self) -> list[list[int]]:
+        """Block rows to keep in the KV store: the pending token (row 0) and the accepted nodes."""
+        acc = self.accepted.tolist()
+        return [[0] + [n + 1 for n in row[:a]] for row, a in zip(acc, self.num_accepted.tolist())]
+
+
+def accepted_mask(target_next: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+    """[B, N] bool: node i is on a path the target agrees with from the root down to i.
+
+    target_next: [B, Q] the target's greedy token after each block row (row 0 = pending token,
+    row 1 + i = node i). Node i matches when its token is the target's choice after its parent.
+    Example (chain): tokens [5, 7, 9], target_next [5, 7, 8, 3] -> match [T, T, F] -> ok [T, T, F].
+    """
+    B, N = tree.tokens.shape
+    parent_row = tree.parents + 1  # [B, N] block row of each node's parent
+    match = tree.tokens == target_next.gather(1, parent_row)
+    match &= torch.arange(N, device=match.device)[None, :] < tree.num_nodes[:, None]
+    ok = match.clone()
+    # ok[i] = match[i] and ok[parent[i]]; parents precede children, so one ordered pass suffices
+    for i in range(N):
+        p = tree.parents[:, i]
+        ok[:, i] &= (p < 0) | ok.gather(1, p.clamp(min=0)[:, None])[:, 0]
+    return ok
+
+
+def verify_greedy(target_logits: torch.Tensor, tree: DraftTree) -> Verification:
+    """Walk each row's tree along the target's argmax; ragged: each row accepts its own count.
+
+    target_logits: [B, Q, V] the target's logits at each block row.
+    """
+    B, Q, V = target_logits.shape
+    N = tree.width
+    assert Q == N + 1, f"logits for {Q} rows, tree has {N} nodes"
+    target_next = target_logits.argmax(-1)  # [B, Q]
+    if N == 0:
+        empty = torch.zeros(B, 0, dtype=torch.long, device=target_next.device)
+        return Verification(empty, torch.zeros(B, dtype=torch.long), target_next[:, 0])
+    ok = accepted_mask(target_next, tree)
+    depth = node_depths(tree.parents)
+    # deepest agreeing node per row (sibling tokens are distinct, so at most one per depth)
+    score = torch.where(ok, depth, 0)  # [B, N]
+    num_accepted, leaf = score.max(dim=1)  # [B], [B]
+    K = int(num_accepted.max())  # host sync: the path length decides how much to gather
+    accepted = torch.full((B, K), -1, dtype=torch.long, device=ok.device)
+    node = leaf.clone()
+    for j in range(K - 1, -1, -1):  # walk up from the leaf, filling the path right to left
+        live = num_accepted > j
+        accepted[:, j] = torch.where(live, node, -1)
+        node = torch.where(live, tree.parents.gather(1, node.clamp(min=0)[:, None])[:, 0], node)
+    bonus_row = torch.where(num_accepted > 0, leaf + 1, 0)
+    next_token = target_next.gather(1, bonus_row[:, None])[:, 0]
+    return Verification(accepted, num_accepted, next_token)
+
