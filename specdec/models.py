@@ -32,7 +32,7 @@ class LoadedModel:
     name: str  # what was loaded, for reports
 
 
-class ModelLoadError(RuntimeError):
+class ModelLoadError(ValueError):
     """A model source that is missing, unreadable or corrupt; the message names the file."""
 
 

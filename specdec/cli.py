@@ -1,0 +1,50 @@
+"""`specdec <command>`: each command lives in its own module with two functions,
+``add_arguments(parser)`` and ``run(args) -> int``; this file only maps names to modules."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import sys
+
+COMMANDS = {  # name -> (module, one-line help)
+    "generate": ("specdec.generate_cmd", "generate from a prompt on the default (or any) model"),
+    "bench": ("specdec.bench.generation", "ours vs HF generate vs HF prompt lookup, same process"),
+    "bench-kv": ("specdec.bench.kv", "KV store microbenchmark: iterative vs upfront vs BMC"),
+    "chat": ("specdec.chat", "terminal chat with speculative decoding"),
+    "specbench": ("specdec.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
+    "train-eagle": ("specdec.train_eagle", "train an EAGLE head for a target, offline"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, (module, help_) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_)
+        p.set_defaults(_module=module)
+        try:
+            importlib.import_module(module).add_arguments(p)
+        except ModuleNotFoundError as e:
+            if e.name != module:
+                raise
+            p.set_defaults(_missing=True)  # command not built yet
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args = build_parser().parse_args(argv)
+    if getattr(args, "_missing", False):
+        print(f"specdec: '{args.command}' is not available in this version", file=sys.stderr)
+        return 2
+    try:
+        return importlib.import_module(args._module).run(args) or 0
+    except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem
+        print(f"specdec {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,36 @@
+"""Names the CLI and configs use for drafters, mapped to constructors (no if/elif ladders).
+
+Each constructor takes the target model and returns a Drafter, or None for plain decoding.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from specdec.drafters.base import Drafter
+from specdec.drafters.early_exit import early_exit_model
+from specdec.drafters.model import ModelDrafter
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+DrafterFactory = Callable[[object], "Drafter | None"]
+
+DRAFTERS: dict[str, DrafterFactory] = {
+    "none": lambda target: None,  # autoregressive on the BMC store: what BMC alone gives
+    "prompt-lookup": lambda target: PromptLookupDrafter(),
+    # the first third of the target's layers draft for the whole model
+    "early-exit": lambda target: ModelDrafter(
+        early_exit_model(target, max(1, target.config.num_hidden_layers // 3))),
+}
+
+
+def make_drafter(name: str, target) -> Drafter | None:
+    try:
+        factory = DRAFTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown drafter {name!r}; known: {', '.join(sorted(DRAFTERS))}") from None
+    return factory(target)
+
+
+def register_drafter(name: str, factory: DrafterFactory) -> None:
+    """Add a drafter name (later drafters - EAGLE, self-speculation - register themselves here)."""
+    DRAFTERS[name] = factory
