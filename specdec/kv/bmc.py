@@ -132,6 +132,10 @@ class BMCLayer(CacheLayerMixin):
 
     def gather_rows(self, src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
         """Move rows ``src`` to rows ``dst`` of batch rows ``batch`` (all [M]); reads happen first."""
+        with torch.inference_mode():  # buffers made under inference mode only change inside it
+            self._gather(src, dst, batch)
+
+    def _gather(self, src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
         self.keys[batch, :, dst] = self.keys[batch, :, src]
         self.values[batch, :, dst] = self.values[batch, :, src]
 

@@ -1,0 +1,53 @@
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def tiny_llama(seed: int = 0, vocab: int = 128, layers: int = 2, max_pos: int = 512,
+               dtype=torch.float64) -> LlamaForCausalLM:
+    """A randomly initialised Llama-style model; float64 so greedy argmax has no float ties."""
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    return LlamaForCausalLM(cfg).to(dtype).eval()
+
+
+def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForCausalLM:
+    """A copy of ``model`` with noise on every weight: a drafter that agrees only partly."""
+    import copy
+
+    g = torch.Generator().manual_seed(seed)
+    other = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std())
+    return other
+
+
+def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
+    return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
+                          pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+
+@pytest.fixture(scope="session")
+def target():
+    return tiny_llama(0)
+
+
+@pytest.fixture(scope="session")
+def real():
+    """The default model (SmolLM2-135M-Instruct), loaded once per session from the local cache."""
+    from specdec.models import load_model
+
+    try:
+        return load_model("default")
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"default model unavailable: {e}")

@@ -1,0 +1,119 @@
+"""The BMC store against transformers' DynamicCache, its growth policy, and its commit moves."""
+
+import math
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from conftest import tiny_llama
+from specdec.forward import forward_block
+from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.tree import ancestor_mask, chain_mask
+
+
+def _chain_forward(model, cache, ids):
+    B, Q = ids.shape
+    return forward_block(model, cache, ids, chain_mask(B, Q), torch.arange(Q).expand(B, Q))
+
+
+@pytest.mark.parametrize("period", [1, 5, 64])
+def test_logits_match_dynamic_cache_float32(period):
+    """Prefill then 1-, 3- and 1-token blocks: same logits as a DynamicCache run (fp32, atol 1e-5)."""
+    model = tiny_llama(3, dtype=torch.float32)
+    ids = torch.randint(0, 128, (1, 41))
+    ref_cache = DynamicCache(config=model.config)
+    bmc = BMCCache.for_model(model, 1, BMCConfig(period))
+    pos = 0
+    for q in [17, 1, 3, 1, 7, 1, 11]:
+        block = ids[:, pos : pos + q]
+        with torch.no_grad():
+            ref = model(block, past_key_values=ref_cache, use_cache=True).logits
+        ours = _chain_forward(model, bmc, block).logits
+        bmc.commit([list(range(q))])
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        pos += q
+    assert bmc.lengths == [pos]
+
+
+@pytest.mark.parametrize("period,n", [(1, 50), (8, 50), (16, 64), (64, 100), (128, 300)])
+def test_allocations_are_ceil_n_over_t(period, n):
+    """One reallocation every T tokens, not one per token: ceil(N / T) over N one-token steps."""
+    model = tiny_llama(0)
+    cache = BMCCache.for_model(model, 1, BMCConfig(period))
+    for t in torch.randint(0, 128, (n,)).tolist():
+        _chain_forward(model, cache, torch.tensor([[t]]))
+        cache.commit([[0]])
+    assert cache.num_allocations == math.ceil(n / period)
+    assert cache.capacity == math.ceil(n / period) * period
+
+
+def test_rejected_rows_become_padding_and_are_overwritten():
+    """Write 4 draft rows, keep 2: the next forward sees exactly the committed text."""
+    model = tiny_llama(1)
+    text = torch.randint(0, 128, (1, 30))
+    cache = BMCCache.for_model(model, 1, BMCConfig(4))
+    _chain_forward(model, cache, text[:, :20])
+    cache.commit([list(range(20))])
+    junk = torch.randint(0, 128, (1, 4))
+    block = torch.cat([text[:, 20:22], junk[:, :2]], dim=1)
+    _chain_forward(model, cache, block)
+    cache.commit([[0, 1]])  # rows 22, 23 (junk) are padding now
+    ours = _chain_forward(model, cache, text[:, 22:30]).logits
+    with torch.no_grad():
+        ref = model(text[:, :30]).logits[:, 22:30]
+    torch.testing.assert_close(ours, ref, atol=1e-10, rtol=1e-10)
+
+
+def test_commit_gathers_a_tree_path_into_place():
+    """Tree block [pending, a, x, b] with path a -> b (b's parent is a): keep rows 0, 1, 3."""
+    model = tiny_llama(2)
+    text = torch.randint(0, 128, (1, 16))
+    cache = BMCCache.for_model(model, 1, BMCConfig(8))
+    _chain_forward(model, cache, text[:, :10])
+    cache.commit([list(range(10))])
+    x = (text[0, 11] + 1) % 128
+    block = torch.tensor([[text[0, 10], text[0, 11], x, text[0, 12]]])
+    parents = torch.tensor([[-1, -1, 0]])  # nodes: a (row 1), x (row 2), b (row 3, child of a)
+    mask = ancestor_mask(parents)
+    depth = torch.tensor([[0, 1, 1, 2]])
+    out = forward_block(model, cache, block, mask, depth)
+    cache.commit([[0, 1, 3]])
+    assert cache.lengths == [13]
+    with torch.no_grad():
+        ref_all = model(text[:, :16]).logits
+    # tree logits at the path rows equal the plain causal logits at those positions
+    torch.testing.assert_close(out.logits[:, [0, 1, 3]], ref_all[:, 10:13], atol=1e-10, rtol=1e-10)
+    ours = _chain_forward(model, cache, text[:, 13:16]).logits
+    torch.testing.assert_close(ours, ref_all[:, 13:16], atol=1e-10, rtol=1e-10)
+
+
+def test_ragged_rows_each_keep_their_own_length():
+    """Two rows with different committed lengths attend only to their own rows."""
+    model = tiny_llama(4)
+    a, b = torch.randint(0, 128, (1, 12)), torch.randint(0, 128, (1, 12))
+    cache = BMCCache.for_model(model, 2, BMCConfig(4))
+    ids = torch.zeros(2, 9, dtype=torch.long)
+    ids[0, :9], ids[1, :5] = a[0, :9], b[0, :5]
+    _chain_forward(model, cache, ids)
+    cache.commit([list(range(9)), list(range(5))])
+    out = _chain_forward(model, cache, torch.stack([a[0, 9:11], b[0, 5:7]]))
+    with torch.no_grad():
+        ra = model(a[:, :11]).logits[:, 9:11]
+        rb = model(b[:, :7]).logits[:, 5:7]
+    torch.testing.assert_close(out.logits[0:1], ra, atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(out.logits[1:2], rb, atol=1e-10, rtol=1e-10)
+
+
+def test_rollback_refuses_to_grow():
+    cache = BMCCache(2, 1)
+    cache.lengths = [5]
+    cache.rollback([3])
+    assert cache.lengths == [3]
+    with pytest.raises(AssertionError, match="cannot roll back"):
+        cache.rollback([4])
+
+
+def test_bad_period_is_an_error():
+    with pytest.raises(ValueError, match="period T must be >= 1"):
+        BMCConfig(0)

@@ -1,0 +1,60 @@
+"""Bad input gets one clear error naming the problem."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from specdec import SpecDecoder
+from specdec.drafters import ModelDrafter
+from specdec.models import ModelLoadError, load_model
+
+
+def test_empty_prompt(target):
+    with pytest.raises(ValueError, match="empty prompt"):
+        SpecDecoder(target).generate(torch.zeros(1, 0, dtype=torch.long))
+
+
+def test_prompt_over_context_window():
+    target = tiny_llama(0, max_pos=32)
+    with pytest.raises(ValueError, match="does not fit the model's context window of 32"):
+        SpecDecoder(target).generate(torch.zeros(1, 32, dtype=torch.long))
+
+
+def test_vocabulary_mismatch(target):
+    other = tiny_llama(1, vocab=100)
+    with pytest.raises(ValueError, match=r"drafter vocabulary \(100 tokens\) does not match the target's \(128"):
+        SpecDecoder(target, ModelDrafter(other))
+
+
+def test_batch_over_one_for_now(target):
+    with pytest.raises(ValueError, match="batch size 2 is not supported yet"):
+        SpecDecoder(target).generate(torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(ModelLoadError, match="no model at"):
+        load_model(str(tmp_path / "nothing"))
+
+
+def test_pickle_only_directory_is_refused(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\x80\x04")
+    with pytest.raises(ModelLoadError, match="no \\*.safetensors weights"):
+        load_model(str(tmp_path))
+
+
+def test_corrupt_safetensors_is_named(tmp_path, target):
+    target.save_pretrained(tmp_path)
+    f = tmp_path / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])  # truncated download
+    with pytest.raises(ModelLoadError, match="corrupt weights file .*model.safetensors"):
+        load_model(str(tmp_path))
+
+
+def test_hf_directory_roundtrip(tmp_path, target):
+    target.save_pretrained(tmp_path)
+    loaded = load_model(str(tmp_path), dtype=torch.float64)
+    ids = torch.tensor([[1, 2, 3]])
+    torch.testing.assert_close(loaded.model(ids).logits, target(ids).logits)

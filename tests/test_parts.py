@@ -1,0 +1,114 @@
+"""Pure parts with hand-built tables: chain verification, prompt lookup, the draft-length controller,
+and the GGUF cache's corruption check."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import models
+from specdec.controller import DraftLengthConfig, DraftLengthController
+from specdec.drafters.prompt_lookup import find_continuation
+from specdec.tree import DraftTree
+from specdec.verifiers.tree import verify_greedy
+
+
+def _logits(next_tokens, vocab=10):
+    """Logits whose argmax at row i is next_tokens[i]: [1, Q, V]."""
+    x = torch.zeros(1, len(next_tokens), vocab)
+    x[0, torch.arange(len(next_tokens)), torch.tensor(next_tokens)] = 1.0
+    return x
+
+
+@pytest.mark.parametrize("drafts,target_next,accepted,bonus", [
+    ([5, 7, 9], [5, 7, 9, 3], 3, 3),  # all accepted: bonus from the last row
+    ([5, 7, 9], [4, 7, 9, 3], 0, 4),  # none accepted: the target's correction
+    ([5, 7, 9], [5, 1, 9, 3], 1, 1),  # early mismatch: later agreement does not count
+    ([], [6], 0, 6),  # empty draft: plain decoding
+])
+def test_chain_verification_table(drafts, target_next, accepted, bonus):
+    tree = DraftTree.chain(torch.tensor([drafts], dtype=torch.long).reshape(1, len(drafts)))
+    ver = verify_greedy(_logits(target_next), tree)
+    assert ver.num_accepted.tolist() == [accepted]
+    assert ver.next_token.tolist() == [bonus]
+    assert ver.kept_rows() == [list(range(accepted + 1))]
+
+
+def test_ragged_chain_padding_is_never_accepted():
+    tree = DraftTree.chain(torch.tensor([[5, 7, 9]]), num_nodes=torch.tensor([1]))
+    ver = verify_greedy(_logits([5, 7, 9, 3]), tree)
+    assert ver.num_accepted.tolist() == [1] and ver.next_token.tolist() == [7]
+
+
+@pytest.mark.parametrize("seq,n,k,expect", [
+    ([1, 2, 3, 9, 1, 2], 2, 3, [3, 9, 1]),
+    ([1, 2, 3, 1, 2, 4, 1, 2], 2, 2, [4, 1]),  # the most recent match wins
+    ([1, 2, 3], 2, 5, []),  # no earlier occurrence
+    ([7], 1, 3, []),  # too short
+    ([4, 4, 4], 1, 5, [4]),  # overlapping match, continuation cut at the end
+])
+def test_find_continuation(seq, n, k, expect):
+    assert find_continuation(np.array(seq), n, k).tolist() == expect
+
+
+def test_controller_follows_bass_heuristic():
+    c = DraftLengthController(DraftLengthConfig(initial=4, minimum=1, maximum=8))
+    c.update([4], [4])
+    assert c.budget() == 6  # all accepted: +2
+    c.update([6], [2])
+    assert c.budget() == 5  # shrink by one
+    c.update([5], [5])
+    c.update([7], [7])
+    assert c.budget() == 8  # capped
+    for _ in range(10):
+        c.update([8], [0])
+    assert c.budget() == 1  # floor
+    c.update([0], [0])
+    assert c.budget() == 1  # nothing drafted: nothing learned
+
+
+def test_controller_rejects_inconsistent_config():
+    with pytest.raises(ValueError, match="minimum <= initial <= maximum"):
+        DraftLengthController(DraftLengthConfig(initial=12, maximum=10))
+
+
+def test_gguf_cache_detects_truncation_and_bit_flips(tmp_path):
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(b"x" * 4096)
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"format": models.CACHE_FORMAT, "size": 4096, "sha256": models._sha256(w)}))
+    assert models._cache_is_valid(tmp_path)
+    w.write_bytes(b"x" * 4095 + b"y")  # same size, one byte changed
+    assert not models._cache_is_valid(tmp_path)
+    w.write_bytes(b"x" * 100)  # truncated
+    assert not models._cache_is_valid(tmp_path)
+    (tmp_path / "manifest.json").write_text("{not json")
+    assert not models._cache_is_valid(tmp_path)
+
+
+def test_corrupt_gguf_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    d = models._gguf_cache_dir(gguf, torch.float32)
+    d.mkdir(parents=True)
+    (d / "model.safetensors").write_bytes(b"garbage")
+    built = []
+
+    def fake_build(src, dtype, dest):
+        built.append(dest)
+        raise RuntimeError("stop after the rebuild decision")
+
+    monkeypatch.setattr(models, "_build_gguf_cache", fake_build)
+    with pytest.raises(RuntimeError, match="stop after"):
+        models._load_gguf_cached(gguf, torch.float32, "m")
+    assert built == [d]
+
+
+def test_corrupt_gguf_file_is_named(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    with pytest.raises(models.ModelLoadError, match="could not read GGUF file .*broken.gguf"):
+        models.load_model(str(bad))
