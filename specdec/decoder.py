@@ -20,7 +20,7 @@ from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.tree import DraftTree, ancestor_mask, chain_mask, node_depths
+from specdec.tree import DraftTree, ancestor_mask, node_depths
 from specdec.verifiers.tree import Verification, verify_greedy
 
 
@@ -129,8 +129,7 @@ class SpecDecoder:
         # prefill: everything but the last prompt token, which becomes the first pending token
         hidden = None
         if P > 1:
-            pre = forward_block(self.target, cache, ids[:, :-1].to(device), chain_mask(B, P - 1),
-                                torch.arange(P - 1).expand(B, P - 1), want_hidden)
+            pre = forward_block(self.target, cache, ids[:, :-1].to(device), None, None, want_hidden)
             cache.commit([list(range(P - 1))] * B)
             hidden = pre.hidden
         if self.drafter is not None:
@@ -178,8 +177,7 @@ class SpecDecoder:
         B, N = tree.tokens.shape
         block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, 1 + N]
         if _is_chain(tree):
-            mask = chain_mask(B, N + 1)
-            depth = torch.arange(N + 1).expand(B, N + 1)
+            mask = depth = None  # causal block: the store's fast path
         else:
             mask = ancestor_mask(tree.parents, tree.num_nodes)
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)

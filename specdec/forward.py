@@ -16,10 +16,16 @@ class BlockOutput:
 
 
 @torch.inference_mode()
-def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: torch.Tensor,
-                  depth: torch.Tensor, want_hidden: bool = False) -> BlockOutput:
-    """input_ids [B, Q]; block_mask [B, Q, Q] bool; depth [B, Q] position offsets within the block."""
-    inputs = cache.prepare(block_mask, depth)
+def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: torch.Tensor | None,
+                  depth: torch.Tensor | None, want_hidden: bool = False) -> BlockOutput:
+    """input_ids [B, Q]; block_mask [B, Q, Q] bool; depth [B, Q] position offsets within the block.
+
+    block_mask = depth = None means a causal block (chain, prefill, plain decode): the fast path.
+    """
+    if block_mask is None:
+        inputs = cache.prepare_chain(input_ids.shape[1])
+    else:
+        inputs = cache.prepare(block_mask, depth)
     out = model(
         input_ids=input_ids.to(model.device),
         position_ids=inputs.position_ids,

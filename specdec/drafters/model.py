@@ -9,7 +9,7 @@ import torch
 from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.tree import DraftTree, chain_mask
+from specdec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -54,8 +54,7 @@ class ModelDrafter(Drafter):
         ids = torch.zeros(B, Q, dtype=torch.long)
         for b, r in enumerate(rows):
             ids[b, : len(r)] = torch.tensor(r, dtype=torch.long)
-        depth = torch.arange(Q).expand(B, Q)
-        out = forward_block(self.model, self.cache, ids, chain_mask(B, Q), depth)
+        out = forward_block(self.model, self.cache, ids, None, None)  # causal: right padding is unseen
         self.cache.commit([list(range(len(r))) for r in rows])
         last = torch.tensor([len(r) - 1 for r in rows], device=out.logits.device)
         return out.logits[torch.arange(B), last]  # [B, V]
