@@ -1,0 +1,178 @@
+"""`specdec bench`: ours vs plain HF generate vs HF prompt lookup, one process, same prompts.
+
+For every question (first turn, chat template applied) each method generates greedily; the order
+of methods rotates from question to question so machine noise hits all of them alike, and every
+output is compared token for token with HF generate's. Figures are ratios taken in this run:
+    speedup      Spec-Bench's formula: the method's tokens/s over HF generate's (totals)
+    median       the median over questions of HF time / method time (robust to outliers)
+    tau          mean tokens per target forward (accepted drafts + 1), where the method reports it
+Per-question records are appended to ``--out``.jsonl as they finish.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.decoder import SpecDecoder
+from specdec.registry import make_drafter
+
+HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented default for prompt_lookup_num_tokens
+
+
+@dataclass
+class Method:
+    name: str
+    run: object  # (ids [1, P], max_new_tokens) -> (sequences [1, P + n], steps or None)
+
+
+def hf_methods(model, eos) -> list[Method]:
+    def plain(ids, n):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos), None
+
+    def lookup(ids, n):
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+                              eos_token_id=eos, pad_token_id=eos,
+                              prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS), None
+
+    return [Method("hf-generate", plain), Method("hf-prompt-lookup", lookup)]
+
+
+def specdec_method(model, drafter_name: str, eos) -> Method:
+    def go(ids, n):
+        out = SpecDecoder(model, make_drafter(drafter_name, model)).generate(ids, max_new_tokens=n,
+                                                                            eos_token_id=eos)
+        return out.sequences, len(out.steps)
+
+    return Method(f"specdec:{drafter_name}", go)
+
+
+def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens: int, log_path: Path | None,
+              progress=None) -> list[dict]:
+    """One record per (question, method): tokens, seconds, steps, identical-to-HF."""
+    records = []
+    with torch.inference_mode():
+        warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
+        for m in methods:  # first calls pay one-off costs (allocator, kernels): not measured
+            m.run(warm, 4)
+    for qi, q in enumerate(questions):
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
+                                            return_tensors="pt", return_dict=True)["input_ids"]
+        order = methods[qi % len(methods):] + methods[: qi % len(methods)]
+        outs = {}
+        for m in order:
+            t = time.perf_counter()
+            seq, steps = m.run(ids, max_new_tokens)
+            dt = time.perf_counter() - t
+            outs[m.name] = (seq, steps, dt)
+        ref = outs[methods[0].name][0]
+        for m in methods:
+            seq, steps, dt = outs[m.name]
+            rec = {"question_id": q.question_id, "category": q.category, "method": m.name,
+                   "new_tokens": seq.shape[1] - ids.shape[1], "seconds": dt, "steps": steps,
+                   "identical": bool(torch.equal(seq, ref))}
+            records.append(rec)
+            if log_path is not None:
+                with open(log_path, "a") as f:
+                    f.write(json.dumps(rec) + "\n")
+        if progress is not None:
+            progress()
+    return records
+
+
+def summarize(records: list[dict], baseline: str, group_of) -> dict:
+    """Per method (and per group of categories): tokens/s, speedup over baseline, tau, identical."""
+    def stats(recs):
+        by = {}
+        for r in recs:
+            by.setdefault(r["method"], []).append(r)
+        base = by[baseline]
+        base_tps = sum(r["new_tokens"] for r in base) / sum(r["seconds"] for r in base)
+        base_time = {r["question_id"]: r["seconds"] for r in base}
+        out = {}
+        for name, rs in by.items():
+            tokens, secs = sum(r["new_tokens"] for r in rs), sum(r["seconds"] for r in rs)
+            steps = [r["steps"] for r in rs if r["steps"] is not None]
+            out[name] = {
+                "questions": len(rs), "tokens": tokens, "tokens_per_s": tokens / secs,
+                "speedup": tokens / secs / base_tps,
+                "median_speedup": statistics.median(base_time[r["question_id"]] / r["seconds"] for r in rs),
+                "tau": tokens / sum(steps) if len(steps) == len(rs) else None,
+                "identical": sum(r["identical"] for r in rs),
+            }
+        return out
+
+    groups = {}
+    for r in records:
+        groups.setdefault(group_of(r["category"]), []).append(r)
+    return {"overall": stats(records), "by_task": {g: stats(rs) for g, rs in sorted(groups.items())}}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: the shipped set)")
+    p.add_argument("--per-category", type=int, default=2, help="questions per category")
+    p.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--drafters", default="none,prompt-lookup", help="comma-separated registry names")
+    p.add_argument("--no-hf-lookup", action="store_true", help="skip HF's prompt-lookup method")
+    p.add_argument("--out", default="results/bench", help="writes OUT.jsonl (records) and OUT.json (summary)")
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+    from rich.table import Table
+
+    from specdec.models import load_model
+    from specdec.questions import load_questions, select_questions, task_of
+
+    console = Console()
+    questions = load_questions(args.questions) if args.questions else load_questions()
+    cats = args.categories.split(",") if args.categories else None
+    questions = select_questions(questions, categories=cats, limit_per_category=args.per_category)
+    loaded = load_model(args.model)
+    model, tok = loaded.model, loaded.tokenizer
+    eos = model.generation_config.eos_token_id
+    methods = hf_methods(model, eos)
+    if args.no_hf_lookup:
+        methods = methods[:1]
+    methods += [specdec_method(model, d, eos) for d in args.drafters.split(",") if d]
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".jsonl")
+    log.write_text("")
+    with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                  TimeRemainingColumn(), console=console) as bar:
+        task = bar.add_task("bench", total=len(questions))
+        records = run_bench(model, tok, questions, methods, args.max_new_tokens, log,
+                            progress=lambda: bar.advance(task))
+    summary = summarize(records, methods[0].name, task_of)
+    summary["meta"] = {"model": loaded.name, "questions": args.questions or "shipped", "per_category":
+                       args.per_category, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+                       "torch": torch.__version__, "machine": platform.machine(),
+                       "date": time.strftime("%Y-%m-%d")}
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    table = Table(title=f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, greedy")
+    for col in ("method", "tokens/s", "speedup", "median speedup", "tau", "identical"):
+        table.add_column(col, justify="right")
+    for name, s in summary["overall"].items():
+        table.add_row(name, f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['median_speedup']:.2f}x",
+                      "-" if s["tau"] is None else f"{s['tau']:.2f}", f"{s['identical']}/{s['questions']}")
+    console.print(table)
+    by_task = Table(title="speedup over hf-generate per Spec-Bench task")
+    by_task.add_column("task")
+    names = list(summary["overall"])
+    for n in names:
+        by_task.add_column(n, justify="right")
+    for g, st in summary["by_task"].items():
+        by_task.add_row(g, *(f"{st[n]['speedup']:.2f}x" for n in names))
+    console.print(by_task)
+    return 0
