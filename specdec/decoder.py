@@ -6,6 +6,7 @@
 
 Invariant between steps: the target's BMC store holds every committed token but the last one, the
 *pending* token, which opens the next verify block (row 0), followed by the draft tree's nodes.
+The first step's pending block is the whole prompt (the prefill), with nothing drafted.
 """
 
 from __future__ import annotations
@@ -125,31 +126,26 @@ class SpecDecoder:
         cache = BMCCache.for_model(self.target, B, self.config.bmc)
         if streamer is not None:
             streamer.put(ids.cpu())
-
-        # prefill: everything but the last prompt token, which becomes the first pending token
-        hidden = None
-        if P > 1:
-            pre = forward_block(self.target, cache, ids[:, :-1].to(device), None, None, want_hidden)
-            cache.commit([list(range(P - 1))] * B)
-            hidden = pre.hidden
-        if self.drafter is not None:
-            self.drafter.begin(Prompt(ids, torch.full((B,), P), hidden))
-
         out = GenerateOutput(ids, P)
         new: list[int] = []
-        pending = ids[:, -1:]  # [B, 1]
+        # Step 0 is the prefill: the whole prompt is the pending block and nothing is drafted, so
+        # one forward gives the first token (as in HF). After it, one pending token per step.
+        pending = ids.to(device)  # [B, p]
         while len(new) < max_new_tokens:
             # 1. draft: never more than the tokens still wanted after the bonus token
-            budget = min(controller.budget(), max_new_tokens - len(new) - 1)
+            budget = 0 if not new else min(controller.budget(), max_new_tokens - len(new) - 1)
             t0 = time.perf_counter()
             tree = (self.drafter.propose(budget) if self.drafter is not None and budget > 0
                     else DraftTree.empty(B))
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes], greedy walk, commit the kept rows
-            ver, step_hidden = self._verify(cache, pending, tree, want_hidden)
-            commit = _make_commit(tree, ver, step_hidden)
+            ver, hidden = self._verify(cache, pending, tree, want_hidden)
+            commit = _make_commit(tree, ver, None if hidden is None else hidden[:, P - 1 if not new else 0:])
             t2 = time.perf_counter()
-            # 5. finish the step: the drafter learns, the controller adapts, output grows
+            if not new and self.drafter is not None:
+                prefix = None if hidden is None else hidden[:, : P - 1]
+                self.drafter.begin(Prompt(ids, torch.full((B,), P), prefix))
+            # 5. finish the step: output grows, the drafter learns, the controller adapts
             step_tokens = commit.new_tokens(0)[: max_new_tokens - len(new)]
             stop = next((i for i, t in enumerate(step_tokens) if t in eos), None)
             if stop is not None:
@@ -174,19 +170,26 @@ class SpecDecoder:
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree,
                 want_hidden: bool) -> tuple[Verification, torch.Tensor | None]:
+        """One target forward over [pending block (p tokens), tree nodes]; keep pending + path.
+
+        Returns the verification and, if asked, the target's last hidden states at the kept rows
+        [B, p + A, D] (row p - 1 + j produced new token j).
+        """
         B, N = tree.tokens.shape
-        block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, 1 + N]
+        p = pending.shape[1]
+        block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, p + N]
         if _is_chain(tree):
             mask = depth = None  # causal block: the store's fast path
         else:
+            assert p == 1, "a tree hangs off a single pending token"
             mask = ancestor_mask(tree.parents, tree.num_nodes)
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden)
-        ver = verify_greedy(res.logits.float().cpu(), _to_cpu(tree))
-        kept = ver.kept_rows()
+        ver = verify_greedy(res.logits[:, p - 1 :].float().cpu(), _to_cpu(tree))
+        kept = [list(range(p - 1)) + [p - 1 + r for r in rows] for rows in ver.kept_rows()]
         cache.commit(kept)
         hidden = None
-        if want_hidden:  # features at the kept rows: [B, A + 1, D]
+        if want_hidden:
             width = max(len(k) for k in kept)
             idx = torch.tensor([k + [k[-1]] * (width - len(k)) for k in kept], device=res.hidden.device)
             hidden = res.hidden.gather(1, idx[:, :, None].expand(-1, -1, res.hidden.shape[-1]))

@@ -68,7 +68,10 @@ def test_acceptance_is_what_each_drafter_should_get(target):
 
     full, none = run(ModelDrafter(target)), run(RandomDrafter(128))
     part = run(ModelDrafter(perturbed(target, 0.3)))
-    assert full.mean_accepted_tokens == pytest.approx(40 / 8)  # 4 drafts + 1 bonus every step
+    # step 0 is the prefill (1 token); then 4 drafts + 1 bonus per step, the last one clipped to fit
+    assert all(s.num_accepted == s.num_drafted for s in full.steps)
+    assert [s.num_drafted[0] for s in full.steps] == [0] + [4] * 7 + [3]
+    assert full.mean_accepted_tokens == pytest.approx(40 / 9)
     assert none.mean_accepted_tokens < 1.2
     accepted = [a for s in part.steps for a in s.num_accepted]
     assert 0 < sum(accepted) < sum(s.num_drafted[0] for s in part.steps)  # some, not all
