@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Callable
 
 from specdec.drafters.base import Drafter
+from specdec.drafters.eagle import make_eagle
 from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -20,6 +21,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
     # the first third of the target's layers draft for the whole model
     "early-exit": lambda target: ModelDrafter(
         early_exit_model(target, max(1, target.config.num_hidden_layers // 3))),
+    # a trained head: $SPECDEC_EAGLE_HEAD, else the packaged one; a clear error says how to train it
+    "eagle": lambda target: make_eagle(target),
 }
 
 

@@ -1,0 +1,466 @@
+"""EAGLE drafting: a one-layer head autoregresses over the target's features (EAGLE-1), expanding a
+dynamic token tree ranked by cumulative draft log-probability (EAGLE-2).
+
+References: Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty" (2024)
+and "EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees" (2024); the public
+SafeAILab/EAGLE code (``eagle/model/cnets1.py``) for the layout below.
+
+The head (``EagleHead``), as in EAGLE-1/2::
+
+    f_t   target last hidden state at position t (after the final norm), [D]
+    x_t+1 the token that follows position t
+    h_t = layer(fc([embed(x_t+1); f_t]))      predicts f_t+1;  lm_head(h_t) predicts x_t+2
+
+``fc`` is Linear(2D -> D), embedding first then feature (EAGLE's order); ``layer`` is one decoder
+layer of the target's own architecture, built from its config class, without its input norm (EAGLE
+drops it: fc's output enters attention directly); the output goes to the target's lm_head with no
+final norm. The embedding, rotary embedding and lm_head are the target's own, frozen, and are not
+part of the head's weights. Optionally the head drafts from a reduced vocabulary: the M most
+frequent tokens of its training data (``draft_vocab``: draft index -> target id).
+
+Feature alignment with the decoder (P prompt tokens x_0..x_P-1; the pending token is the last
+committed token, which the target has not run yet)::
+
+    Prompt.hidden  [B, P-1, D] = f_0..f_P-2             pairs (f_t, x_t+1), t = 0..P-2
+    Commit.hidden  [B, A+1, D]: hidden[j] produced tokens[j] -> pairs (hidden[j], tokens[j])
+
+The head's KV store (a one-layer BMC store) holds one row per pair, at position t (row = position).
+Pairs become known one step late (a token's feature needs a target forward), so each propose()
+first feeds the pairs learnt since the last one, then grows the tree: a node of depth d is fed as
+the pair (its parent's head output, its token) at position S - 1 + d (S = pairs in the store).
+
+Files:
+    save_head(head, dir)  ->  dir/eagle_head.safetensors + dir/eagle_head.json (our format)
+    export_eagle(head, dir) -> EAGLE's checkpoint layout:
+        config.json         the target's text config with num_hidden_layers = 1, "bias": fc has bias
+        model.safetensors   fc.weight [D, 2D], fc.bias [D] (when "bias"),
+                            layers.0.self_attn.{q,k,v,o}_proj.weight (+ .bias where the target's
+                            attention has biases), layers.0.mlp.{gate,up,down}_proj.weight,
+                            layers.0.post_attention_layernorm.weight
+                            (no layers.0.input_layernorm: EAGLE-1/2 have none; no embed_tokens:
+                            EAGLE loads the base model's). EAGLE's older loaders read
+                            pytorch_model.bin; we never write pickles, convert if you need one.
+    import_eagle(dir, target) reads that layout back (e.g. a public EAGLE-1/2 head for a target).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.tree import DraftTree, chain_mask
+
+HEAD_FORMAT = 1  # bump when eagle_head.json / the tensor names change
+HEAD_FILE, HEAD_JSON = "eagle_head.safetensors", "eagle_head.json"
+
+
+@dataclass(frozen=True)
+class EagleHeadConfig:
+    fc_bias: bool = True  # EAGLE-1 trains fc with a bias (its LLaMA-3 heads: without)
+    input_norm: bool = False  # EAGLE-1/2 remove the decoder layer's input norm
+    feature_noise: float = 0.2  # training only: uniform noise (+-noise/2) on input features, as EAGLE
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    total_tokens: int = 16  # nodes per tree (EAGLE-2: 60 on a GPU; a CPU verify costs ~linearly more)
+    depth: int = 6  # tree levels, i.e. the longest acceptable draft
+    top_k: int = 4  # children per expanded node, and nodes expanded per level
+    bmc: BMCConfig = BMCConfig(period=64)  # the head's own one-layer KV store
+
+    def __post_init__(self) -> None:
+        if min(self.total_tokens, self.depth, self.top_k) < 1:
+            raise ValueError(f"EAGLE needs total_tokens, depth, top_k >= 1, got {self}")
+
+
+def _text_config(model):
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def _decoder(model):
+    return model.get_decoder() if hasattr(model, "get_decoder") else model.model
+
+
+class _TargetParts:
+    """The target's frozen modules the head borrows. Deliberately not an nn.Module: they stay out of
+    the head's parameters, state dict, optimizer and ``.to()``."""
+
+    def __init__(self, target) -> None:
+        self.embed = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.rotary = _decoder(target).rotary_emb
+
+
+class EagleHead(nn.Module):
+    def __init__(self, target, config: EagleHeadConfig = EagleHeadConfig(),
+                 draft_vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = config
+        tcfg = _text_config(target)
+        D = tcfg.hidden_size
+        layer_cfg = copy.deepcopy(tcfg)
+        layer_cfg.num_hidden_layers = 1
+        if getattr(layer_cfg, "layer_types", None) is not None:
+            layer_cfg.layer_types = layer_cfg.layer_types[:1]
+        self.fc = nn.Linear(2 * D, D, bias=config.fc_bias)
+        # one decoder layer of the target's own class: no copied modeling code, any architecture
+        # whose layers take (hidden, attention_mask, position_ids, past_key_values, ...) works
+        self.layer = type(_decoder(target).layers[0])(layer_cfg, layer_idx=0)
+        if not config.input_norm:
+            self.layer.input_layernorm = nn.Identity()
+        self.target_config = tcfg  # for save/export: what the head was built for
+        V = target.get_output_embeddings().weight.shape[0]
+        if draft_vocab is not None:
+            draft_vocab = draft_vocab.long().reshape(-1)
+            if draft_vocab.numel() == 0 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= V:
+                raise ValueError(f"draft_vocab ids must lie in [0, {V})")
+            self.register_buffer("draft_vocab", draft_vocab)  # [M] draft index -> target id
+        else:
+            self.draft_vocab = None
+        self.vocab_size = V
+        self.to(dtype=target.dtype, device=target.device)
+        self._target = _TargetParts(target)
+        self._lm_weight: torch.Tensor | None = None  # [M, D] lm_head rows of the draft vocabulary
+
+    @property
+    def hidden_size(self) -> int:
+        return self.fc.out_features
+
+    def forward(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+                attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
+        """features [B, S, D], tokens [B, S] (token t follows feature t), position_ids [B, S],
+        attention_mask [B, 1, S, L] additive bias (None: causal over the S rows, training) ->
+        head outputs [B, S, D]."""
+        B, S, D = features.shape
+        assert tokens.shape == (B, S) and position_ids.shape == (B, S), \
+            f"tokens {tuple(tokens.shape)}, positions {tuple(position_ids.shape)} vs features {(B, S)}"
+        with torch.no_grad():  # the target's embedding is frozen
+            emb = self._target.embed(tokens).to(features.dtype)
+        x = self.fc(torch.cat([emb, features], dim=-1))  # [B, S, D]
+        if attention_mask is None:
+            attention_mask = causal_bias(B, S, x.dtype, x.device)
+        rope = self._target.rotary(x, position_ids)
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
+                         past_key_values=cache, use_cache=cache is not None, position_embeddings=rope)
+        return out[0] if isinstance(out, tuple) else out
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., D] -> [..., M] over the draft vocabulary (M = V without a reduced vocabulary)."""
+        if self.draft_vocab is None:
+            return self._target.lm_head(hidden)
+        if self._lm_weight is None or self._lm_weight.device != hidden.device:
+            # a copy of M rows, made once: indexing the full matrix every call would copy each time
+            with torch.inference_mode(False):  # a normal tensor: training may use it after drafting
+                self._lm_weight = self._target.lm_head.weight.detach()[self.draft_vocab.to(hidden.device)]
+        return nn.functional.linear(hidden, self._lm_weight.to(hidden.dtype))
+
+    def target_logits(self, hidden: torch.Tensor, full_vocab: bool = False) -> torch.Tensor:
+        """The target's own lm_head on features: [..., D] -> [..., M] (or [..., V] if full_vocab)."""
+        with torch.no_grad():
+            full = self._target.lm_head(hidden)
+        return full if full_vocab or self.draft_vocab is None else full[..., self.draft_vocab]
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+
+def causal_bias(B: int, S: int, dtype: torch.dtype, device, lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """[B, 1, S, S] additive causal bias; with ``lengths`` [B], keys past a row's length are hidden
+    too (a fully hidden query row still sees key 0, so no row softmaxes over nothing)."""
+    visible = torch.ones(S, S, dtype=torch.bool, device=device).tril()[None].expand(B, S, S)
+    if lengths is not None:
+        visible = visible & (torch.arange(S, device=device)[None, None, :] < lengths.to(device)[:, None, None])
+        visible = visible.clone()
+        visible[:, :, 0] = True
+    bias = torch.zeros(B, 1, S, S, dtype=dtype, device=device)
+    return bias.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+
+
+# ------------------------------------------------------------------------------------ the drafter
+
+class EagleDrafter(Drafter):
+    """EAGLE-2 dynamic trees from an ``EagleHead``: up to ``min(total_tokens, budget)`` nodes.
+
+    One propose(): feed the new pairs (one head forward over a chain), then ``depth - 1`` head
+    forwards of ``top_k`` nodes each: per level, the ``top_k`` best frontier nodes (by cumulative
+    draft log-prob) are fed and each offers its ``top_k`` best children. Finally the best nodes of
+    the whole candidate pool form the tree (a child never outscores its parent, and ties keep the
+    parent first, so the chosen set is closed under ancestors).
+    """
+
+    needs_hidden_states = True
+
+    def __init__(self, target, head: EagleHead, config: EagleConfig = EagleConfig()) -> None:
+        self.head = head.eval()
+        self.config = config
+        self.vocab_size = head.vocab_size
+        if head.hidden_size != _text_config(target).hidden_size:
+            raise ValueError(f"EAGLE head of width {head.hidden_size} does not fit a target of hidden "
+                             f"size {_text_config(target).hidden_size}")
+        self.cache: BMCCache | None = None
+        self._feats: list[list[torch.Tensor]] = []  # per row: pair features not yet in the store
+        self._toks: list[list[int]] = []  # per row: their tokens
+        self._root: torch.Tensor | None = None  # [B, D] head output at each row's last stored pair
+        self._has_root: torch.Tensor | None = None  # [B] bool: the row has stored at least one pair
+
+    # -- the three methods of the contract
+
+    def begin(self, prompt: Prompt) -> None:
+        B, P = prompt.input_ids.shape
+        p = self.head.fc.weight
+        self.cache = BMCCache(1, B, self.config.bmc, p.dtype, p.device)
+        self._root = None
+        lengths = prompt.lengths.tolist()
+        if prompt.hidden is None and max(lengths) > 1:
+            raise ValueError("EagleDrafter needs the target's hidden states (Prompt.hidden): run it "
+                             "through SpecDecoder, which fills them for drafters that ask")
+        self._feats = [[prompt.hidden[b, : n - 1]] if n > 1 else [] for b, n in enumerate(lengths)]
+        self._toks = [prompt.input_ids[b, 1:n].tolist() for b, n in enumerate(lengths)]
+
+    def accept(self, commit: Commit) -> None:
+        if commit.hidden is None:
+            raise ValueError("EagleDrafter needs the target's hidden states (Commit.hidden)")
+        for b, n in enumerate(commit.num_new.tolist()):
+            self._feats[b].append(commit.hidden[b, :n])  # hidden[j] is the feature before tokens[j]
+            self._toks[b].extend(commit.tokens[b, :n].tolist())
+
+    @torch.inference_mode()
+    def propose(self, budget: int) -> DraftTree:
+        B = len(self._toks)
+        self._feed_pairs()
+        n_nodes = min(self.config.total_tokens, budget)
+        if n_nodes <= 0 or self._root is None or not bool(self._has_root.all()):
+            # nothing to draft from yet: a one-token prompt has no feature before its first step
+            return DraftTree.empty(B)
+        return self._grow_tree(n_nodes)
+
+    # -- stages
+
+    def _feed_pairs(self) -> None:
+        """Run the pairs learnt since the last call through the head, as one chain per row, and keep
+        their rows; the head output at each row's last pair becomes the tree's root."""
+        counts = [len(t) for t in self._toks]
+        if max(counts, default=0) == 0:
+            return
+        B, Q = len(counts), max(counts)
+        dev, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
+        D = self.head.hidden_size
+        feats = torch.zeros(B, Q, D, dtype=dtype, device=dev)
+        toks = torch.zeros(B, Q, dtype=torch.long, device=dev)
+        for b, (f, t) in enumerate(zip(self._feats, self._toks)):
+            if t:
+                feats[b, : len(t)] = torch.cat(f).to(device=dev, dtype=dtype)
+                toks[b, : len(t)] = torch.tensor(t, device=dev)
+        inputs = self.cache.prepare(chain_mask(B, Q, dev), torch.arange(Q, device=dev).expand(B, Q))
+        h = self.head(feats, toks, inputs.position_ids, inputs.attention_mask, self.cache)  # [B, Q, D]
+        self.cache.commit([list(range(n)) for n in counts])
+        last = h[torch.arange(B, device=dev), (torch.tensor(counts, device=dev) - 1).clamp(min=0)]
+        has = torch.tensor(counts, device=dev) > 0  # [B]
+        if self._root is None:
+            self._root = torch.zeros_like(last)
+            self._has_root = torch.zeros(B, dtype=torch.bool, device=dev)
+        self._root = torch.where(has[:, None], last, self._root)
+        self._has_root |= has
+        self._feats = [[] for _ in range(B)]
+        self._toks = [[] for _ in range(B)]
+
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.head.logits(hidden)
+        return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
+
+    def _grow_tree(self, n_nodes: int) -> DraftTree:
+        """EAGLE-2 expansion and reranking. Shapes: B rows, k = top_k, T fed tree rows so far.
+
+        Worked example, k = 2, depth 3: level 1 = the root's 2 best tokens (pool 0, 1); both are fed
+        (T = 2), each offers 2 children (pool 2..5, scores = parent + child log-prob); the 2 best of
+        those are fed (T = 4) and offer 4 more (pool 6..9). The tree = the best n_nodes of pool 0..9.
+        """
+        cfg = self.config
+        cache = self.cache
+        B = self._root.shape[0]
+        dev = self._root.device
+        k = cfg.top_k
+        depth = min(cfg.depth, n_nodes)
+        stable = list(cache.lengths)  # pairs per row; tree rows go after them and are dropped at the end
+        S = torch.tensor(stable, device=dev)
+
+        logp = self._log_probs(self._root)  # [B, M]
+        k1 = min(k, logp.shape[-1])
+        score, idx = logp.topk(k1, dim=-1)  # [B, k1]
+        pool_tok, pool_score = [self.head.to_target_ids(idx)], [score]
+        pool_parent = [torch.full((B, k1), -1, dtype=torch.long, device=dev)]
+        n_pool = k1
+        # the frontier: nodes to feed next, with their inputs and which fed rows are their ancestors
+        front_pool = torch.arange(k1, device=dev).expand(B, k1)  # [B, F] pool index
+        front_feat = self._root[:, None].expand(B, k1, -1)  # [B, F, D] parent's head output
+        front_tok, front_score = pool_tok[0], score  # [B, F]
+        front_anc = torch.zeros(B, k1, 0, dtype=torch.bool, device=dev)  # [B, F, T]
+        T = 0
+        for level in range(1, depth):  # feed nodes of depth `level`, collect depth level + 1
+            F = front_pool.shape[1]
+            inputs = cache.prepare(torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F),
+                                   torch.zeros(B, F, dtype=torch.long, device=dev))
+            bias = inputs.attention_mask  # [B, 1, F, L]; earlier tree rows sit at S + [0, T)
+            if T:  # they count as committed for the store; a node sees only its own ancestors
+                cols = (S[:, None] + torch.arange(T, device=dev))[:, None, :].expand(B, F, T)
+                vals = torch.zeros(B, F, T, dtype=bias.dtype, device=dev)
+                bias[:, 0].scatter_(2, cols, vals.masked_fill_(~front_anc, torch.finfo(bias.dtype).min))
+            pos = (S - 1 + level)[:, None].expand(B, F)
+            h = self.head(front_feat, front_tok, pos, bias, cache)  # [B, F, D]
+            cache.commit([list(range(F))] * B)  # keep in place (no copy) for the deeper levels
+            lp = self._log_probs(h)  # [B, F, M]
+            kc = min(k, lp.shape[-1])
+            child_lp, child_idx = lp.topk(kc, dim=-1)  # [B, F, kc]
+            cu = front_score[:, :, None] + child_lp  # [B, F, kc] cumulative log-prob
+            pool_tok.append(self.head.to_target_ids(child_idx).reshape(B, F * kc))
+            pool_score.append(cu.reshape(B, F * kc))
+            pool_parent.append(front_pool[:, :, None].expand(B, F, kc).reshape(B, F * kc))
+            # next frontier: the k best children of this level
+            nf = min(k, F * kc)
+            best, pick = cu.reshape(B, F * kc).topk(nf, dim=-1)  # [B, nf]
+            slot = pick // kc  # which fed node is the parent
+            own_row = torch.nn.functional.one_hot(T + slot, T + F).bool()  # [B, nf, T + F]
+            front_anc = torch.cat([front_anc.gather(1, slot[:, :, None].expand(B, nf, T)),
+                                   torch.zeros(B, nf, F, dtype=torch.bool, device=dev)], 2) | own_row
+            front_feat = h.gather(1, slot[:, :, None].expand(B, nf, h.shape[-1]))
+            front_tok = pool_tok[-1].gather(1, pick)
+            front_score = best
+            front_pool = n_pool + pick
+            n_pool += F * kc
+            T += F
+        cache.rollback(stable)  # drop the tree rows: next step re-feeds accepted tokens as pairs
+
+        tokens, scores, parents = torch.cat(pool_tok, 1), torch.cat(pool_score, 1), torch.cat(pool_parent, 1)
+        N = min(n_nodes, n_pool)
+        # stable sort: on equal scores the earlier pool entry (a parent before its child) wins
+        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :N]
+        chosen = torch.sort(order, dim=1).values  # [B, N] pool order: parents precede children
+        slot_of = torch.full((B, n_pool), -1, dtype=torch.long, device=dev)
+        slot_of.scatter_(1, chosen, torch.arange(N, device=dev).expand(B, N))
+        par_pool = parents.gather(1, chosen)  # [B, N]
+        par = torch.where(par_pool < 0, -1, slot_of.gather(1, par_pool.clamp(min=0)))
+        assert bool(((par_pool < 0) | (par >= 0)).all()), "EAGLE tree lost a parent"
+        return DraftTree(tokens.gather(1, chosen).cpu(), par.cpu(), torch.full((B,), N, dtype=torch.long))
+
+
+# ---------------------------------------------------------------------------------------- files
+
+def save_head(head: EagleHead, path: str | os.PathLike) -> Path:
+    """Write ``eagle_head.safetensors`` + ``eagle_head.json`` into directory ``path``."""
+    from safetensors.torch import save_file
+
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    tcfg = head.target_config
+    meta = {
+        "format": HEAD_FORMAT,
+        "head": asdict(head.config),
+        "target": {"model_type": tcfg.model_type, "hidden_size": tcfg.hidden_size,
+                   "vocab_size": head.vocab_size, "layer_class": type(head.layer).__name__},
+        "draft_vocab_size": None if head.draft_vocab is None else int(head.draft_vocab.numel()),
+    }
+    tmp = d / (HEAD_FILE + ".tmp")
+    save_file(tensors, str(tmp))
+    os.replace(tmp, d / HEAD_FILE)  # atomic: a checkpoint is either old or new, never half written
+    (d / HEAD_JSON).write_text(json.dumps(meta, indent=1))
+    return d
+
+
+def load_head(path: str | os.PathLike, target) -> EagleHead:
+    """Read a head written by ``save_head`` for ``target``; the error names what does not fit."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not (d / HEAD_JSON).is_file() or not (d / HEAD_FILE).is_file():
+        raise FileNotFoundError(f"no EAGLE head in {d} (expected {HEAD_JSON} and {HEAD_FILE})")
+    meta = json.loads((d / HEAD_JSON).read_text())
+    if meta.get("format") != HEAD_FORMAT:
+        raise ValueError(f"{d / HEAD_JSON}: head format {meta.get('format')}, this specdec reads {HEAD_FORMAT}")
+    tcfg = _text_config(target)
+    want = meta["target"]
+    have = {"model_type": tcfg.model_type, "hidden_size": tcfg.hidden_size,
+            "vocab_size": target.get_output_embeddings().weight.shape[0],
+            "layer_class": type(_decoder(target).layers[0]).__name__}
+    bad = [f"{k} {want[k]} (head) != {have[k]} (target)" for k in have if want.get(k) != have[k]]
+    if bad:
+        raise ValueError(f"EAGLE head in {d} was trained for another target: " + "; ".join(bad))
+    tensors = load_file(str(d / HEAD_FILE))
+    known = {f.name for f in fields(EagleHeadConfig)}
+    head = EagleHead(target, EagleHeadConfig(**{k: v for k, v in meta["head"].items() if k in known}),
+                     tensors.get("draft_vocab"))
+    head.load_state_dict(tensors, strict=True)
+    return head.eval()
+
+
+def _eagle_names(head: EagleHead) -> dict[str, str]:
+    """Our state-dict names -> EAGLE's (``layer.X`` -> ``layers.0.X``, ``fc.*`` unchanged)."""
+    return {k: ("layers.0." + k[len("layer."):] if k.startswith("layer.") else k)
+            for k in head.state_dict() if k != "draft_vocab"}
+
+
+def export_eagle(head: EagleHead, path: str | os.PathLike) -> Path:
+    """Write the head in EAGLE-1/2's checkpoint layout (see the module docstring)."""
+    from safetensors.torch import save_file
+
+    if head.draft_vocab is not None:
+        raise ValueError("EAGLE-1/2 checkpoints have no reduced draft vocabulary: train the head "
+                         "with the full vocabulary to export it")
+    d = Path(path)
+    d.mkdir(parents=True, exist_ok=True)
+    state = head.state_dict()
+    save_file({new: state[old].detach().contiguous().cpu() for old, new in _eagle_names(head).items()},
+              str(d / "model.safetensors"))
+    cfg = head.target_config.to_dict()
+    cfg.update(num_hidden_layers=1, bias=head.config.fc_bias)
+    cfg.pop("layer_types", None)
+    (d / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+    return d
+
+
+def import_eagle(path: str | os.PathLike, target) -> EagleHead:
+    """Read an EAGLE-1/2 checkpoint (config.json + model.safetensors) as an ``EagleHead``."""
+    from safetensors.torch import load_file
+
+    d = Path(path)
+    if not (d / "model.safetensors").is_file():
+        raise FileNotFoundError(f"no model.safetensors in {d} (pickled pytorch_model.bin is not read)")
+    cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
+    tensors = load_file(str(d / "model.safetensors"))
+    if tensors["fc.weight"].shape[1] != 2 * _text_config(target).hidden_size:
+        raise ValueError(f"{d}: fc.weight {tuple(tensors['fc.weight'].shape)} is not an EAGLE-1/2 head "
+                         f"for hidden size {_text_config(target).hidden_size}")
+    head = EagleHead(target, EagleHeadConfig(fc_bias=bool(cfg.get("bias", "fc.bias" in tensors)),
+                                             input_norm="layers.0.input_layernorm.weight" in tensors))
+    names = {new: old for old, new in _eagle_names(head).items()}
+    missing = sorted(set(names) - set(tensors))
+    if missing:
+        raise ValueError(f"{d}: EAGLE checkpoint lacks {', '.join(missing)}")
+    head.load_state_dict({names[k]: v for k, v in tensors.items() if k in names}, strict=True)
+    return head.eval()
+
+
+# --------------------------------------------------------------------------------- the registry
+
+PACKAGED_HEAD = Path(__file__).resolve().parent.parent / "data" / "eagle_head"
+
+
+def make_eagle(target, head_path: str | os.PathLike | None = None,
+               config: EagleConfig = EagleConfig()) -> EagleDrafter:
+    """An EagleDrafter from ``head_path``, else $SPECDEC_EAGLE_HEAD, else the packaged head."""
+    path = head_path or os.environ.get("SPECDEC_EAGLE_HEAD") or PACKAGED_HEAD
+    if not (Path(path) / HEAD_JSON).is_file():
+        raise ValueError(
+            f"no EAGLE head at {path}: train one for this target with `specdec train-eagle --model "
+            "MODEL --out DIR` (self-distillation, offline), then pass it with SPECDEC_EAGLE_HEAD=DIR/head "
+            "(or copy DIR/head to specdec/data/eagle_head to make it the default)")
+    return EagleDrafter(target, load_head(path, target), config)

@@ -1,0 +1,188 @@
+"""EAGLE: the head, its dynamic trees, files, and losslessness of whole generations (random and
+briefly trained heads) against HF greedy decoding on tiny random targets."""
+
+import json
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_llama
+from specdec import SpecDecoder, SpecDecoderConfig
+from specdec.controller import DraftLengthConfig
+from specdec.drafters.base import Commit, Prompt
+from specdec.drafters.eagle import (EagleConfig, EagleDrafter, EagleHead, EagleHeadConfig, export_eagle,
+                                    import_eagle, load_head, make_eagle, save_head)
+from specdec.kv.bmc import BMCConfig
+from specdec.registry import make_drafter
+from specdec.tree import node_depths, path_to
+
+
+def _decoder_config(period: int, nodes: int) -> SpecDecoderConfig:
+    # a fixed node budget: the BASS controller's "all accepted" never happens with a bushy tree
+    return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(
+        initial=nodes, maximum=nodes, adaptive=False))
+
+
+def _random_head(target, seed=1, **kw) -> EagleHead:
+    torch.manual_seed(seed)
+    return EagleHead(target, EagleHeadConfig(**kw))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_llama(0)
+
+
+def _prompt_with_features(target, P=12, seed=3):
+    ids = torch.randint(0, 128, (1, P), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states[-1]
+    return ids, hidden
+
+
+def _reference_outputs(head, feats, toks):
+    """Head outputs of a chain of pairs with no cache, positions 0..S-1: [S, D]."""
+    S = toks.shape[0]
+    with torch.no_grad():
+        return head(feats[None], toks[None], torch.arange(S)[None])[0]
+
+
+def test_tree_nodes_are_the_heads_top_k_along_their_own_path(target):
+    """Every fed node's children must be the top-k of the head evaluated, without any cache, on the
+    prompt pairs followed by the node's own path: tree attention in the head's store is exact."""
+    head = _random_head(target)
+    ids, hidden = _prompt_with_features(target)
+    cfg = EagleConfig(total_tokens=200, depth=4, top_k=3, bmc=BMCConfig(5))
+    d = EagleDrafter(target, head, cfg)
+    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
+    tree = d.propose(200)  # everything in the pool: 3 + 3 * 9 = 30 nodes
+    assert tree.width == 30 and int(node_depths(tree.parents).max()) == 4
+    feats, toks = hidden[0, :11], ids[0, 1:]
+    parents, tokens = tree.parents[0], tree.tokens[0]
+    children = {}
+    for i, p in enumerate(parents.tolist()):
+        children.setdefault(p, []).append(int(tokens[i]))
+    for node, kids in children.items():
+        path = path_to(parents, node) if node >= 0 else []
+        f, t = feats, toks
+        for j in path:  # the pair of a node: (its parent's head output, its token)
+            out = _reference_outputs(head, f, t)
+            f, t = torch.cat([f, out[-1:]]), torch.cat([t, tokens[j : j + 1]])
+        out = _reference_outputs(head, f, t)
+        top = torch.log_softmax(head.logits(out[-1]), -1).topk(3).indices.tolist()
+        assert sorted(kids) == sorted(top), f"node {node}"
+
+
+def test_tree_is_the_best_nodes_closed_under_ancestors(target):
+    head = _random_head(target, seed=4)
+    ids, hidden = _prompt_with_features(target, seed=5)
+    d = EagleDrafter(target, head, EagleConfig(total_tokens=9, depth=5, top_k=2))
+    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
+    tree = d.propose(9)
+    assert tree.num_nodes.tolist() == [9] and tree.width == 9
+    par = tree.parents[0].tolist()
+    assert all(-1 <= p < i for i, p in enumerate(par))
+    for p in set(par):  # siblings are distinct tokens
+        sib = [int(tree.tokens[0, i]) for i, q in enumerate(par) if q == p]
+        assert len(sib) == len(set(sib))
+    assert d.propose(3).width == 3 and d.propose(0).width == 0  # the budget caps the node count
+    assert int(node_depths(d.propose(2).parents).max()) <= 2
+
+
+def test_head_store_keeps_only_committed_pairs(target):
+    head = _random_head(target)
+    ids, hidden = _prompt_with_features(target)
+    d = EagleDrafter(target, head, EagleConfig(total_tokens=8, depth=3, top_k=2, bmc=BMCConfig(3)))
+    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
+    d.propose(8)
+    assert d.cache.lengths == [11]  # prompt pairs only; tree rows were dropped
+    commit = Commit(torch.tensor([[7, 9]]), torch.tensor([2]), torch.tensor([1]), torch.randn(1, 2, 64).double())
+    d.accept(commit)
+    first = d.propose(8)
+    assert d.cache.lengths == [13]
+    again = d.propose(8)  # proposing twice without news gives the same tree
+    assert torch.equal(first.tokens, again.tokens) and torch.equal(first.parents, again.parents)
+
+
+def test_missing_features_are_an_error(target):
+    d = EagleDrafter(target, _random_head(target))
+    ids = torch.randint(0, 128, (1, 5))
+    with pytest.raises(ValueError, match="needs the target's hidden states"):
+        d.begin(Prompt(ids, torch.tensor([5])))
+    d.begin(Prompt(ids[:, :1], torch.tensor([1])))  # one token: no feature needed, no draft yet
+    assert d.propose(5).width == 0
+    with pytest.raises(ValueError, match="Commit.hidden"):
+        d.accept(Commit(torch.tensor([[3]]), torch.tensor([1]), torch.tensor([0])))
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_head_is_lossless(seed):
+    target = tiny_llama(seed)
+    head = _random_head(target, seed=seed + 10)
+    ids = torch.randint(0, 128, (1, [1, 7, 30][seed]), generator=torch.Generator().manual_seed(seed))
+    ref = hf_greedy(target, ids, 40)
+    for period in (1, 3, 64):
+        drafter = EagleDrafter(target, head, EagleConfig(total_tokens=10, depth=4, top_k=3, bmc=BMCConfig(period)))
+        out = SpecDecoder(target, drafter, _decoder_config(period, 10)).generate(ids, max_new_tokens=40,
+                                                                                eos_token_id=None)
+        assert torch.equal(out.sequences, ref), f"seed {seed} T {period}"
+        assert any(n > 1 for s in out.steps for n in s.num_drafted)
+
+
+def test_save_load_and_eagle_export_round_trip(target, tmp_path):
+    head = _random_head(target, seed=2)
+    x = torch.randn(1, 5, 64, dtype=torch.float64)
+    toks, pos = torch.randint(0, 128, (1, 5)), torch.arange(5)[None]
+    with torch.no_grad():
+        want = head(x, toks, pos)
+    with torch.no_grad():
+        assert torch.equal(load_head(save_head(head, tmp_path / "ours"), target)(x, toks, pos), want)
+    export_eagle(head, tmp_path / "eagle")
+    from safetensors.torch import load_file
+
+    names = set(load_file(str(tmp_path / "eagle" / "model.safetensors")))
+    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
+            "layers.0.self_attn.v_proj.weight", "layers.0.self_attn.o_proj.weight",
+            "layers.0.mlp.gate_proj.weight", "layers.0.mlp.up_proj.weight", "layers.0.mlp.down_proj.weight",
+            "layers.0.post_attention_layernorm.weight"} == names
+    cfg = json.loads((tmp_path / "eagle" / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 1 and cfg["bias"] is True and cfg["hidden_size"] == 64
+    with torch.no_grad():
+        assert torch.equal(import_eagle(tmp_path / "eagle", target)(x, toks, pos), want)
+
+
+def test_loading_a_head_for_another_target_is_refused(target, tmp_path):
+    save_head(_random_head(target), tmp_path / "h")
+    other = tiny_llama(0, vocab=96)
+    with pytest.raises(ValueError, match="trained for another target: vocab_size 128"):
+        load_head(tmp_path / "h", other)
+    with pytest.raises(FileNotFoundError, match="no EAGLE head"):
+        load_head(tmp_path / "nothing", target)
+
+
+def test_reduced_draft_vocabulary_maps_back_to_target_ids(target, tmp_path):
+    vocab = torch.arange(0, 128, 4)  # 32 draft tokens
+    torch.manual_seed(0)
+    head = EagleHead(target, draft_vocab=vocab)
+    ids, hidden = _prompt_with_features(target)
+    d = EagleDrafter(target, head, EagleConfig(total_tokens=12, depth=3, top_k=3))
+    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
+    assert (d.propose(12).tokens % 4 == 0).all()
+    again = load_head(save_head(head, tmp_path / "h"), target)
+    assert torch.equal(again.draft_vocab, vocab)
+    with pytest.raises(ValueError, match="no reduced draft vocabulary"):
+        export_eagle(head, tmp_path / "e")
+    ref = hf_greedy(target, ids, 30)
+    out = SpecDecoder(target, d, _decoder_config(64, 12)).generate(ids, max_new_tokens=30, eos_token_id=None)
+    assert torch.equal(out.sequences, ref)
+
+
+def test_registry_eagle_needs_a_head(target, tmp_path, monkeypatch):
+    monkeypatch.delenv("SPECDEC_EAGLE_HEAD", raising=False)
+    monkeypatch.setattr("specdec.drafters.eagle.PACKAGED_HEAD", tmp_path / "none")
+    with pytest.raises(ValueError, match="specdec train-eagle"):
+        make_drafter("eagle", target)
+    save_head(_random_head(target), tmp_path / "h")
+    monkeypatch.setenv("SPECDEC_EAGLE_HEAD", str(tmp_path / "h"))
+    assert isinstance(make_drafter("eagle", target), EagleDrafter)
+    assert isinstance(make_eagle(target, tmp_path / "h"), EagleDrafter)
