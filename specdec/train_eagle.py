@@ -46,7 +46,7 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainConfig:
-    steps: int = 2000  # optimizer steps in total (a resumed run continues up to this)
+    steps: int = 800  # optimizer steps in total (~20 epochs of the packaged prompts' answers)
     batch_size: int = 4  # conversations per step
     lr: float = 3e-4  # peak learning rate (EAGLE: 3e-5 on millions of tokens; ours has far fewer)
     warmup: int = 100  # linear warmup steps, then linear decay to 0 at `steps`
@@ -57,8 +57,8 @@ class TrainConfig:
     max_len: int = 1024  # tokens per conversation seen in training (longer ones are cut)
     loss_on_prompt: bool = False  # False: learn on the answer positions only, as EAGLE
     held_out: float = 0.05  # fraction of conversations kept for the accuracy report
-    save_every: int = 200  # checkpoint period in steps
-    eval_every: int = 200  # held-out accuracy period in steps
+    save_every: int = 100  # checkpoint period in steps
+    eval_every: int = 100  # held-out accuracy period in steps
     draft_vocab: int | None = None  # draft from the M most frequent training tokens; None = all
     seed: int = 0  # batch order and initial weights
     head: EagleHeadConfig = EagleHeadConfig()
@@ -210,8 +210,14 @@ def make_batch(convs: list[Conversation], config: TrainConfig, dtype, device) ->
                  torch.tensor([k - 1 for k in n], device=device))
 
 
-def head_losses(head: EagleHead, batch: Batch, noise: float, generator: torch.Generator | None = None):
-    """(feature loss, token loss, top-1 hits, counted positions) for one batch; EAGLE's objective."""
+def head_losses(head: EagleHead, batch: Batch, noise: float, generator: torch.Generator | None = None,
+                full_vocab_hits: bool = False):
+    """(feature loss, token loss, top-1 hits, counted positions) for one batch; EAGLE's objective.
+
+    Hits compare the head's token with the target's greedy token: over the draft vocabulary while
+    training (the target's full lm_head would cost as much as the head's own), over the full one
+    when ``full_vocab_hits`` (the held-out report).
+    """
     B, S, D = batch.feats.shape
     feats = batch.feats
     if noise > 0:  # EAGLE: uniform noise on the input features, robustness to its own drift
@@ -225,11 +231,14 @@ def head_losses(head: EagleHead, batch: Batch, noise: float, generator: torch.Ge
     vloss = (nn.functional.smooth_l1_loss(pred, batch.target, reduction="none").mean(-1) * m).sum() / count
     logp = torch.log_softmax(head.logits(pred).float(), dim=-1)  # [B, S, M]
     with torch.no_grad():
-        full = head.target_logits(batch.target, full_vocab=True).float()  # [B, S, V]
-        p = torch.softmax(full if head.draft_vocab is None else full[..., head.draft_vocab], dim=-1)
+        tlogits = head.target_logits(batch.target, full_vocab=full_vocab_hits).float()  # [B, S, M or V]
+        if full_vocab_hits and head.draft_vocab is not None:
+            target_next, tlogits = tlogits.argmax(-1), tlogits[..., head.draft_vocab]
+        else:
+            target_next = head.to_target_ids(tlogits.argmax(-1))
+        p = torch.softmax(tlogits, dim=-1)
     ploss = (-(p * logp).sum(-1) * m).sum() / count
-    # top-1 agreement with the target's greedy token (over its full vocabulary)
-    hits = ((head.to_target_ids(logp.detach().argmax(-1)) == full.argmax(-1)) & m).sum()
+    hits = ((head.to_target_ids(logp.detach().argmax(-1)) == target_next) & m).sum()
     return vloss, ploss, int(hits), int(m.sum())
 
 
@@ -243,7 +252,7 @@ def evaluate(head: EagleHead, convs: list[Conversation], config: TrainConfig) ->
     hits = total = 0
     for i in range(0, len(convs), config.batch_size):
         batch = make_batch(convs[i : i + config.batch_size], config, p.dtype, p.device)
-        _, _, h, n = head_losses(head, batch, 0.0)
+        _, _, h, n = head_losses(head, batch, 0.0, full_vocab_hits=True)
         hits, total = hits + h, total + n
     head.train()
     return hits / max(1, total)
