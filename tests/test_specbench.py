@@ -230,3 +230,21 @@ def test_killed_process_resumes_with_every_question_once(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert summary["methods"]["prompt-lookup"]["overall"]["questions"] == len(qs)
     assert summary["methods"]["prompt-lookup"]["overall"]["identical"]
+
+
+def test_speedup_chart_from_summaries(tiny, tmp_path):
+    pytest.importorskip("matplotlib")
+    from specdec.bench.chart import plot_speedups, read_speedups
+
+    _evaluate(tiny, tmp_path / "run")
+    ours = tmp_path / "run" / "summary.json"
+    assert set(read_speedups(ours)) == {"prompt-lookup", "none"}  # the baseline is the 1.0 line
+    assert set(read_speedups(ours)["prompt-lookup"]) == {"mt_bench", "summarization", "qa", "overall"}
+    bench = tmp_path / "bench.json"  # the shape `specdec bench` writes
+    bench.write_text(json.dumps({"overall": {"hf-generate": {"speedup": 1.0}, "specdec:x": {"speedup": 1.4}},
+                                 "by_task": {"qa": {"hf-generate": {"speedup": 1.0}, "specdec:x": {"speedup": 1.2}}}}))
+    assert read_speedups(bench) == {"specdec:x": {"qa": 1.2, "overall": 1.4}}
+    png = plot_speedups([ours, bench], tmp_path / "chart" / "speedup.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    with pytest.raises(ValueError, match="not a summary"):
+        read_speedups(tmp_path / "run" / "run.json")
