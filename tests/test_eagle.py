@@ -186,3 +186,32 @@ def test_registry_eagle_needs_a_head(target, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_EAGLE_HEAD", str(tmp_path / "h"))
     assert isinstance(make_drafter("eagle", target), EagleDrafter)
     assert isinstance(make_eagle(target, tmp_path / "h"), EagleDrafter)
+
+
+def test_a_ragged_batch_drafts_what_each_row_drafts_alone(target):
+    """Batch rows with different prompt lengths and accepted counts (for batched verification
+    later): the batched drafter proposes, per row, the trees of a drafter that sees that row only."""
+    head = _random_head(target)
+    g = torch.Generator().manual_seed(0)
+    ids, lengths = torch.randint(0, 128, (2, 9), generator=g), [9, 6]
+    with torch.no_grad():
+        hid = torch.zeros(2, 9, 64, dtype=torch.float64)
+        for b, n in enumerate(lengths):
+            hid[b, :n] = target(ids[b : b + 1, :n], output_hidden_states=True).hidden_states[-1][0]
+    cfg = EagleConfig(total_tokens=7, depth=3, top_k=2, bmc=BMCConfig(4))
+    both = EagleDrafter(target, head, cfg)
+    both.begin(Prompt(ids, torch.tensor(lengths), hid[:, :-1]))
+    alone = [EagleDrafter(target, head, cfg) for _ in lengths]
+    for b, (d, n) in enumerate(zip(alone, lengths)):
+        d.begin(Prompt(ids[b : b + 1, :n], torch.tensor([n]), hid[b : b + 1, : n - 1]))
+    for step in range(3):
+        tree = both.propose(7)
+        for b, d in enumerate(alone):
+            one = d.propose(7)
+            assert torch.equal(tree.tokens[b], one.tokens[0]) and torch.equal(tree.parents[b], one.parents[0])
+        toks, new = torch.randint(0, 128, (2, 3), generator=g), torch.tensor([3, 1])
+        feat = torch.randn(2, 3, 64, dtype=torch.float64, generator=g)
+        both.accept(Commit(toks, new, new - 1, feat))
+        for b, d in enumerate(alone):
+            n = int(new[b])
+            d.accept(Commit(toks[b : b + 1, :n], new[b : b + 1], new[b : b + 1] - 1, feat[b : b + 1, :n]))
