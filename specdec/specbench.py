@@ -20,13 +20,12 @@ Figures (Spec-Bench's definitions, ``evaluation/speed.py``), per task and overal
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import platform
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -235,6 +234,8 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
     todo = [(i, q) for i, q in enumerate(questions) if any(q.question_id not in files[m].records for m in methods)]
     total = sum(q.question_id not in files[m].records for _, q in todo for m in methods)
     if not todo:
+        if progress is not None:
+            progress("all answered already", 0, 0)
         return files
 
     eos = stop_token_ids(model, tokenizer)  # the same stop tokens for every method

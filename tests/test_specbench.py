@@ -14,7 +14,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from specdec.questions import Question, load_questions
+from specdec.questions import Question
 from specdec.specbench import BASELINE, AnswerFile, SpecBenchConfig, evaluate, method_stats, summarize
 from tiny_chat import save_tiny_chat, tiny_chat_model, tiny_tokenizer
 
