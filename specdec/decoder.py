@@ -133,7 +133,9 @@ class SpecDecoder:
         pending = ids.to(device)  # [B, p]
         while len(new) < max_new_tokens:
             # 1. draft: never more than the tokens still wanted after the bonus token
-            budget = 0 if not new else min(controller.budget(), max_new_tokens - len(new) - 1)
+            wanted = max_new_tokens - len(new) - 1
+            follows = self.drafter is not None and self.drafter.follows_controller
+            budget = 0 if not new else min(controller.budget(), wanted) if follows else wanted
             t0 = time.perf_counter()
             tree = (self.drafter.propose(budget) if self.drafter is not None and budget > 0
                     else DraftTree.empty(B))

@@ -198,6 +198,7 @@ class EagleDrafter(Drafter):
     """
 
     needs_hidden_states = True
+    follows_controller = False  # EAGLE-2 sizes its tree by draft scores, up to total_tokens
 
     def __init__(self, target, head: EagleHead, config: EagleConfig = EagleConfig()) -> None:
         self.head = head.eval()
