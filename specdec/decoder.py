@@ -163,7 +163,7 @@ class SpecDecoder:
                 break
             if self.drafter is not None:
                 self.drafter.accept(commit)
-            controller.update(stats.num_drafted, stats.num_accepted)
+            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time)
             pending = ver.next_token[:, None].to(device)
         if streamer is not None:
             streamer.end()

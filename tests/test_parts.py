@@ -112,3 +112,33 @@ def test_corrupt_gguf_file_is_named(tmp_path, monkeypatch):
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(models.ModelLoadError, match="could not read GGUF file .*broken.gguf"):
         models.load_model(str(bad))
+
+
+def _cost_aware(**kw):
+    return DraftLengthController(DraftLengthConfig(initial=4, minimum=1, maximum=8, **kw))
+
+
+def test_cost_gate_turns_drafting_off_when_acceptance_cannot_pay():
+    c = _cost_aware(explore_every=4)
+    c.update([0], [0], verify_time=1.0)  # a plain step: t(1) = 1
+    c.update([4], [0], verify_time=1.4)  # t(5) = 1.4, nothing accepted: alpha = 0
+    assert c.alpha == 0.0
+    budgets = [c.budget() for _ in range(8)]
+    assert budgets == [0, 0, 0, c.length, 0, 0, 0, c.length]  # off, with a probe every 4th step
+
+
+def test_cost_gate_keeps_drafting_when_acceptance_pays():
+    c = _cost_aware()
+    c.update([0], [0], verify_time=1.0)
+    c.update([4], [4], verify_time=1.4)  # all accepted: alpha = 1, 5 tokens for 1.4x
+    assert c.budget() == c.length == 6
+
+
+def test_cost_gate_picks_the_cheapest_length_that_pays():
+    """Block sizes 2-4 cost the same (1.36x), 5+ cost 1.8x: at alpha 0.5 three drafts win."""
+    c = _cost_aware()
+    c.alpha = 0.5
+    c.step_time = {1: 1.0, 2: 1.36, 4: 1.36, 8: 1.8}
+    assert c.best_length(7) == 3
+    c.draft_time = 1.0  # a drafter as slow as the target: no length pays
+    assert c.best_length(7) == 0

@@ -250,7 +250,7 @@ class RandomTreeDrafter(Drafter):
 
 def _tree_config(period: int, nodes: int) -> SpecDecoderConfig:
     return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(
-        initial=nodes, maximum=nodes, adaptive=False))
+        initial=nodes, maximum=nodes, adaptive=False, cost_aware=False))
 
 
 @pytest.mark.parametrize("seed", range(6))

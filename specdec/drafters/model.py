@@ -40,6 +40,7 @@ class ModelDrafter(Drafter):
         self.history: TokenHistory | None = None
         self._fed: list[int] = []  # per row: committed tokens in the store before the last propose
         self._drafted = 0  # drafted tokens written into the store by the last propose (K - 1)
+        self._proposed = False  # a propose ran since the last accept (the decoder may skip it)
 
     def begin(self, prompt: Prompt) -> None:
         self.history = TokenHistory(prompt)
@@ -63,6 +64,7 @@ class ModelDrafter(Drafter):
         B = len(self.history.rows)
         self._fed = list(self.cache.lengths)
         self._drafted = 0
+        self._proposed = True
         if budget <= 0:
             return DraftTree.empty(B)
         pending = [row[n:] for row, n in zip(self.history.rows, self._fed)]
@@ -76,6 +78,9 @@ class ModelDrafter(Drafter):
 
     def accept(self, commit: Commit) -> None:
         self.history.extend(commit)
+        if not self._proposed:  # nothing was written since the last accept: nothing to roll back
+            return
+        self._proposed = False
         # Keep the pending rows plus the drafted rows whose tokens were accepted: d1..d(K-1) were
         # fed, d_K never was. Example: 1 pending, K = 4, 2 accepted -> keep fed + 1 + 2 rows.
         keep = []
