@@ -10,8 +10,8 @@ over 8 ~1.8x. So drafting pays only while enough of it is accepted. Two rules:
   measured, and of the drafter's seconds per token d; it drafts the k <= K with the most expected
   tokens per unit of time, (1 + alpha + ... + alpha^k) / ((t(1 + k) + k d) / t(1)), or nothing
   when no k beats plain decoding.
-  While drafting is off, every ``explore_every``-th step drafts
-  anyway so alpha stays current (text changes: a summary starts quoting its source).
+  While drafting is off, a one-token probe every ``explore_every`` steps (doubling while probes
+  fail, up to 8x) keeps alpha current (text changes: a summary starts quoting its source).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ class DraftLengthConfig:
     step_up: int = 2  # BASS: +2 after a step where some sequence accepted everything
     adaptive: bool = True  # False: always ask for `initial`
     cost_aware: bool = True  # draft only when expected gain beats the measured verify cost
-    explore_every: int = 8  # while gated off, draft on every n-th step to re-measure acceptance
+    explore_every: int = 8  # while gated off, probe one token every n steps (backs off to 8n)
     decay: float = 0.8  # weight of the past in the running averages (alpha, verify times)
 
 
@@ -41,6 +41,7 @@ class DraftLengthController:
         self.step_time: dict[int, float] = {}  # block size q -> running mean verify seconds
         self.draft_time: float = 0.0  # running mean seconds the drafter takes per drafted token
         self._skipped = 0  # steps gated off since the last draft
+        self._interval = config.explore_every  # steps between probes; doubles while probes fail
 
     def expected_tokens(self, k: int) -> float:
         """Tokens one step yields when drafting k: 1 + alpha + alpha^2 + ... + alpha^k."""
@@ -76,13 +77,17 @@ class DraftLengthController:
     def budget(self) -> int:
         if not self.config.cost_aware:
             return self.length
+        if 1 not in self.step_time:
+            return 0  # time one plain step first: every cost below is relative to it
         k = self.best_length(self.length)
         if k > 0:
+            self._interval = self.config.explore_every
             return k
         self._skipped += 1
-        if self._skipped >= self.config.explore_every:
+        if self._skipped >= self._interval:  # probe with one token: cheapest way to re-measure alpha
             self._skipped = 0
-            return self.length
+            self._interval = min(2 * self._interval, 8 * self.config.explore_every)  # back off
+            return 1
         return 0
 
     def update(self, num_drafted: list[int], num_accepted: list[int], verify_time: float | None = None,

@@ -163,7 +163,8 @@ class SpecDecoder:
                 break
             if self.drafter is not None:
                 self.drafter.accept(commit)
-            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time)
+            if len(out.steps) > 1:  # the prefill's time says nothing about a decode step's cost
+                controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time)
             pending = ver.next_token[:, None].to(device)
         if streamer is not None:
             streamer.end()

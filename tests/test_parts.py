@@ -53,7 +53,7 @@ def test_find_continuation(seq, n, k, expect):
 
 
 def test_controller_follows_bass_heuristic():
-    c = DraftLengthController(DraftLengthConfig(initial=4, minimum=1, maximum=8))
+    c = DraftLengthController(DraftLengthConfig(initial=4, minimum=1, maximum=8, cost_aware=False))
     c.update([4], [4])
     assert c.budget() == 6  # all accepted: +2
     c.update([6], [2])
@@ -123,8 +123,15 @@ def test_cost_gate_turns_drafting_off_when_acceptance_cannot_pay():
     c.update([0], [0], verify_time=1.0)  # a plain step: t(1) = 1
     c.update([4], [0], verify_time=1.4)  # t(5) = 1.4, nothing accepted: alpha = 0
     assert c.alpha == 0.0
-    budgets = [c.budget() for _ in range(8)]
-    assert budgets == [0, 0, 0, c.length, 0, 0, 0, c.length]  # off, with a probe every 4th step
+    budgets = [c.budget() for _ in range(12)]
+    assert budgets == [0, 0, 0, 1] + [0] * 7 + [1]  # off; one-token probes after 4, then 8 steps
+
+
+def test_cost_gate_times_a_plain_step_first():
+    c = _cost_aware()
+    assert c.budget() == 0
+    c.update([0], [0], verify_time=1.0)
+    assert c.budget() == c.length  # acceptance not measured yet: try the full length
 
 
 def test_cost_gate_keeps_drafting_when_acceptance_pays():
