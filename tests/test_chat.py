@@ -16,6 +16,9 @@ import pytest
 import torch
 from rich.console import Console
 
+from specdec.controller import DraftLengthConfig
+from specdec.decoder import SpecDecoderConfig
+
 from specdec.chat import ChatSession, IncrementalDetokenizer, printable
 from tiny_chat import save_tiny_chat, tiny_chat_model, tiny_tokenizer
 
@@ -114,6 +117,8 @@ def test_drafter_switch_and_bad_names(tiny):
 
 def test_accepted_draft_tokens_are_coloured(tiny):
     s, buf = _session(tiny, max_new=60, color=True)
+    # draft on every step: the cost gate would switch drafting off on timing, which tests avoid
+    s.decoder.config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))
     stats = s.reply("Tell me a long story.")  # the tiny model loops: prompt lookup drafts well
     assert stats.drafted > 0
     assert "\x1b[36m" in buf.getvalue()  # cyan
