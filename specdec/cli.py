@@ -12,6 +12,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "generate": ("specdec.generate_cmd", "generate from a prompt on the default (or any) model"),
     "bench": ("specdec.bench.generation", "ours vs HF generate vs HF prompt lookup, same process"),
     "bench-kv": ("specdec.bench.kv", "KV store microbenchmark: iterative vs upfront vs BMC"),
+    "bench-verify": ("specdec.bench.verify_cost", "target forward time over 1..32 tokens (verify-cost curve)"),
     "chat": ("specdec.chat", "terminal chat with speculative decoding"),
     "specbench": ("specdec.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
     "train-eagle": ("specdec.train_eagle", "train an EAGLE head for a target, offline"),

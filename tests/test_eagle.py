@@ -170,8 +170,11 @@ def test_reduced_draft_vocabulary_maps_back_to_target_ids(target, tmp_path):
     assert (d.propose(12).tokens % 4 == 0).all()
     again = load_head(save_head(head, tmp_path / "h"), target)
     assert torch.equal(again.draft_vocab, vocab)
-    with pytest.raises(ValueError, match="no reduced draft vocabulary"):
+    with pytest.warns(UserWarning, match="no reduced draft vocabulary"):
         export_eagle(head, tmp_path / "e")
+    full = import_eagle(tmp_path / "e", target)
+    assert full.draft_vocab is None
+    assert torch.equal(full.fc.weight, head.fc.weight)
     ref = hf_greedy(target, ids, 30)
     out = SpecDecoder(target, d, _decoder_config(64, 12)).generate(ids, max_new_tokens=30, eos_token_id=None)
     assert torch.equal(out.sequences, ref)
@@ -215,3 +218,17 @@ def test_a_ragged_batch_drafts_what_each_row_drafts_alone(target):
         for b, d in enumerate(alone):
             n = int(new[b])
             d.accept(Commit(toks[b : b + 1, :n], new[b : b + 1], new[b : b + 1] - 1, feat[b : b + 1, :n]))
+
+
+def test_head_saved_in_bf16_loads_back_rounded_into_the_target_dtype(target, tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    head = EagleHead(target, draft_vocab=torch.arange(0, 128, 2))
+    d = save_head(head, tmp_path / "h", torch.bfloat16)
+    stored = load_file(str(d / "eagle_head.safetensors"))
+    assert stored["fc.weight"].dtype == torch.bfloat16 and stored["draft_vocab"].dtype == torch.int64
+    again = load_head(d, target)
+    assert again.fc.weight.dtype == target.dtype
+    assert torch.equal(again.fc.weight, head.fc.weight.to(torch.bfloat16).to(target.dtype))
+    assert torch.equal(again.draft_vocab, head.draft_vocab)

@@ -13,8 +13,8 @@ from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
 from specdec.kv.bmc import BMCConfig
-from specdec.train_eagle import (PROMPTS_FILE, DataConfig, TrainConfig, add_arguments, batch_indices, lr_at,
-                                 generate_data, load_data, read_prompts, run, train_head)
+from specdec.train_eagle import (PROMPTS_FILE, Conversation, DataConfig, TrainConfig, add_arguments, batch_indices,
+                                 generate_data, load_data, lr_at, read_prompts, run, split_held_out, train_head)
 
 STEPS = 60
 CFG = TrainConfig(steps=STEPS, batch_size=4, lr=1e-2, warmup=4, save_every=5, eval_every=20, held_out=0.2)
@@ -131,3 +131,18 @@ def test_cli_trains_from_existing_data_and_needs_a_tokenizer_for_prompts(target,
 def test_packaged_prompts_are_many_and_distinct():
     prompts = read_prompts(PROMPTS_FILE)
     assert 100 <= len(prompts) <= 200 and len(set(prompts)) == len(prompts)
+
+
+def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():
+    def conv(prompt, answer):
+        ids = torch.tensor(prompt + answer)
+        return Conversation(ids, torch.zeros(len(ids), 4), len(prompt))
+
+    prompts = [[i, i + 1] for i in range(10)]
+    convs = [conv(p, [7]) for p in prompts] + [conv(p, [8, 9]) for p in prompts]  # greedy, then sampled
+    train, held = split_held_out(convs, 0.2)
+    held_prompts = {tuple(c.ids[:2].tolist()) for c in held}
+    assert held_prompts == {(8, 9), (9, 10)} and len(held) == 4 and len(train) == 16
+    assert not held_prompts & {tuple(c.ids[:2].tolist()) for c in train}
+    everything, none = split_held_out(convs, 0.0)
+    assert none == [] and all(a is b for a, b in zip(everything, convs)) and len(everything) == 20

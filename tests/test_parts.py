@@ -149,3 +149,11 @@ def test_cost_gate_picks_the_cheapest_length_that_pays():
     assert c.best_length(7) == 3
     c.draft_time = 1.0  # a drafter as slow as the target: no length pays
     assert c.best_length(7) == 0
+
+
+def test_verify_cost_bench_measures_every_method_and_size(target):
+    from specdec.bench import verify_cost
+
+    med = verify_cost.measure(target, context=16, sizes=(1, 4), repeats=2)
+    assert set(med) == set(verify_cost.METHODS)
+    assert all(set(per) == {1, 4} and all(t > 0 for t in per.values()) for per in med.values())

@@ -25,7 +25,7 @@ def test_default_model_has_a_chat_template(real):
     assert real.model.config.vocab_size == 49152
 
 
-@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "early-exit"])
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "early-exit", "eagle"])
 def test_lossless_on_default_model(real, drafter):
     for text in PROMPTS:
         ids = _ids(real, text)
@@ -34,13 +34,23 @@ def test_lossless_on_default_model(real, drafter):
         assert torch.equal(out.sequences, ref), real.tokenizer.decode(out.sequences[0, ids.shape[1]:])
 
 
-def test_second_load_uses_the_cache(real):
-    import time
+def test_second_load_uses_the_cache(real, monkeypatch):
+    from specdec import models
 
-    from specdec.models import load_model
+    def no_rebuild(*args):
+        raise AssertionError("the GGUF was converted again although its cache is valid")
 
-    t = time.perf_counter()
-    again = load_model("default")
-    assert time.perf_counter() - t < 15  # the GGUF path takes ~20-30 s; the cache well under that
+    monkeypatch.setattr(models, "_build_gguf_cache", no_rebuild)
+    again = models.load_model("default")
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(again.model(ids).logits, real.model(ids).logits)
+
+
+def test_packaged_eagle_head_drafts_for_the_default_model(real):
+    from specdec.drafters.eagle import EagleDrafter
+
+    ids = _ids(real, PROMPTS[1])
+    ref = real.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False)
+    out = SpecDecoder(real.model, EagleDrafter.default(real.model)).generate(ids, max_new_tokens=60)
+    assert torch.equal(out.sequences, ref)
+    assert out.mean_accepted_tokens > 1.2  # a trained head gets drafts accepted; a random one does not

@@ -38,7 +38,8 @@ Files:
                             attention has biases), layers.0.mlp.{gate,up,down}_proj.weight,
                             layers.0.post_attention_layernorm.weight
                             (no layers.0.input_layernorm: EAGLE-1/2 have none; no embed_tokens:
-                            EAGLE loads the base model's). EAGLE's older loaders read
+                            EAGLE loads the base model's; a reduced draft vocabulary is
+                            dropped, with a warning). EAGLE's older loaders read
                             pytorch_model.bin; we never write pickles, convert if you need one.
     import_eagle(dir, target) reads that layout back (e.g. a public EAGLE-1/2 head for a target).
 """
@@ -48,6 +49,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -199,6 +201,11 @@ class EagleDrafter(Drafter):
 
     needs_hidden_states = True
     follows_controller = False  # EAGLE-2 sizes its tree by draft scores, up to total_tokens
+
+    @classmethod
+    def default(cls, target, config: EagleConfig = EagleConfig()) -> "EagleDrafter":
+        """The head packaged with specdec (trained here for SmolLM2-135M-Instruct, the default model)."""
+        return cls(target, load_head(PACKAGED_HEAD, target), config)
 
     def __init__(self, target, head: EagleHead, config: EagleConfig = EagleConfig()) -> None:
         self.head = head.eval()
@@ -355,13 +362,15 @@ class EagleDrafter(Drafter):
 
 # ---------------------------------------------------------------------------------------- files
 
-def save_head(head: EagleHead, path: str | os.PathLike) -> Path:
-    """Write ``eagle_head.safetensors`` + ``eagle_head.json`` into directory ``path``."""
+def save_head(head: EagleHead, path: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+    """Write ``eagle_head.safetensors`` + ``eagle_head.json`` into directory ``path``; ``dtype``
+    (e.g. bf16, half the size) stores the weights in that type, loading casts them back."""
     from safetensors.torch import save_file
 
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in head.state_dict().items()}
+    tensors = {k: v.detach().to(dtype if dtype is not None and v.is_floating_point() else v.dtype)
+               .contiguous().cpu() for k, v in head.state_dict().items()}
     tcfg = head.target_config
     meta = {
         "format": HEAD_FORMAT,
@@ -414,8 +423,9 @@ def export_eagle(head: EagleHead, path: str | os.PathLike) -> Path:
     from safetensors.torch import save_file
 
     if head.draft_vocab is not None:
-        raise ValueError("EAGLE-1/2 checkpoints have no reduced draft vocabulary: train the head "
-                         "with the full vocabulary to export it")
+        warnings.warn("EAGLE-1/2 checkpoints have no reduced draft vocabulary: the exported head drafts "
+                      "over the target's full vocabulary (its feature regression does not depend on it)",
+                      stacklevel=2)
     d = Path(path)
     d.mkdir(parents=True, exist_ok=True)
     state = head.state_dict()

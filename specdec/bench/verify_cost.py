@@ -1,0 +1,113 @@
+"""Verify-cost curve: one target forward over q tokens at a fixed context, relative to q = 1.
+
+What a drafted token costs to check decides how many are worth drafting (the controller measures the
+same curve at run time). Methods, each over the same context of ``--context`` tokens:
+
+    hf          plain HF forward on a DynamicCache, causal mask (a copy of the context's cache per call)
+    bmc-chain   specdec's verify forward on the BMC store, causal fast path (chains)
+    bmc-tree    the same with a tree's general mask (the ancestor mask of a chain, built per call)
+
+Methods and block sizes alternate inside each repeat; figures are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache
+
+from specdec.forward import forward_block
+from specdec.kv.bmc import BMCCache
+from specdec.tree import chain_mask
+
+SIZES = (1, 2, 4, 8, 16, 32)
+METHODS = ("hf", "bmc-chain", "bmc-tree")
+
+
+def _context(model, n: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(100, model.config.vocab_size - 1, (1, n), generator=g).to(model.device)
+
+
+@torch.inference_mode()
+def measure(model, context: int = 200, sizes=SIZES, repeats: int = 20) -> dict:
+    """Median seconds of one forward over q tokens after `context` tokens, per method and q."""
+    ids = _context(model, context + max(sizes))
+    prompt, block = ids[:, :context], ids[:, context:]
+    hf_cache = DynamicCache()
+    model(input_ids=prompt, past_key_values=hf_cache, use_cache=True)
+    bmc = BMCCache.for_model(model, 1)
+    forward_block(model, bmc, prompt, None, None)
+    bmc.commit([list(range(context))])
+
+    def hf(q):
+        cache = copy.deepcopy(hf_cache)  # a fresh context each call (crop is not on every layer type)
+        t = time.perf_counter()
+        model(input_ids=block[:, :q], past_key_values=cache, use_cache=True)
+        return time.perf_counter() - t
+
+    def chain(q):
+        t = time.perf_counter()
+        forward_block(model, bmc, block[:, :q], None, None)
+        t = time.perf_counter() - t
+        bmc.rollback([context])
+        return t
+
+    def tree(q):
+        t = time.perf_counter()
+        mask = chain_mask(1, q, model.device)
+        forward_block(model, bmc, block[:, :q], mask, torch.arange(q, device=model.device)[None])
+        t = time.perf_counter() - t
+        bmc.rollback([context])
+        return t
+
+    run = {"hf": hf, "bmc-chain": chain, "bmc-tree": tree}
+    times = {m: {q: [] for q in sizes} for m in METHODS}
+    for m in METHODS:  # warm-up
+        for q in sizes:
+            run[m](q)
+    for r in range(repeats):
+        for q in (sizes if r % 2 == 0 else sizes[::-1]):
+            for m in (METHODS if r % 2 == 0 else METHODS[::-1]):
+                times[m][q].append(run[m](q))
+    return {m: {q: statistics.median(ts) for q, ts in per.items()} for m, per in times.items()}
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
+    p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--out", default=None, help="write the figures as JSON here")
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdec.models import load_model
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model = load_model(args.model).model.eval()
+    med = measure(model, args.context, SIZES, args.repeats)
+    table = Table(title=f"target forward over q tokens, {args.context}-token context, "
+                        f"{torch.get_num_threads()} threads (median of {args.repeats})")
+    table.add_column("q", justify="right")
+    for m in METHODS:
+        table.add_column(f"{m} ms", justify="right")
+        table.add_column(f"{m} / q=1", justify="right")
+    for q in SIZES:
+        table.add_row(str(q), *[x for m in METHODS
+                                for x in (f"{med[m][q] * 1e3:.1f}", f"{med[m][q] / med[m][1]:.2f}x")])
+    Console().print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"context": args.context, "threads": torch.get_num_threads(),
+                                              "repeats": args.repeats, "seconds": med}, indent=1))
+    return 0
