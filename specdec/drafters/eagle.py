@@ -73,9 +73,12 @@ class EagleHeadConfig:
 
 @dataclass(frozen=True)
 class EagleConfig:
-    total_tokens: int = 16  # nodes per tree (EAGLE-2: 60 on a GPU; a CPU verify costs ~linearly more)
-    depth: int = 6  # tree levels, i.e. the longest acceptable draft
-    top_k: int = 4  # children per expanded node, and nodes expanded per level
+    # Small trees: on this CPU a verify over q tokens costs more than one over 1 (1.5x at 6 tokens), and
+    # the packaged head's acceptance pays for few nodes (sweep in docs/benchmarks.md). EAGLE-2 on a
+    # GPU: 60 nodes, depth 6, top-k 10.
+    total_tokens: int = 5  # nodes per tree
+    depth: int = 3  # tree levels, i.e. the longest acceptable draft
+    top_k: int = 3  # children per expanded node, and nodes expanded per level
     bmc: BMCConfig = BMCConfig(period=64)  # the head's own one-layer KV store
 
     def __post_init__(self) -> None:
