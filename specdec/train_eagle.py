@@ -57,7 +57,7 @@ class TrainConfig:
     grad_clip: float = 0.5  # clip gradient values (EAGLE)
     max_len: int = 1024  # tokens per conversation seen in training (longer ones are cut)
     loss_on_prompt: bool = False  # False: learn on the answer positions only, as EAGLE
-    held_out: float = 0.05  # fraction of conversations kept for the accuracy report
+    held_out: float = 0.05  # fraction of prompts whose answers are kept for the accuracy report
     save_every: int = 100  # checkpoint period in steps
     eval_every: int = 100  # held-out accuracy period in steps
     draft_vocab: int | None = None  # draft from the M most frequent training tokens; None = all
@@ -119,13 +119,13 @@ def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
     task = progress.add_task("data", total=len(prompts), completed=len(prompts) - len(todo)) \
         if progress is not None else None
     pad, eos = _pad_id(target), _eos_ids(target)
+    sample = config.temperature > 0
     for start in range(0, len(todo), config.batch_size):
         chunk = todo[start : start + config.batch_size]
         width = max(len(prompts[i]) for i in chunk)
         x = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=target.device)
         mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk],
                             device=target.device)
-        sample = config.temperature > 0
         if sample:
             torch.manual_seed(config.seed + chunk[0])
         out = target.generate(x, attention_mask=mask, max_new_tokens=config.max_new_tokens,
@@ -190,10 +190,11 @@ def load_data(data_dir: str | os.PathLike) -> list[Conversation]:
 def split_held_out(convs: list[Conversation], fraction: float) -> tuple[list[Conversation], list[Conversation]]:
     """Hold out every conversation of the last ``fraction`` of distinct prompts (in order of first
     appearance): several answers to one prompt (sampled data) never sit on both sides."""
-    prompts = list(dict.fromkeys(tuple(c.ids[: c.prompt_len].tolist()) for c in convs))
+    keys = [tuple(c.ids[: c.prompt_len].tolist()) for c in convs]
+    prompts = list(dict.fromkeys(keys))
     n_eval = min(len(prompts) - 1, math.ceil(len(prompts) * fraction)) if fraction > 0 else 0
     held_prompts = set(prompts[len(prompts) - n_eval :])
-    split = [tuple(c.ids[: c.prompt_len].tolist()) in held_prompts for c in convs]
+    split = [k in held_prompts for k in keys]
     return [c for c, h in zip(convs, split) if not h], [c for c, h in zip(convs, split) if h]
 
 

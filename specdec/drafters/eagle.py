@@ -208,7 +208,7 @@ class EagleDrafter(Drafter):
     @classmethod
     def default(cls, target, config: EagleConfig = EagleConfig()) -> "EagleDrafter":
         """The head packaged with specdec (trained here for SmolLM2-135M-Instruct, the default model)."""
-        return cls(target, load_head(PACKAGED_HEAD, target), config)
+        return make_eagle(target, PACKAGED_HEAD, config)
 
     def __init__(self, target, head: EagleHead, config: EagleConfig = EagleConfig()) -> None:
         self.head = head.eval()
