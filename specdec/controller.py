@@ -1,7 +1,8 @@
 """Draft-length control: how many tokens to ask the drafter for at the next step.
 
-Verification is not free on a CPU: a default-model forward over 4 tokens costs ~1.4x one token,
-over 8 ~1.8x. So drafting pays only while enough of it is accepted. Two rules:
+Verification is not free on a CPU: with specdec.kernels a default-model forward over 2 tokens costs
+what 1 does, over 4 ~1.3x, over 8 ~2x. So drafting pays only while enough of it is accepted, and
+only as much of it as the measured cost curve allows. Two rules:
 
 - BASS (Qian et al., 2024) sets the length K: grow by ``step_up`` after a step where some sequence
   accepted the whole draft, otherwise shrink by one, never below the best count accepted then.
@@ -12,16 +13,23 @@ over 8 ~1.8x. So drafting pays only while enough of it is accepted. Two rules:
   when no k beats plain decoding.
   While drafting is off, a one-token probe every ``explore_every`` steps (doubling while probes
   fail, up to 8x) keeps alpha current (text changes: a summary starts quoting its source).
+
+Acceptance is kept per *draft class*, a key the drafter gives before each step (``Drafter.
+draft_class``): prompt lookup's class is the length of the n-gram it matched, because a 3-gram match
+is copied far more reliably than a 1-gram one; one rate for both would gate off the good matches
+with the bad. Each class has its own alpha, BASS length and probe schedule; verify and draft costs
+are the machine's and are shared.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Hashable
 
 
 @dataclass(frozen=True)
 class DraftLengthConfig:
-    initial: int = 5  # first step's draft length
+    initial: int = 3  # first draft length: 4 verify rows, what specdec.kernels' fast path covers
     minimum: int = 1  # never ask for fewer (0 would turn drafting off for good)
     maximum: int = 10  # past ~10 tokens a CPU verify forward costs more than it can win
     step_up: int = 2  # BASS: +2 after a step where some sequence accepted everything
@@ -31,70 +39,103 @@ class DraftLengthConfig:
     decay: float = 0.8  # weight of the past in the running averages (alpha, verify times)
 
 
+class _ClassState:
+    """What the controller has learned about one draft class."""
+
+    __slots__ = ("alpha", "length", "skipped", "interval")
+
+    def __init__(self, config: DraftLengthConfig) -> None:
+        self.alpha: float | None = None  # per-token acceptance rate, None until measured
+        self.length = config.initial  # BASS draft length
+        self.skipped = 0  # steps gated off since the last draft
+        self.interval = config.explore_every  # steps between probes; doubles while probes fail
+
+
 class DraftLengthController:
     def __init__(self, config: DraftLengthConfig = DraftLengthConfig()) -> None:
         if not 0 <= config.minimum <= config.initial <= config.maximum:
             raise ValueError(f"need 0 <= minimum <= initial <= maximum, got {config}")
         self.config = config
-        self.length = config.initial
-        self.alpha: float | None = None  # per-token acceptance rate, None until measured
+        self.classes: dict[Hashable, _ClassState] = {}
         self.step_time: dict[int, float] = {}  # block size q -> running mean verify seconds
         self.draft_time: float = 0.0  # running mean seconds the drafter takes per drafted token
-        self._skipped = 0  # steps gated off since the last draft
-        self._interval = config.explore_every  # steps between probes; doubles while probes fail
 
-    def expected_tokens(self, k: int) -> float:
+    def state(self, key: Hashable = None) -> _ClassState:
+        if key not in self.classes:
+            self.classes[key] = _ClassState(self.config)
+        return self.classes[key]
+
+    @property
+    def alpha(self) -> float | None:
+        """The default class's acceptance rate (a drafter without classes has only that one)."""
+        return self.state().alpha
+
+    @alpha.setter
+    def alpha(self, value: float | None) -> None:
+        self.state().alpha = value
+
+    @property
+    def length(self) -> int:
+        return self.state().length
+
+    def expected_tokens(self, k: int, key: Hashable = None) -> float:
         """Tokens one step yields when drafting k: 1 + alpha + alpha^2 + ... + alpha^k."""
-        a = self.alpha if self.alpha is not None else 1.0
+        a = self.state(key).alpha
+        a = 1.0 if a is None else a
         return 1.0 + sum(a**i for i in range(1, k + 1))
 
     def cost_ratio(self, q: int) -> float | None:
-        """Measured verify time of a q-row block over a 1-row block; between measured sizes the
-        nearest larger one (cost grows with q), past the largest measured the largest. None if no
-        multi-row block nor the 1-row block has been timed yet."""
-        t1 = self.step_time.get(1)
-        sizes = sorted(s for s in self.step_time if s > 1)
-        if t1 is None or not sizes:
-            return None
-        above = [s for s in sizes if s >= q]
-        return self.step_time[above[0] if above else sizes[-1]] / t1
+        """Verify time of a q-row block over a 1-row block, or None before any block was timed.
 
-    def best_length(self, k_max: int) -> int:
+        A size not timed yet is assumed as cheap as the nearest smaller timed one (cost never falls
+        as q grows, so this is a lower bound): the controller is optimistic about it, drafts it when
+        that would pay, and so times it. On a CPU the curve has steps (2-4 rows cost what 1 does
+        through specdec.kernels, 5-8 about 1.5x), which neither extrapolation nor a guess would find.
+        """
+        t1 = self.step_time.get(1)
+        if t1 is None:
+            return None
+        below = max(s for s in self.step_time if s <= q)
+        return self.step_time[below] / t1
+
+    def best_length(self, k_max: int, key: Hashable = None) -> int:
         """The k in [1, k_max] with the most tokens per second, or 0 if none beats not drafting."""
-        if self.alpha is None:
+        if self.state(key).alpha is None:
             return k_max  # not measured yet: try it
         best, best_gain = 0, 1.0
+        if 1 not in self.step_time:
+            return k_max
+        t1 = self.step_time[1]
         for k in range(1, k_max + 1):
             ratio = self.cost_ratio(1 + k)
-            if ratio is None:
-                return k_max
-            t1 = self.step_time[1]
-            gain = self.expected_tokens(k) / (ratio + k * self.draft_time / t1)
+            gain = self.expected_tokens(k, key) / (ratio + k * self.draft_time / t1)
             if gain > best_gain * 1.001:  # prefer the shorter draft on (near) ties
                 best, best_gain = k, gain
         return best
 
-    def budget(self) -> int:
+    def budget(self, key: Hashable = None) -> int:
+        """Tokens to draft next, for a draft of class ``key``."""
+        st = self.state(key)
         if not self.config.cost_aware:
-            return self.length
+            return st.length
         if 1 not in self.step_time:
             return 0  # time one plain step first: every cost below is relative to it
-        k = self.best_length(self.length)
+        k = self.best_length(st.length, key)
         if k > 0:
-            self._interval = self.config.explore_every
+            st.interval = self.config.explore_every
             return k
-        self._skipped += 1
-        if self._skipped >= self._interval:  # probe with one token: cheapest way to re-measure alpha
-            self._skipped = 0
-            self._interval = min(2 * self._interval, 8 * self.config.explore_every)  # back off
+        st.skipped += 1
+        if st.skipped >= st.interval:  # probe with one token: cheapest way to re-measure alpha
+            st.skipped = 0
+            st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off
             return 1
         return 0
 
     def update(self, num_drafted: list[int], num_accepted: list[int], verify_time: float | None = None,
-               draft_time: float | None = None) -> None:
+               draft_time: float | None = None, key: Hashable = None) -> None:
         """After a verified step: per-sequence drafted and accepted counts, the step's verify and
-        draft seconds."""
-        c = self.config
+        draft seconds, the class of its draft."""
+        c, st = self.config, self.state(key)
         q = 1 + max(num_drafted, default=0)
         if verify_time is not None:
             old = self.step_time.get(q)
@@ -104,15 +145,15 @@ class DraftLengthController:
         if draft_time is not None:
             per_token = draft_time / max(num_drafted)
             self.draft_time = c.decay * self.draft_time + (1 - c.decay) * per_token
-        self._skipped = 0
+        st.skipped = 0
         # alpha: accepted tokens over tokens the target judged (a rejection ends the judging)
         hits = sum(num_accepted)
         trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)
         rate = hits / max(1, trials)
-        self.alpha = rate if self.alpha is None else c.decay * self.alpha + (1 - c.decay) * rate
+        st.alpha = rate if st.alpha is None else c.decay * st.alpha + (1 - c.decay) * rate
         if not c.adaptive:
             return
         if any(d > 0 and a == d for d, a in zip(num_drafted, num_accepted)):
-            self.length = min(c.maximum, self.length + c.step_up)
+            st.length = min(c.maximum, st.length + c.step_up)
         else:
-            self.length = max(c.minimum, max(num_accepted), self.length - 1)
+            st.length = max(c.minimum, max(num_accepted), st.length - 1)

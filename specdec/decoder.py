@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec import kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
@@ -29,6 +30,9 @@ from specdec.verifiers.tree import Verification, verify_greedy
 class SpecDecoderConfig:
     bmc: BMCConfig = BMCConfig(period=64)  # T for the target's store
     draft_length: DraftLengthConfig = DraftLengthConfig()
+    # CPU: linear layers over blocks of <= this many rows use MKL's skinny GEMM (specdec.kernels);
+    # 0 keeps torch's default path everywhere
+    skinny_rows: int = kernels.MAX_ROWS
 
 
 @dataclass(frozen=True)
@@ -105,7 +109,6 @@ class SpecDecoder:
                              f"{self.context_window} tokens (no room left to generate)")
         return input_ids.to(torch.long)
 
-    @torch.inference_mode()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, eos_token_id=None,
                  attention_mask: torch.Tensor | None = None, streamer=None, callback=None) -> GenerateOutput:
         """Greedy generation; token-identical to ``target.generate(..., do_sample=False)``.
@@ -115,6 +118,11 @@ class SpecDecoder:
         callback: called with a ``StepEvent`` after each step (new tokens, how many were drafted).
         max_new_tokens is clipped to the room left in the context window.
         """
+        modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
+        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows):
+            return self._generate(input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback)
+
+    def _generate(self, input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback):
         ids = self._check_input(input_ids, attention_mask)
         B, P = ids.shape
         device = self.target.device
@@ -134,9 +142,10 @@ class SpecDecoder:
         while len(new) < max_new_tokens:
             # 1. draft: never more than the tokens still wanted after the bonus token
             wanted = max_new_tokens - len(new) - 1
-            follows = self.drafter is not None and self.drafter.follows_controller
-            budget = 0 if not new else min(controller.budget(), wanted) if follows else wanted
             t0 = time.perf_counter()
+            follows = self.drafter is not None and self.drafter.follows_controller
+            key = self.drafter.draft_class() if follows and new else None
+            budget = 0 if not new else min(controller.budget(key), wanted) if follows else wanted
             tree = (self.drafter.propose(budget) if self.drafter is not None and budget > 0
                     else DraftTree.empty(B))
             t1 = time.perf_counter()
@@ -164,7 +173,7 @@ class SpecDecoder:
             if self.drafter is not None:
                 self.drafter.accept(commit)
             if len(out.steps) > 1:  # the prefill's time says nothing about a decode step's cost
-                controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time)
+                controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key)
             pending = ver.next_token[:, None].to(device)
         if streamer is not None:
             streamer.end()

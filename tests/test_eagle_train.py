@@ -130,7 +130,7 @@ def test_cli_trains_from_existing_data_and_needs_a_tokenizer_for_prompts(target,
 
 def test_packaged_prompts_are_many_and_distinct():
     prompts = read_prompts(PROMPTS_FILE)
-    assert 100 <= len(prompts) <= 200 and len(set(prompts)) == len(prompts)
+    assert 300 <= len(prompts) <= 600 and len(set(prompts)) == len(prompts)
 
 
 def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():

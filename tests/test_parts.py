@@ -9,7 +9,8 @@ import torch
 
 from specdec import models
 from specdec.controller import DraftLengthConfig, DraftLengthController
-from specdec.drafters.prompt_lookup import find_continuation
+from specdec.drafters.base import Prompt
+from specdec.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter, find_continuation
 from specdec.tree import DraftTree
 from specdec.verifiers.tree import verify_greedy
 
@@ -145,7 +146,7 @@ def test_cost_gate_picks_the_cheapest_length_that_pays():
     """Block sizes 2-4 cost the same (1.36x), 5+ cost 1.8x: at alpha 0.5 three drafts win."""
     c = _cost_aware()
     c.alpha = 0.5
-    c.step_time = {1: 1.0, 2: 1.36, 4: 1.36, 8: 1.8}
+    c.step_time = {1: 1.0, 2: 1.36, 3: 1.36, 4: 1.36, 5: 1.8, 6: 1.8, 7: 1.8, 8: 1.8}
     assert c.best_length(7) == 3
     c.draft_time = 1.0  # a drafter as slow as the target: no length pays
     assert c.best_length(7) == 0
@@ -157,3 +158,36 @@ def test_verify_cost_bench_measures_every_method_and_size(target):
     med = verify_cost.measure(target, context=16, sizes=(1, 4), repeats=2)
     assert set(med) == set(verify_cost.METHODS)
     assert all(set(per) == {1, 4} and all(t > 0 for t in per.values()) for per in med.values())
+
+
+def test_cost_gate_keeps_acceptance_per_draft_class():
+    """A class that is never accepted is gated off while another, always accepted, keeps drafting."""
+    c = _cost_aware(explore_every=100)
+    c.update([0], [0], verify_time=1.0)
+    for _ in range(3):
+        c.update([4], [0], verify_time=1.4, key=1)  # 1-gram matches: rejected
+        c.update([4], [4], verify_time=1.4, key=3)  # 3-gram matches: copied in full
+    assert c.state(1).alpha == 0.0 and c.state(3).alpha == 1.0
+    assert c.budget(1) == 0
+    assert c.budget(3) == c.state(3).length == 8  # grown by BASS up to the maximum
+    assert c.budget(2) == c.config.initial  # a class never seen: not measured yet, try it
+
+
+def test_prompt_lookup_class_is_the_matched_ngram_size():
+    d = PromptLookupDrafter(PromptLookupConfig(max_ngram=3, min_ngram=1, max_draft=4))
+    d.begin(Prompt(torch.tensor([[5, 6, 7, 8, 9, 1, 6, 7]]), torch.tensor([8])))
+    assert d.draft_class() == 2  # [6 7] occurred before; [1 6 7] did not
+    assert d.propose(3).tokens.tolist() == [[8, 9, 1]]
+    d.begin(Prompt(torch.tensor([[5, 6, 7, 4]]), torch.tensor([4])))
+    assert d.draft_class() == 0 and d.propose(3).num_nodes.tolist() == [0]
+
+
+def test_cost_gate_is_optimistic_about_untimed_sizes():
+    """An untimed block size is assumed as cheap as the nearest smaller timed one, so it gets tried
+    (and timed) when it would pay; once timed expensive, the gate falls back."""
+    c = _cost_aware()
+    c.alpha = 0.8
+    c.step_time = {1: 1.0, 2: 1.0}  # only 1 and 2 rows timed
+    assert c.best_length(6) == 6  # 7 rows assumed to cost what 2 do
+    c.step_time.update({q: 2.5 for q in range(3, 8)})  # timed: 3+ rows cost 2.5x
+    assert c.best_length(6) == 1

@@ -6,6 +6,8 @@ same curve at run time). Methods, each over the same context of ``--context`` to
     hf          plain HF forward on a DynamicCache, causal mask (a copy of the context's cache per call)
     bmc-chain   specdec's verify forward on the BMC store, causal fast path (chains)
     bmc-tree    the same with a tree's general mask (the ancestor mask of a chain, built per call)
+    skinny-chain, skinny-tree   the same two with specdec.kernels' few-row linear path (what
+                SpecDecoder runs on CPU): the "after" of the curve, the three above its "before"
 
 Methods and block sizes alternate inside each repeat; figures are medians over repeats.
 """
@@ -21,12 +23,13 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from specdec import kernels
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache
 from specdec.tree import chain_mask
 
 SIZES = (1, 2, 4, 8, 16, 32)
-METHODS = ("hf", "bmc-chain", "bmc-tree")
+METHODS = ("hf", "bmc-chain", "bmc-tree", "skinny-chain", "skinny-tree")
 
 
 def _context(model, n: int) -> torch.Tensor:
@@ -66,7 +69,13 @@ def measure(model, context: int = 200, sizes=SIZES, repeats: int = 20) -> dict:
         bmc.rollback([context])
         return t
 
-    run = {"hf": hf, "bmc-chain": chain, "bmc-tree": tree}
+    def skinny(f):
+        def g(q):
+            with kernels.skinny_linears(model):
+                return f(q)
+        return g
+
+    run = {"hf": hf, "bmc-chain": chain, "bmc-tree": tree, "skinny-chain": skinny(chain), "skinny-tree": skinny(tree)}
     times = {m: {q: [] for q in sizes} for m in METHODS}
     for m in METHODS:  # warm-up
         for q in sizes:
@@ -97,15 +106,16 @@ def run(args) -> int:
     model = load_model(args.model).model.eval()
     med = measure(model, args.context, SIZES, args.repeats)
     table = Table(title=f"target forward over q tokens, {args.context}-token context, "
-                        f"{torch.get_num_threads()} threads (median of {args.repeats})")
+                        f"{torch.get_num_threads()} threads (median of {args.repeats}; ratio = time over "
+                        f"hf's 1-token forward)")
     table.add_column("q", justify="right")
     for m in METHODS:
         table.add_column(f"{m} ms", justify="right")
-        table.add_column(f"{m} / q=1", justify="right")
+        table.add_column("ratio", justify="right")
+    base = med["hf"][1]
     for q in SIZES:
-        table.add_row(str(q), *[x for m in METHODS
-                                for x in (f"{med[m][q] * 1e3:.1f}", f"{med[m][q] / med[m][1]:.2f}x")])
-    Console().print(table)
+        table.add_row(str(q), *[x for m in METHODS for x in (f"{med[m][q] * 1e3:.1f}", f"{med[m][q] / base:.2f}x")])
+    Console(width=200).print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"context": args.context, "threads": torch.get_num_threads(),

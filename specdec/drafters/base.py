@@ -48,6 +48,15 @@ class Drafter(ABC):
     # capped by the tokens still wanted.
     follows_controller: bool = True
 
+    def draft_class(self):
+        """A key for the controller's acceptance statistics of the next draft (any hashable; None =
+        one class for all). Prompt lookup returns the length of the n-gram it will copy after."""
+        return None
+
+    def torch_modules(self) -> list:
+        """The nn.Modules the drafter runs, for the decoder's CPU kernel routing (specdec.kernels)."""
+        return []
+
     @abstractmethod
     def begin(self, prompt: Prompt) -> None: ...
 

@@ -56,6 +56,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec import kernels
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.tree import DraftTree, chain_mask
@@ -166,7 +167,7 @@ class EagleHead(nn.Module):
             # a copy of M rows, made once: indexing the full matrix every call would copy each time
             with torch.inference_mode(False):  # a normal tensor: training may use it after drafting
                 self._lm_weight = self._target.lm_head.weight.detach()[self.draft_vocab.to(hidden.device)]
-        return nn.functional.linear(hidden, self._lm_weight.to(hidden.dtype))
+        return kernels.linear(hidden, self._lm_weight.to(hidden.dtype))
 
     def target_logits(self, hidden: torch.Tensor, full_vocab: bool = False) -> torch.Tensor:
         """The target's own lm_head on features: [..., D] -> [..., M] (or [..., V] if full_vocab)."""
@@ -222,6 +223,9 @@ class EagleDrafter(Drafter):
         self._toks: list[list[int]] = []  # per row: their tokens
         self._root: torch.Tensor | None = None  # [B, D] head output at each row's last stored pair
         self._has_root: torch.Tensor | None = None  # [B] bool: the row has stored at least one pair
+
+    def torch_modules(self) -> list:
+        return [self.head]
 
     # -- the three methods of the contract
 

@@ -42,6 +42,9 @@ class ModelDrafter(Drafter):
         self._drafted = 0  # drafted tokens written into the store by the last propose (K - 1)
         self._proposed = False  # a propose ran since the last accept (the decoder may skip it)
 
+    def torch_modules(self) -> list:
+        return [self.model]
+
     def begin(self, prompt: Prompt) -> None:
         self.history = TokenHistory(prompt)
         B = prompt.input_ids.shape[0]

@@ -43,22 +43,32 @@ class PromptLookupDrafter(Drafter):
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config
         self.history: TokenHistory | None = None
+        self._matches: list[tuple[int, np.ndarray]] | None = None  # per row (n-gram size, continuation)
 
     def begin(self, prompt: Prompt) -> None:
         self.history = TokenHistory(prompt)
+        self._matches = None
+
+    def _match(self, row: list[int]) -> tuple[int, np.ndarray]:
+        """The longest suffix n-gram (max_ngram down to min_ngram) seen before, and what followed it."""
+        seq = np.asarray(row, dtype=np.int64)
+        for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
+            found = find_continuation(seq, n, self.config.max_draft)
+            if found.size:
+                return n, found
+        return 0, seq[:0]
+
+    def draft_class(self) -> int:
+        """The n-gram size the next draft copies after (0: no match), the longest over the rows."""
+        assert self.history is not None, "begin() first"
+        self._matches = [self._match(row) for row in self.history.rows]
+        return max(n for n, _ in self._matches)
 
     def propose(self, budget: int) -> DraftTree:
         assert self.history is not None, "begin() first"
-        k = min(budget, self.config.max_draft)
-        drafts = []
-        for row in self.history.rows:
-            seq = np.asarray(row, dtype=np.int64)
-            found = seq[:0]
-            for n in range(self.config.max_ngram, self.config.min_ngram - 1, -1):
-                found = find_continuation(seq, n, k)
-                if found.size:
-                    break
-            drafts.append(found)
+        matches = self._matches if self._matches is not None else [self._match(r) for r in self.history.rows]
+        self._matches = None
+        drafts = [found[: max(0, budget)] for _, found in matches]
         width = max(len(d) for d in drafts)
         tokens = torch.zeros(len(drafts), width, dtype=torch.long)
         for b, d in enumerate(drafts):
@@ -68,3 +78,4 @@ class PromptLookupDrafter(Drafter):
 
     def accept(self, commit: Commit) -> None:
         self.history.extend(commit)
+        self._matches = None
