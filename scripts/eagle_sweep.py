@@ -1,7 +1,8 @@
 """EAGLE tree-size sweep: HF generate vs EagleDrafter tree configs on Spec-Bench, 1 question per category,
 128 new tokens, methods rotating per question, one process; prints speedups, tau, identical.
+Trees are (total nodes, depth, top-k); "none" = SpecDecoder without a drafter (plain decoding).
 
-    python scripts/eagle_sweep.py HEAD_DIR QUESTIONS_JSONL
+    python scripts/eagle_sweep.py HEAD_DIR QUESTIONS_JSONL [nodes,depth,top_k ...]
 """
 import statistics, sys, time, json
 import torch
@@ -16,9 +17,12 @@ head, questions = sys.argv[1], sys.argv[2]
 m = load_model("default"); model, tok = m.model.eval(), m.tokenizer
 eos = stop_token_ids(model, tok)
 qs = select_questions(load_questions(questions), limit_per_category=1)
-configs = [(8, 4, 4), (12, 5, 4), (16, 6, 4), (24, 6, 6), (12, 6, 2)]
-methods = {"hf": None, **{f"eagle{c}": EagleConfig(*c) for c in configs}}
+configs = [tuple(int(x) for x in a.split(",")) for a in sys.argv[3:]] or [(8, 4, 4), (12, 5, 4), (16, 6, 4)]
+methods = {"hf": None, "none": "none", **{f"eagle{c}": EagleConfig(*c) for c in configs}}
 def run(name, ids, n):
+    if methods[name] == "none":
+        out = SpecDecoder(model, None).generate(ids, max_new_tokens=n, eos_token_id=eos)
+        return out.sequences, out.mean_accepted_tokens
     if methods[name] is None:
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]), None
     out = SpecDecoder(model, make_eagle(model, head, methods[name])).generate(ids, max_new_tokens=n, eos_token_id=eos)

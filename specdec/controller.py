@@ -14,6 +14,11 @@ only as much of it as the measured cost curve allows. Two rules:
   While drafting is off, a one-token probe every ``explore_every`` steps (doubling while probes
   fail, up to 8x) keeps alpha current (text changes: a summary starts quoting its source).
 
+Drafters that size their own drafts (EAGLE-2 trees rank nodes by draft score) skip the length rule
+and take ``gate``: draft while a drafting step's measured tokens per second (tokens it yields over
+its draft + verify seconds) beat a plain step's, else decode plainly and probe on the same schedule.
+That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
+
 Acceptance is kept per *draft class*, a key the drafter gives before each step (``Drafter.
 draft_class``): prompt lookup's class is the length of the n-gram it matched, because a 3-gram match
 is copied far more reliably than a 1-gram one; one rate for both would gate off the good matches
@@ -42,10 +47,12 @@ class DraftLengthConfig:
 class _ClassState:
     """What the controller has learned about one draft class."""
 
-    __slots__ = ("alpha", "length", "skipped", "interval")
+    __slots__ = ("alpha", "length", "skipped", "interval", "tokens", "seconds")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         self.alpha: float | None = None  # per-token acceptance rate, None until measured
+        self.tokens: float | None = None  # running mean tokens a drafting step yields (tau)
+        self.seconds: float | None = None  # running mean draft + verify seconds of a drafting step
         self.length = config.initial  # BASS draft length
         self.skipped = 0  # steps gated off since the last draft
         self.interval = config.explore_every  # steps between probes; doubles while probes fail
@@ -124,12 +131,29 @@ class DraftLengthController:
         if k > 0:
             st.interval = self.config.explore_every
             return k
+        return 1 if self._probe(st) else 0  # a one-token probe: the cheapest way to re-measure alpha
+
+    def gate(self, key: Hashable = None) -> bool:
+        """Draft at all this step? For drafters that size their own drafts (see the module doc)."""
+        st = self.state(key)
+        if not self.config.cost_aware:
+            return True
+        t1 = self.step_time.get(1)
+        if t1 is None:
+            return False  # time a plain step first
+        if st.tokens is None or st.tokens / st.seconds > 1.001 / t1:
+            st.interval = self.config.explore_every
+            return True
+        return self._probe(st)
+
+    def _probe(self, st: _ClassState) -> bool:
+        """While drafting is off: True once every ``interval`` steps, the interval doubling (to 8x)."""
         st.skipped += 1
-        if st.skipped >= st.interval:  # probe with one token: cheapest way to re-measure alpha
-            st.skipped = 0
-            st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off
-            return 1
-        return 0
+        if st.skipped < st.interval:
+            return False
+        st.skipped = 0
+        st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off
+        return True
 
     def update(self, num_drafted: list[int], num_accepted: list[int], verify_time: float | None = None,
                draft_time: float | None = None, key: Hashable = None) -> None:
@@ -146,6 +170,11 @@ class DraftLengthController:
             per_token = draft_time / max(num_drafted)
             self.draft_time = c.decay * self.draft_time + (1 - c.decay) * per_token
         st.skipped = 0
+        if verify_time is not None and draft_time is not None:
+            yielded = 1 + max(num_accepted)
+            spent = verify_time + draft_time
+            st.tokens = yielded if st.tokens is None else c.decay * st.tokens + (1 - c.decay) * yielded
+            st.seconds = spent if st.seconds is None else c.decay * st.seconds + (1 - c.decay) * spent
         # alpha: accepted tokens over tokens the target judged (a rejection ends the judging)
         hits = sum(num_accepted)
         trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)

@@ -143,9 +143,13 @@ class SpecDecoder:
             # 1. draft: never more than the tokens still wanted after the bonus token
             wanted = max_new_tokens - len(new) - 1
             t0 = time.perf_counter()
-            follows = self.drafter is not None and self.drafter.follows_controller
-            key = self.drafter.draft_class() if follows and new else None
-            budget = 0 if not new else min(controller.budget(key), wanted) if follows else wanted
+            key = self.drafter.draft_class() if self.drafter is not None and new else None
+            if self.drafter is None or not new:
+                budget = 0
+            elif self.drafter.follows_controller:
+                budget = min(controller.budget(key), wanted)
+            else:  # the drafter sizes its own tree; the controller only says whether drafting pays
+                budget = wanted if controller.gate(key) else 0
             tree = (self.drafter.propose(budget) if self.drafter is not None and budget > 0
                     else DraftTree.empty(B))
             t1 = time.perf_counter()

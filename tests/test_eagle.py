@@ -20,7 +20,7 @@ from specdec.tree import node_depths, path_to
 def _decoder_config(period: int, nodes: int) -> SpecDecoderConfig:
     # a fixed node budget: the BASS controller's "all accepted" never happens with a bushy tree
     return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(
-        initial=nodes, maximum=nodes, adaptive=False))
+        initial=nodes, maximum=nodes, adaptive=False, cost_aware=False))
 
 
 def _random_head(target, seed=1, **kw) -> EagleHead:

@@ -90,7 +90,8 @@ def test_train_resume_and_draft_losslessly(target, data_dir, tmp_path):
     # the trained head drafts losslessly, on a training prompt (where a briefly trained head has
     # learnt the target's answer: deep acceptance) and a held-out one; a random head gets ~nothing
     convs = load_data(data_dir)
-    cfg = SpecDecoderConfig(bmc=BMCConfig(3), draft_length=DraftLengthConfig(initial=10, maximum=10, adaptive=False))
+    cfg = SpecDecoderConfig(bmc=BMCConfig(3), draft_length=DraftLengthConfig(initial=10, maximum=10, adaptive=False,
+                                                                           cost_aware=False))
     torch.manual_seed(0)
     random_head = EagleHead(target)
     taus = {}

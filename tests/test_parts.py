@@ -191,3 +191,19 @@ def test_cost_gate_is_optimistic_about_untimed_sizes():
     assert c.best_length(6) == 6  # 7 rows assumed to cost what 2 do
     c.step_time.update({q: 2.5 for q in range(3, 8)})  # timed: 3+ rows cost 2.5x
     assert c.best_length(6) == 1
+
+
+def test_gate_for_self_sized_drafts_follows_measured_throughput():
+    """Drafting steps that yield 1.5 tokens in 2x a plain step's time lose: the gate closes and
+    probes on the schedule; steps that yield 3 tokens in 1.5x win: it stays open."""
+    c = _cost_aware(explore_every=2)
+    assert not c.gate()  # no plain step timed yet
+    c.update([0], [0], verify_time=1.0)
+    assert c.gate()  # drafting not measured yet: try it
+    for _ in range(5):
+        c.update([5], [0], verify_time=1.6, draft_time=0.4)  # 1 token per 2.0 s
+    assert [c.gate() for _ in range(6)] == [False, True, False, False, False, True]  # probes at 2, then 4
+    c.update([5], [4], verify_time=1.2, draft_time=0.3)
+    for _ in range(10):
+        c.update([5], [2], verify_time=1.2, draft_time=0.3)  # 3 tokens per 1.5 s
+    assert c.gate() and c.gate()

@@ -4,6 +4,8 @@ import pytest
 import torch
 
 from specdec import SpecDecoder
+from specdec.controller import DraftLengthConfig
+from specdec.decoder import SpecDecoderConfig
 from specdec.registry import make_drafter
 
 pytestmark = pytest.mark.real_model
@@ -51,6 +53,7 @@ def test_packaged_eagle_head_drafts_for_the_default_model(real):
 
     ids = _ids(real, PROMPTS[1])
     ref = real.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=60, do_sample=False)
-    out = SpecDecoder(real.model, EagleDrafter.default(real.model)).generate(ids, max_new_tokens=60)
+    always = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft every step
+    out = SpecDecoder(real.model, EagleDrafter.default(real.model), always).generate(ids, max_new_tokens=60)
     assert torch.equal(out.sequences, ref)
     assert out.mean_accepted_tokens > 1.2  # a trained head gets drafts accepted; a random one does not
