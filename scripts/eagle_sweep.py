@@ -1,18 +1,22 @@
 """EAGLE tree-size sweep: HF generate vs EagleDrafter tree configs on Spec-Bench, 1 question per category,
 128 new tokens, methods rotating per question, one process; prints speedups, tau, identical.
-Trees are (total nodes, depth, top-k); "none" = SpecDecoder without a drafter (plain decoding).
+Trees are (total nodes, depth, top-k), drafted every step (the controller's gate off, to compare
+trees); "none" = SpecDecoder without a drafter (plain decoding).
 
     python scripts/eagle_sweep.py HEAD_DIR QUESTIONS_JSONL [nodes,depth,top_k ...]
 """
 import statistics, sys, time, json
 import torch
 from specdec import SpecDecoder
+from specdec.controller import DraftLengthConfig
+from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.eagle import EagleConfig, make_eagle
 from specdec.models import load_model
 from specdec.questions import load_questions, select_questions
 from specdec.specbench import chat_input_ids, stop_token_ids
 
 torch.set_num_threads(2)
+ALWAYS = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # the tree every step: no gate
 head, questions = sys.argv[1], sys.argv[2]
 m = load_model("default"); model, tok = m.model.eval(), m.tokenizer
 eos = stop_token_ids(model, tok)
@@ -25,7 +29,7 @@ def run(name, ids, n):
         return out.sequences, out.mean_accepted_tokens
     if methods[name] is None:
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]), None
-    out = SpecDecoder(model, make_eagle(model, head, methods[name])).generate(ids, max_new_tokens=n, eos_token_id=eos)
+    out = SpecDecoder(model, make_eagle(model, head, methods[name]), ALWAYS).generate(ids, max_new_tokens=n, eos_token_id=eos)
     return out.sequences, out.mean_accepted_tokens
 for name in methods: run(name, tok("Hello", return_tensors="pt")["input_ids"], 4)
 rows = {k: [] for k in methods}

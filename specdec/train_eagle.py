@@ -11,6 +11,9 @@ Stages (each resumable; rerunning the same command continues where it stopped):
             decay, gradient values clipped at 0.5. A checkpoint (head, optimizer, step) is written
             every ``--save-every`` steps to ``DIR/checkpoint``; held-out top-1 accuracy (the head's
             token == the target's greedy token, teacher-forced features) every ``--eval-every``.
+            ``--answers FILE`` keeps the answers (token ids only, ~1 KB each) in a file that
+            later runs rebuild the conversations from (one forward each, no decoding), so a
+            dataset grows across sessions instead of being regenerated.
 3. output   ``DIR/head`` (load with ``specdec.drafters.eagle.load_head`` or SPECDEC_EAGLE_HEAD),
             and with ``--export-eagle DIR2`` the same weights in EAGLE's checkpoint layout.
 
@@ -111,8 +114,6 @@ def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
     batch of 8 costs little more per step than one sequence); each answer is cut after its first
     EOS and its features come from a forward over that conversation alone, unpadded, as the head
     will meet them when drafting."""
-    from safetensors.torch import save_file
-
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     todo = [i for i in range(len(prompts)) if not _conv_path(d, i).exists()]
@@ -135,15 +136,74 @@ def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
             answer = out[row, width:].tolist()
             ends = [k for k, t in enumerate(answer) if t in eos]
             answer = answer[: ends[0] + 1] if ends else answer
-            ids = torch.tensor([prompts[i] + answer], device=target.device)
-            hidden = target(ids, output_hidden_states=True).hidden_states[-1][0]  # [n, D], after the final norm
-            path = _conv_path(d, i)
-            tmp = path.with_suffix(".tmp")
-            save_file({"input_ids": ids[0].cpu(), "hidden": hidden.float().cpu().contiguous()}, str(tmp),
-                      metadata={"prompt_len": str(len(prompts[i]))})
-            os.replace(tmp, path)  # a conversation file is complete or absent, never half written
+            _write_conv(target, _conv_path(d, i), prompts[i] + answer, len(prompts[i]))
             if task is not None:
                 progress.advance(task)
+    return len(todo)
+
+
+@torch.no_grad()
+def _write_conv(target, path: Path, ids: list[int], prompt_len: int) -> None:
+    """One conversation file: its ids and the target's last hidden states (one forward over it)."""
+    from safetensors.torch import save_file
+
+    x = torch.tensor([ids], device=target.device)
+    hidden = target(x, output_hidden_states=True).hidden_states[-1][0]  # [n, D], after the final norm
+    tmp = path.with_suffix(".tmp")
+    save_file({"input_ids": x[0].cpu(), "hidden": hidden.float().cpu().contiguous()}, str(tmp),
+              metadata={"prompt_len": str(prompt_len)})
+    os.replace(tmp, path)  # a conversation file is complete or absent, never half written
+
+
+# Answers are the costly part of the data (one decode step per token); features cost one forward per
+# conversation. So a file of answers (token ids only, ~1 KB a conversation) carries a dataset across
+# machines and sessions, and each session can add to it.
+
+def save_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> int:
+    """Write every conversation in ``data_dir`` as a JSONL line {"conv", "prompt_len", "ids"}."""
+    from safetensors import safe_open
+
+    files = sorted(Path(data_dir).glob("conv_*.safetensors"))
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        for file in files:
+            with safe_open(str(file), framework="pt") as sf:
+                p = int((sf.metadata() or {}).get("prompt_len", 0))
+                ids = sf.get_tensor("input_ids").tolist()
+            f.write(json.dumps({"conv": int(file.stem.split("_")[1]), "prompt_len": p, "ids": ids}) + "\n")
+    os.replace(tmp, path)
+    return len(files)
+
+
+def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
+    """(conv, prompt_len, ids) per line of an answers file; a malformed line is named."""
+    rows = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                conv, p, ids = int(r["conv"]), int(r["prompt_len"]), [int(t) for t in r["ids"]]
+                if conv < 0 or not 0 < p < len(ids):
+                    raise ValueError(f"conv {conv}, prompt_len {p}, {len(ids)} ids")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not an answer line ({e})") from None
+            rows.append((conv, p, ids))
+    return rows
+
+
+def restore_answers(target, path: str | os.PathLike, data_dir: str | os.PathLike, progress=None) -> int:
+    """Rebuild the conversation files of an answers file that ``data_dir`` lacks (features by one
+    target forward each). Returns how many were written."""
+    d = Path(data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    todo = [r for r in read_answers(path) if not _conv_path(d, r[0]).exists()]
+    task = progress.add_task("answers", total=len(todo)) if progress is not None else None
+    for conv, p, ids in todo:
+        _write_conv(target, _conv_path(d, conv), ids, p)
+        if task is not None:
+            progress.advance(task)
     return len(todo)
 
 
@@ -425,6 +485,9 @@ def add_arguments(parser) -> None:
                         help="draft from the M most frequent tokens of the data (default: full vocab)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stage", choices=["all", "data", "train"], default="all")
+    parser.add_argument("--answers", default=None, metavar="FILE",
+                        help="answers file (token ids, JSONL): the data stage first rebuilds the "
+                             "conversations it holds, then writes every conversation back to it")
     parser.add_argument("--export-eagle", default=None, metavar="DIR",
                         help="also write the head in EAGLE's checkpoint layout to DIR")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
@@ -459,8 +522,14 @@ def run(args) -> int:
         prompts = read_prompts(args.prompts)[: args.num_prompts]
         ids = encode_prompts(loaded.tokenizer, prompts)
         with Progress(*columns[:3], TimeRemainingColumn(), console=console, disable=args.quiet) as prog:
+            if args.answers and Path(args.answers).exists():
+                k = restore_answers(target, args.answers, out / "data", prog)
+                console.print(f"answers: {k} conversations rebuilt from {args.answers}")
             n = generate_data(target, ids, out / "data", data_cfg, prog)
         console.print(f"data: {n} new conversations, {len(ids)} in {out / 'data'}")
+        if args.answers:
+            k = save_answers(out / "data", args.answers)
+            console.print(f"answers: {k} conversations written to {args.answers}")
     if args.stage in ("all", "train"):
         with Progress(*columns, console=console, disable=args.quiet) as prog:
             res = train_head(target, out / "data", out, train_cfg, prog, log=console.print)

@@ -14,7 +14,8 @@ from specdec.controller import DraftLengthConfig
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
 from specdec.kv.bmc import BMCConfig
 from specdec.train_eagle import (PROMPTS_FILE, Conversation, DataConfig, TrainConfig, add_arguments, batch_indices,
-                                 generate_data, load_data, lr_at, read_prompts, run, split_held_out, train_head)
+                                 generate_data, load_data, lr_at, read_answers, read_prompts, restore_answers, run,
+                                 save_answers, split_held_out, train_head)
 
 STEPS = 60
 CFG = TrainConfig(steps=STEPS, batch_size=4, lr=1e-2, warmup=4, save_every=5, eval_every=20, held_out=0.2)
@@ -60,6 +61,22 @@ def test_data_files_hold_ids_and_features(target, data_dir):
     c = convs[0]
     assert c.hidden.shape == (len(c.ids), 64) and len(c.ids) == c.prompt_len + 48
     assert torch.equal(c.ids[None], hf_greedy(target, c.ids[None, : c.prompt_len], 48))
+
+
+def test_answers_file_carries_the_data_without_features(target, data_dir, tmp_path):
+    answers = tmp_path / "answers.jsonl"
+    assert save_answers(data_dir, answers) == 10
+    assert answers.stat().st_size < 20_000  # token ids only
+    rebuilt = tmp_path / "rebuilt"
+    assert restore_answers(target, answers, rebuilt) == 10
+    assert restore_answers(target, answers, rebuilt) == 0  # files there are kept
+    for a, b in zip(load_data(data_dir), load_data(rebuilt)):
+        assert torch.equal(a.ids, b.ids) and a.prompt_len == b.prompt_len
+        torch.testing.assert_close(a.hidden, b.hidden)  # recomputed by one forward
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(answers.read_text().splitlines()[0] + "\n" + '{"conv": 3, "prompt_len": 9, "ids": [1, 2]}\n')
+    with pytest.raises(ValueError, match="bad.jsonl:2: not an answer line"):
+        read_answers(bad)
 
 
 def test_schedule_and_batches_are_pure_functions_of_the_step():
