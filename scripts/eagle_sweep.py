@@ -3,7 +3,7 @@
 Trees are (total nodes, depth, top-k), drafted every step (the controller's gate off, to compare
 trees); "none" = SpecDecoder without a drafter (plain decoding).
 
-    python scripts/eagle_sweep.py HEAD_DIR QUESTIONS_JSONL [nodes,depth,top_k ...]
+    python scripts/eagle_sweep.py HEAD_DIR QUESTIONS_JSONL [nodes,depth,top_k ...] [--gated]
 """
 import statistics, sys, time, json
 import torch
@@ -21,11 +21,16 @@ head, questions = sys.argv[1], sys.argv[2]
 m = load_model("default"); model, tok = m.model.eval(), m.tokenizer
 eos = stop_token_ids(model, tok)
 qs = select_questions(load_questions(questions), limit_per_category=1)
-configs = [tuple(int(x) for x in a.split(",")) for a in sys.argv[3:]] or [(8, 4, 4), (12, 5, 4), (16, 6, 4)]
+configs = [tuple(int(x) for x in a.split(",")) for a in sys.argv[3:] if a != "--gated"] or [(8, 4, 4), (12, 5, 4), (16, 6, 4)]
 methods = {"hf": None, "none": "none", **{f"eagle{c}": EagleConfig(*c) for c in configs}}
+if "--gated" in sys.argv:  # also the default tree with the controller's gate on (what `--drafter eagle` runs)
+    methods["eagle-gated"] = "gated"
 def run(name, ids, n):
     if methods[name] == "none":
         out = SpecDecoder(model, None).generate(ids, max_new_tokens=n, eos_token_id=eos)
+        return out.sequences, out.mean_accepted_tokens
+    if methods[name] == "gated":
+        out = SpecDecoder(model, make_eagle(model, head)).generate(ids, max_new_tokens=n, eos_token_id=eos)
         return out.sequences, out.mean_accepted_tokens
     if methods[name] is None:
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=eos[0]), None

@@ -42,6 +42,9 @@ class DraftLengthConfig:
     cost_aware: bool = True  # draft only when expected gain beats the measured verify cost
     explore_every: int = 8  # while gated off, probe one token every n steps (backs off to 8n)
     decay: float = 0.8  # weight of the past in the running averages (alpha, verify times)
+    # the gate's tokens and seconds per drafting step: a long memory (~20 steps), because one step
+    # yields 1, 2 or 3 tokens and a short average near break-even would close the gate on noise
+    gate_decay: float = 0.95
 
 
 class _ClassState:
@@ -173,8 +176,9 @@ class DraftLengthController:
         if verify_time is not None and draft_time is not None:
             yielded = 1 + max(num_accepted)
             spent = verify_time + draft_time
-            st.tokens = yielded if st.tokens is None else c.decay * st.tokens + (1 - c.decay) * yielded
-            st.seconds = spent if st.seconds is None else c.decay * st.seconds + (1 - c.decay) * spent
+            g = c.gate_decay
+            st.tokens = yielded if st.tokens is None else g * st.tokens + (1 - g) * yielded
+            st.seconds = spent if st.seconds is None else g * st.seconds + (1 - g) * spent
         # alpha: accepted tokens over tokens the target judged (a rejection ends the judging)
         hits = sum(num_accepted)
         trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)

@@ -13,7 +13,7 @@ microseconds per matrix (`F.linear` / `torch.mm(W, x.T)`):
 So a block of up to ``max_rows`` rows is computed as ``W @ x^T`` in chunks of at most 4 rows. One
 row alone would take MKL's GEMV again, so an odd chunk gets a zero row (2 rows cost what 1 costs).
 Past 4 rows F.linear's general GEMM is about as fast and is used as is. On the whole default model
-(2 threads, 200-token context) a 1-token forward gets ~30% faster and a 2-4 token verify block costs
+(2 threads, 200-token context) a 1-token forward takes ~25% less time and a 2-4 token verify block costs
 about what one token did before; ``specdec bench-verify`` shows the curve before and after.
 
 Same products, another summation order: results agree with F.linear to fp32 rounding, as a

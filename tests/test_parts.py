@@ -196,7 +196,7 @@ def test_cost_gate_is_optimistic_about_untimed_sizes():
 def test_gate_for_self_sized_drafts_follows_measured_throughput():
     """Drafting steps that yield 1.5 tokens in 2x a plain step's time lose: the gate closes and
     probes on the schedule; steps that yield 3 tokens in 1.5x win: it stays open."""
-    c = _cost_aware(explore_every=2)
+    c = _cost_aware(explore_every=2, gate_decay=0.8)
     assert not c.gate()  # no plain step timed yet
     c.update([0], [0], verify_time=1.0)
     assert c.gate()  # drafting not measured yet: try it

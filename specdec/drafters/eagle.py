@@ -74,11 +74,11 @@ class EagleHeadConfig:
 
 @dataclass(frozen=True)
 class EagleConfig:
-    # Small trees: on this CPU a verify over q tokens costs more than one over 1 (1.5x at 6 tokens), and
-    # the packaged head's acceptance pays for few nodes (sweep in docs/benchmarks.md). EAGLE-2 on a
-    # GPU: 60 nodes, depth 6, top-k 10.
-    total_tokens: int = 5  # nodes per tree
-    depth: int = 3  # tree levels, i.e. the longest acceptable draft
+    # Small trees: on this CPU a verify block of up to 4 rows (pending token + 3 nodes) takes
+    # specdec.kernels' fast path, 6+ rows cost ~1.5x more; each level is one more head forward.
+    # 3 nodes, 2 levels won the sweep in docs/benchmarks.md. EAGLE-2 on a GPU: 60 nodes, depth 6, top-k 10.
+    total_tokens: int = 3  # nodes per tree
+    depth: int = 2  # tree levels, i.e. the longest acceptable draft
     top_k: int = 3  # children per expanded node, and nodes expanded per level
     bmc: BMCConfig = BMCConfig(period=64)  # the head's own one-layer KV store
 
