@@ -44,8 +44,8 @@ class Drafter(ABC):
     vocab_size: int | None = None  # None: the drafter emits whatever ids the target uses
     needs_hidden_states: bool = False  # True: Prompt.hidden and Commit.hidden must be filled
     # True: the decoder's draft-length controller sets the budget (chain drafters). A drafter that
-    # sizes its own drafts (EAGLE-2's dynamic tree ranks nodes by score) sets False and is only
-    # capped by the tokens still wanted.
+    # sizes its own drafts (EAGLE-2's dynamic tree ranks nodes by score) sets False: it is capped by
+    # the tokens still wanted, and the controller's throughput gate only decides whether it drafts.
     follows_controller: bool = True
 
     def draft_class(self):
