@@ -110,12 +110,10 @@ class DraftLengthController:
 
     def best_length(self, k_max: int, key: Hashable = None) -> int:
         """The k in [1, k_max] with the most tokens per second, or 0 if none beats not drafting."""
-        if self.state(key).alpha is None:
+        t1 = self.step_time.get(1)
+        if self.state(key).alpha is None or t1 is None:
             return k_max  # not measured yet: try it
         best, best_gain = 0, 1.0
-        if 1 not in self.step_time:
-            return k_max
-        t1 = self.step_time[1]
         for k in range(1, k_max + 1):
             ratio = self.cost_ratio(1 + k)
             gain = self.expected_tokens(k, key) / (ratio + k * self.draft_time / t1)
