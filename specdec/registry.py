@@ -10,6 +10,7 @@ from typing import Callable
 from specdec.drafters.base import Drafter
 from specdec.drafters.eagle import make_eagle
 from specdec.drafters.early_exit import early_exit_model
+from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 
@@ -23,6 +24,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
         early_exit_model(target, max(1, target.config.num_hidden_layers // 3))),
     # a trained head: $SPECDEC_EAGLE_HEAD, else the packaged one; a clear error says how to train it
     "eagle": lambda target: make_eagle(target),
+    # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
+    "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),
 }
 
 

@@ -78,7 +78,24 @@ class TrainResult:
 # ------------------------------------------------------------------------------------ 1. data
 
 def read_prompts(path: str | os.PathLike = PROMPTS_FILE) -> list[str]:
+    """Instructions from a text file (one per line, '#' starts a comment) or, for instructions that
+    span lines (a passage to summarize), a ``.jsonl`` file of {"prompt": "..."} lines."""
     lines = Path(path).read_text(encoding="utf-8").splitlines()
+    if str(path).endswith(".jsonl"):
+        prompts = []
+        for n, ln in enumerate(lines, 1):
+            if not ln.strip():
+                continue
+            try:
+                p = json.loads(ln)["prompt"]
+                if not isinstance(p, str) or not p.strip():
+                    raise ValueError("empty or not a string")
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f'{path}:{n}: not a {{"prompt": "..."}} line ({e})') from None
+            prompts.append(p.strip())
+        if not prompts:
+            raise ValueError(f'no prompts in {path} (one {{"prompt": "..."}} object per line)')
+        return prompts
     prompts = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
         raise ValueError(f"no prompts in {path} (one instruction per line, '#' starts a comment)")

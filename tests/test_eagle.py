@@ -10,6 +10,7 @@ from conftest import hf_greedy, tiny_llama
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Commit, Prompt
+from specdec.drafters.hybrid import HybridConfig, LookupHybridDrafter
 from specdec.drafters.eagle import (EagleConfig, EagleDrafter, EagleHead, EagleHeadConfig, export_eagle,
                                     import_eagle, load_head, make_eagle, save_head)
 from specdec.kv.bmc import BMCConfig
@@ -232,3 +233,39 @@ def test_head_saved_in_bf16_loads_back_rounded_into_the_target_dtype(target, tmp
     assert again.fc.weight.dtype == target.dtype
     assert torch.equal(again.fc.weight, head.fc.weight.to(torch.bfloat16).to(target.dtype))
     assert torch.equal(again.draft_vocab, head.draft_vocab)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_eagle_with_prompt_lookup_is_lossless_and_uses_both(seed):
+    """A prompt that repeats itself gives lookup matches; the random head drafts elsewhere."""
+    target = tiny_llama(seed)
+    head = _random_head(target, seed=seed + 20)
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(0, 128, (1, 9), generator=g)
+    ids = torch.cat([base, torch.randint(0, 128, (1, 3), generator=g), base[:, :4]], dim=1)
+    ref = hf_greedy(target, ids, 40)
+    for period in (1, 64):
+        eagle = EagleDrafter(target, head, EagleConfig(total_tokens=6, depth=3, top_k=2, bmc=BMCConfig(period)))
+        drafter = LookupHybridDrafter(eagle, config=HybridConfig(min_ngram=1))
+        config = SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(cost_aware=False))
+        out = SpecDecoder(target, drafter, config).generate(ids, max_new_tokens=40, eos_token_id=None)
+        assert torch.equal(out.sequences, ref), f"seed {seed} T {period}"
+        assert drafter.drafts["lookup"] > 0 and drafter.drafts["other"] > 0, drafter.drafts
+
+
+def test_hybrid_takes_lookup_after_a_long_enough_match(target):
+    ids, hidden = _prompt_with_features(target, P=12)
+    ids = torch.cat([ids, ids[:, 3:5]], dim=1)  # ends with a 2-gram seen at position 3
+    with torch.no_grad():
+        hidden = target(ids, output_hidden_states=True).hidden_states[-1]
+    prompt = Prompt(ids, torch.tensor([ids.shape[1]]), hidden[:, :-1])
+    for min_ngram, want in ((2, "lookup"), (3, "other")):
+        eagle = EagleDrafter(target, _random_head(target), EagleConfig(total_tokens=4, depth=2, top_k=2))
+        d = LookupHybridDrafter(eagle, config=HybridConfig(min_ngram=min_ngram))
+        d.begin(prompt)
+        assert d.draft_class() == (("lookup", 2) if want == "lookup" else ("other", None))
+        assert d.follows_controller == (want == "lookup")
+        tree = d.propose(3)
+        if want == "lookup":  # the chain that followed the 2-gram's first occurrence
+            assert tree.tokens[0, :3].tolist() == ids[0, 5:8].tolist()
+        assert d.drafts == {want: 1}

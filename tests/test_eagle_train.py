@@ -164,3 +164,16 @@ def test_held_out_split_keeps_every_answer_to_a_prompt_on_one_side():
     assert not held_prompts & {tuple(c.ids[:2].tolist()) for c in train}
     everything, none = split_held_out(convs, 0.0)
     assert none == [] and all(a is b for a, b in zip(everything, convs)) and len(everything) == 20
+
+
+def test_jsonl_prompts_keep_their_line_breaks_and_name_a_bad_line(tmp_path):
+    f = tmp_path / "p.jsonl"
+    f.write_text(json.dumps({"prompt": "Summarize:\n\nA passage.\nSecond line."}) + "\n\n"
+                 + json.dumps({"prompt": "Plain one"}) + "\n")
+    assert read_prompts(f) == ["Summarize:\n\nA passage.\nSecond line.", "Plain one"]
+    f.write_text(json.dumps({"prompt": "ok"}) + "\n" + json.dumps({"text": "no prompt key"}) + "\n")
+    with pytest.raises(ValueError, match=r"p\.jsonl:2"):
+        read_prompts(f)
+    f.write_text("\n")
+    with pytest.raises(ValueError, match="no prompts"):
+        read_prompts(f)

@@ -1,0 +1,71 @@
+"""Prompt lookup where the text repeats itself, another drafter (EAGLE, a small model) elsewhere.
+
+Lookup drafts cost nothing and, after a 2- or 3-gram match, are accepted far more often than a
+small drafter's guesses (summaries, RAG answers, code edits and translations copy their context);
+where nothing long enough matches, the other drafter guesses. Each step uses one source, chosen by
+the length of the suffix n-gram that matches: ``min_ngram`` or longer, lookup's continuation as a
+chain; shorter, the other drafter's draft. So a verify block never carries both (on a CPU a verify
+over more rows costs more, specdec.kernels). Both sources see every commit, so the one not used
+stays in step (EAGLE's head feeds the skipped pairs at its next draft, in one forward).
+
+The choice is also the step's draft class (``("lookup", n)`` or ``("other", its class)``), so the
+decoder's controller keeps apart what each source earns: lookup chains follow its draft length
+for their n-gram class, a self-sizing drafter keeps its throughput gate.
+
+    drafter = LookupHybridDrafter(EagleDrafter.default(target))   # `--drafter eagle+lookup`
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.tree import DraftTree
+
+
+@dataclass(frozen=True)
+class HybridConfig:
+    min_ngram: int = 2  # lookup drafts after a match this long or longer; 1-gram matches guess poorly
+
+
+class LookupHybridDrafter(Drafter):
+    def __init__(self, other: Drafter, lookup: PromptLookupDrafter | None = None,
+                 config: HybridConfig = HybridConfig()) -> None:
+        self.other = other
+        self.lookup = lookup if lookup is not None else PromptLookupDrafter()
+        self.config = config
+        self.vocab_size = other.vocab_size
+        self.needs_hidden_states = other.needs_hidden_states
+        self._use_lookup: bool | None = None  # this step's source, None until chosen
+        self.drafts = Counter()  # proposals per source ("lookup", "other"): what a run relied on
+
+    @property
+    def follows_controller(self) -> bool:
+        return True if self._use_lookup else self.other.follows_controller
+
+    def torch_modules(self) -> list:
+        return self.other.torch_modules()
+
+    def draft_class(self):
+        n = self.lookup.draft_class()
+        self._use_lookup = n >= self.config.min_ngram
+        return ("lookup", n) if self._use_lookup else ("other", self.other.draft_class())
+
+    def begin(self, prompt: Prompt) -> None:
+        self.lookup.begin(prompt)
+        self.other.begin(prompt)
+        self._use_lookup = None
+
+    def propose(self, budget: int) -> DraftTree:
+        if self._use_lookup is None:
+            self.draft_class()
+        source = "lookup" if self._use_lookup else "other"
+        self.drafts[source] += 1
+        return (self.lookup if self._use_lookup else self.other).propose(budget)
+
+    def accept(self, commit: Commit) -> None:
+        self.lookup.accept(commit)
+        self.other.accept(commit)
+        self._use_lookup = None
