@@ -1,37 +1,47 @@
-"""Linear layers over a few rows on CPU: MKL's skinny-GEMM path instead of its slow GEMV.
+"""Linear layers over a few rows on CPU: the weights streamed at memory speed, not MKL's slow paths.
 
-Decode and verify steps multiply 1-8 rows by every weight matrix of the model, so they are bound by
+Decode and verify steps multiply 1-16 rows by every weight matrix of the model, so they are bound by
 how fast the weights stream from memory. On this project's machines (torch's MKL, fp32, 2 threads)
-``F.linear`` streams them at about half the rate ``torch.mm(W, x.T)`` reaches over 2-4 rows.
-Measured on weights shaped like the default model's (30 copies each, so caches stay cold),
-microseconds per matrix (`F.linear` / `torch.mm(W, x.T)`):
+``F.linear`` streams them at 5-10 GB/s for 1-16 rows; two routes do better:
 
-    rows                      1          2          3          4          8
-    gate/up 1536x576     338 / 338  609 / 188  570 / 150  462 / 188  386 / 480
-    down     576x1536    230 / 231  344 / 218  519 / 338  412 / 310  296 / 368
+- 1-4 rows: ``torch.mm(W, x.T)``, MKL's GEMM with the rows as 2-4 right-hand columns (an odd count
+  padded with a zero row: one row alone would take MKL's GEMV again), 20-30 GB/s;
+- 5-16 rows: ``specdec/csrc/packed_linear.cpp``, a kernel over a copy of the weight packed in panels
+  of 16 output features (built on first use with torch's C++ extension tools; the packed copy is
+  made on a weight's first 5-16 row block and kept while the weight lives: the model's fp32 weights
+  once more in memory). Without a compiler these blocks take ``F.linear`` (a warning says so).
 
-So a block of up to ``max_rows`` rows is computed as ``W @ x^T`` in chunks of at most 4 rows. One
-row alone would take MKL's GEMV again, so an odd chunk gets a zero row (2 rows cost what 1 costs).
-Past 4 rows F.linear's general GEMM is about as fast and is used as is. On the whole default model
-(2 threads, 200-token context) a 1-token forward takes ~25% less time and a 2-4 token verify block costs
-about what one token did before; ``specdec bench-verify`` shows the curve before and after.
+Microseconds per matrix, cold caches (30 copies; 2026-11-23, 2 threads), F.linear / mm(W, x.T) /
+packed kernel:
+
+    rows                1              2              4              8             16
+    gate 1536x576   317/316/172    498/129/176    449/146/203    347/243/193    423/372/303
+    down 576x1536   239/248/154    351/137/159    364/304/179    302/479/176    425/377/386
+    lm_head (ms)   13.7/11.7/6.0  24.5/3.7/5.2   17.3/5.2/6.8   16.4/7.8/6.1   22.9/17.1/9.4
 
 Same products, another summation order: results agree with F.linear to fp32 rounding, as a
-batched forward already differs from one row at a time. Only plain ``nn.Linear`` modules with fp32
-weights on CPU are routed; everything else runs untouched.
+batched forward already differs from one row at a time. Only plain ``nn.Linear`` modules (and
+callers of ``linear``) with fp32 weights on CPU are routed; everything else runs untouched, and a
+block that needs gradients keeps F.linear's autograd.
 """
 
 from __future__ import annotations
 
+import hashlib
+import logging
+import weakref
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
+from pathlib import Path
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-MAX_ROWS = 4  # blocks up to this many rows take the skinny path (0 turns it off)
-_CHUNK = 4  # MKL's skinny path covers up to 4 right-hand columns
+MAX_ROWS = 16  # blocks up to this many rows take a fast path (0 turns them all off)
+MM_ROWS = 4  # up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
+_SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
+log = logging.getLogger(__name__)
 
 
 def _skinny(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -42,15 +52,59 @@ def _skinny(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x2.t()).t()[:m]
 
 
+@cache
+def extension():
+    """The compiled ops (``torch.ops.specdec_kernels``), built on first use, or None if they can't be."""
+    try:
+        from torch.utils.cpp_extension import load
+
+        from specdec.models import cache_root
+
+        key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+        build = cache_root() / "torch_extensions" / f"packed_linear-{key}"
+        build.mkdir(parents=True, exist_ok=True)
+        load(name=f"specdec_packed_linear_{key}", sources=[str(_SOURCE)], build_directory=str(build),
+             extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
+        return torch.ops.specdec_kernels
+    except Exception as e:  # no compiler, no ninja, an unknown -march: torch's path still works
+        log.warning("specdec: the packed linear kernel could not be built (%s); blocks of %d-%d rows "
+                    "use F.linear", str(e).splitlines()[0] if str(e) else type(e).__name__, MM_ROWS + 1, MAX_ROWS)
+        return None
+
+
+# weight id -> (weakref to the weight, its version, packed copy); dropped when the weight is
+_packs: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+
+
+def packed(weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight packed for the kernel (made once per weight and version), or None without one."""
+    ops = extension()
+    if ops is None:
+        return None
+    version = 0 if weight.is_inference() else weight._version  # inference tensors keep no version
+    entry = _packs.get(id(weight))
+    if entry is not None and entry[0]() is weight and entry[1] == version:
+        return entry[2]
+    with torch.inference_mode(False), torch.no_grad():
+        p = ops.pack(weight.detach())
+    _packs[id(weight)] = (weakref.ref(weight, lambda _, k=id(weight): _packs.pop(k, None)), version, p)
+    return p
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the skinny path for blocks of <= max_rows rows on CPU."""
+    """``F.linear(x, weight, bias)``, through a fast path for blocks of <= max_rows rows on CPU."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows == 0 or rows > max_rows or x.device.type != "cpu" or weight.dtype != torch.float32
             or x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
-    y = torch.cat([_skinny(c, weight) for c in x2.split(_CHUNK)]) if rows > _CHUNK else _skinny(x2, weight)
+    if rows <= MM_ROWS:
+        y = _skinny(x2, weight)
+    elif (wp := packed(weight)) is not None:
+        y = extension().linear(x2, wp, weight.shape[0])
+    else:
+        return F.linear(x, weight, bias)
     if bias is not None:
         y = y + bias
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])

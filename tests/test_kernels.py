@@ -1,4 +1,5 @@
-"""specdec.kernels: the skinny-GEMM route for few-row linear layers on CPU."""
+"""specdec.kernels: the fast routes for few-row linear layers on CPU (MKL's skinny GEMM for 1-4 rows,
+the packed kernel for 5-16)."""
 
 import pytest
 import torch
@@ -6,37 +7,78 @@ import torch.nn.functional as F
 
 from conftest import hf_greedy, perturbed, tiny_llama
 from specdec import kernels
+from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(96, 40, generator=g)
-    b = torch.randn(96, generator=g) if bias else None
+    w = torch.randn(97, 40, generator=g)  # 97: a last panel of one output feature
+    b = torch.randn(97, generator=g) if bias else None
     x = torch.randn(1, rows, 40, generator=g)  # [B, Q, K], as a decoder layer passes it
-    y = kernels.linear(x, w, b, max_rows=8)
-    assert y.shape == (1, rows, 96) and y.is_contiguous()
+    y = kernels.linear(x, w, b)
+    assert y.shape == (1, rows, 97) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
 
-def test_linear_takes_the_skinny_path_only_where_it_applies(monkeypatch):
-    calls = []
-    real = kernels._skinny
-    monkeypatch.setattr(kernels, "_skinny", lambda x, w: calls.append(x.shape[0]) or real(x, w))
+def _count(monkeypatch):
+    """Calls per route: 'mm' (W @ x^T) and 'packed' (the kernel)."""
+    calls = {"mm": 0, "packed": 0}
+    real_mm, real_packed = kernels._skinny, kernels.packed
+
+    def mm(x, w):
+        calls["mm"] += 1
+        return real_mm(x, w)
+
+    def packed(w):
+        calls["packed"] += 1
+        return real_packed(w)
+
+    monkeypatch.setattr(kernels, "_skinny", mm)
+    monkeypatch.setattr(kernels, "packed", packed)
+    return calls
+
+
+def test_the_kernel_builds_here():
+    assert kernels.extension() is not None, "the packed kernel did not build (compiler? ninja?)"
+
+
+def test_linear_takes_each_route_only_where_it_applies(monkeypatch):
+    calls = _count(monkeypatch)
     w = torch.randn(16, 8)
     kernels.linear(torch.randn(3, 8), w)
-    assert calls == [3]  # one chunk (padded to 4 inside)
-    kernels.linear(torch.randn(6, 8), w, max_rows=8)
-    assert calls == [3, 4, 2]  # then chunks of 4 and 2
-    calls.clear()
-    kernels.linear(torch.randn(5, 8), w)  # more rows than max_rows
+    kernels.linear(torch.randn(4, 8), w)
+    assert calls == {"mm": 2, "packed": 0}
+    kernels.linear(torch.randn(5, 8), w)
+    kernels.linear(torch.randn(16, 8), w)
+    assert calls == {"mm": 2, "packed": 2}
+    kernels.linear(torch.randn(17, 8), w)  # more rows than MAX_ROWS
+    kernels.linear(torch.randn(2, 8), w, max_rows=1)  # more rows than max_rows
     kernels.linear(torch.randn(2, 8, dtype=torch.float64), w.double())  # not fp32
-    kernels.linear(torch.randn(2, 8, requires_grad=True), w)  # training needs F.linear's autograd
+    kernels.linear(torch.randn(6, 8, requires_grad=True), w)  # training needs F.linear's autograd
     kernels.linear(torch.randn(2, 8), w, max_rows=0)  # off
-    assert calls == []
+    assert calls == {"mm": 2, "packed": 2}
+
+
+def test_without_the_kernel_five_rows_and_more_take_f_linear(monkeypatch):
+    monkeypatch.setattr(kernels, "extension", lambda: None)
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(33, 24, generator=g), torch.randn(7, 24, generator=g)
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=0, atol=0)  # F.linear itself
+
+
+def test_a_packed_weight_is_reused_until_the_weight_changes():
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(40, 16, generator=g), torch.randn(6, 16, generator=g)
+    assert kernels.packed(w) is kernels.packed(w)
+    w.mul_(2)  # an in-place update: the old packing is stale
+    torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    key = id(w)
+    del w
+    assert key not in kernels._packs  # dropped with its weight
 
 
 def test_skinny_linears_patches_and_restores():
@@ -57,23 +99,28 @@ def test_skinny_linears_patches_and_restores():
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("drafter", ["perturbed", "prompt-lookup", "none"])
-def test_fp32_lossless_through_skinny_kernels(seed, drafter, monkeypatch):
-    """fp32 targets take the skinny path (the float64 tiny models of the other tests do not)."""
-    calls = []
-    real = kernels._skinny
-    monkeypatch.setattr(kernels, "_skinny", lambda x, w: calls.append(1) or real(x, w))
+@pytest.mark.parametrize("draft", [3, 12])
+def test_fp32_lossless_through_the_kernels(seed, drafter, draft, monkeypatch):
+    """fp32 targets take the fast routes (the float64 tiny models of the other tests do not); drafts
+    of 12 make verify blocks of 5-13 rows, the packed kernel's."""
+    calls = _count(monkeypatch)
     target = tiny_llama(seed, dtype=torch.float32)
     d = {"perturbed": lambda: ModelDrafter(perturbed(target, 0.3, seed)),
          "prompt-lookup": lambda: PromptLookupDrafter(), "none": lambda: None}[drafter]()
     ids = torch.randint(1, 128, (1, 12), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)
     want = hf_greedy(target, ids, 40)
-    got = SpecDecoder(target, d).generate(ids, max_new_tokens=40).sequences
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(initial=draft, maximum=draft, adaptive=False,
+                                                              cost_aware=False))
+    got = SpecDecoder(target, d, config).generate(ids, max_new_tokens=40).sequences
     assert torch.equal(got, want)
-    assert calls, "the skinny path never ran"
+    assert calls["mm"], "the mm route never ran"
+    if draft > 4 and drafter == "perturbed":
+        assert calls["packed"], "the packed kernel never ran"
 
 
 def test_skinny_rows_zero_keeps_torch_path(target, monkeypatch):
-    monkeypatch.setattr(kernels, "_skinny", lambda x, w: pytest.fail("skinny path used with skinny_rows=0"))
+    monkeypatch.setattr(kernels, "_skinny", lambda x, w: pytest.fail("mm route used with skinny_rows=0"))
+    monkeypatch.setattr(kernels, "packed", lambda w: pytest.fail("packed kernel used with skinny_rows=0"))
     model = tiny_llama(4, dtype=torch.float32)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     out = SpecDecoder(model, PromptLookupDrafter(), SpecDecoderConfig(skinny_rows=0)).generate(ids, max_new_tokens=10)

@@ -91,6 +91,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
     p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block sizes q, comma-separated")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
 
@@ -104,7 +105,10 @@ def run(args) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     model = load_model(args.model).model.eval()
-    med = measure(model, args.context, SIZES, args.repeats)
+    sizes = tuple(int(q) for q in args.sizes.split(","))
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"--sizes: positive block sizes, comma-separated (got {args.sizes!r})")
+    med = measure(model, args.context, sizes, args.repeats)
     table = Table(title=f"target forward over q tokens, {args.context}-token context, "
                         f"{torch.get_num_threads()} threads (median of {args.repeats}; ratio = time over "
                         f"hf's 1-token forward)")
@@ -113,7 +117,7 @@ def run(args) -> int:
         table.add_column(f"{m} ms", justify="right")
         table.add_column("ratio", justify="right")
     base = med["hf"][1]
-    for q in SIZES:
+    for q in sizes:
         table.add_row(str(q), *[x for m in METHODS for x in (f"{med[m][q] * 1e3:.1f}", f"{med[m][q] / base:.2f}x")])
     Console(width=200).print(table)
     if args.out:
