@@ -30,8 +30,8 @@ from specdec.verifiers.tree import Verification, verify_greedy
 class SpecDecoderConfig:
     bmc: BMCConfig = BMCConfig(period=64)  # T for the target's store
     draft_length: DraftLengthConfig = DraftLengthConfig()
-    # CPU: linear layers over blocks of <= this many rows use MKL's skinny GEMM (specdec.kernels);
-    # 0 keeps torch's default path everywhere
+    # CPU: linear layers over blocks of <= this many rows take specdec.kernels' routes (MKL's
+    # skinny GEMM for 1-4 rows, the packed kernel for 5-16); 0 keeps torch's default path everywhere
     skinny_rows: int = kernels.MAX_ROWS
 
 

@@ -91,6 +91,12 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
     return p
 
 
+def _packed_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """[M, K] x [N, K]^T -> [M, N] for 1 <= M <= 16 through the packed kernel; None without it."""
+    wp = packed(weight)
+    return None if wp is None else extension().linear(x2, wp, weight.shape[0])
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            max_rows: int = MAX_ROWS) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through a fast path for blocks of <= max_rows rows on CPU."""
@@ -101,10 +107,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     x2 = x.reshape(rows, x.shape[-1])
     if rows <= MM_ROWS:
         y = _skinny(x2, weight)
-    elif (wp := packed(weight)) is not None:
-        y = extension().linear(x2, wp, weight.shape[0])
     else:
-        return F.linear(x, weight, bias)
+        y = _packed_linear(x2, weight)
+        if y is None:  # no kernel on this machine
+            return F.linear(x, weight, bias)
     if bias is not None:
         y = y + bias
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
@@ -119,7 +125,8 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS):
     """Route every plain ``nn.Linear`` under ``roots`` through ``linear`` while the block runs.
 
     The modules are patched per instance (no Python in the other ops of the forward) and restored
-    on exit; a module another ``skinny_linears`` already patched is left to that one.
+    on exit; a module another ``skinny_linears`` already patched is left to that one. Their fp32 CPU
+    weights are packed for the kernel here, once per weight (not in the middle of a timed step).
     """
     patched = []
     if max_rows > 0:
@@ -128,6 +135,8 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS):
                 if type(m) is nn.Linear and "forward" not in m.__dict__:
                     m.forward = partial(_forward, m, max_rows)
                     patched.append(m)
+                    if max_rows > MM_ROWS and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+                        packed(m.weight)
     try:
         yield
     finally:

@@ -27,18 +27,18 @@ def test_linear_matches_f_linear(rows, bias):
 def _count(monkeypatch):
     """Calls per route: 'mm' (W @ x^T) and 'packed' (the kernel)."""
     calls = {"mm": 0, "packed": 0}
-    real_mm, real_packed = kernels._skinny, kernels.packed
+    real_mm, real_packed = kernels._skinny, kernels._packed_linear
 
     def mm(x, w):
         calls["mm"] += 1
         return real_mm(x, w)
 
-    def packed(w):
+    def packed(x, w):
         calls["packed"] += 1
-        return real_packed(w)
+        return real_packed(x, w)
 
     monkeypatch.setattr(kernels, "_skinny", mm)
-    monkeypatch.setattr(kernels, "packed", packed)
+    monkeypatch.setattr(kernels, "_packed_linear", packed)
     return calls
 
 
@@ -89,6 +89,7 @@ def test_skinny_linears_patches_and_restores():
         ref = model(ids).logits
         with kernels.skinny_linears(model):
             assert "forward" in vars(lin)
+            assert id(lin.weight) in kernels._packs  # packed on entry, not during a step
             with kernels.skinny_linears(model):  # nested: the inner one patches nothing
                 pass
             assert "forward" in vars(lin)  # ... and so restores nothing
@@ -120,7 +121,8 @@ def test_fp32_lossless_through_the_kernels(seed, drafter, draft, monkeypatch):
 
 def test_skinny_rows_zero_keeps_torch_path(target, monkeypatch):
     monkeypatch.setattr(kernels, "_skinny", lambda x, w: pytest.fail("mm route used with skinny_rows=0"))
-    monkeypatch.setattr(kernels, "packed", lambda w: pytest.fail("packed kernel used with skinny_rows=0"))
+    monkeypatch.setattr(kernels, "_packed_linear", lambda x, w: pytest.fail("packed kernel used with skinny_rows=0"))
+    monkeypatch.setattr(kernels, "packed", lambda w: pytest.fail("weights packed with skinny_rows=0"))
     model = tiny_llama(4, dtype=torch.float32)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     out = SpecDecoder(model, PromptLookupDrafter(), SpecDecoderConfig(skinny_rows=0)).generate(ids, max_new_tokens=10)
