@@ -74,11 +74,11 @@ class EagleHeadConfig:
 
 @dataclass(frozen=True)
 class EagleConfig:
-    # Small trees: on this CPU a verify block of up to 4 rows (pending token + 3 nodes) takes
-    # specdec.kernels' fast path, 6+ rows cost ~1.5x more; each level is one more head forward.
-    # 3 nodes, 2 levels won the sweep in docs/benchmarks.md. EAGLE-2 on a GPU: 60 nodes, depth 6, top-k 10.
-    total_tokens: int = 3  # nodes per tree
-    depth: int = 2  # tree levels, i.e. the longest acceptable draft
+    # Small trees: on this CPU a verify block of up to 8 rows costs ~1.15x a 1-row one (specdec.
+    # kernels), 16 rows ~1.7x; each level is one more head forward (~4 ms, a tenth of a step).
+    # 6 nodes, 3 levels won the sweep in docs/benchmarks.md. EAGLE-2 on a GPU: 60 nodes, depth 6, top-k 10.
+    total_tokens: int = 6  # nodes per tree
+    depth: int = 3  # tree levels, i.e. the longest acceptable draft
     top_k: int = 3  # children per expanded node, and nodes expanded per level
     bmc: BMCConfig = BMCConfig(period=64)  # the head's own one-layer KV store
 
