@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
+import shutil
 import weakref
 from contextlib import contextmanager
 from functools import cache, partial
@@ -59,6 +61,11 @@ def extension():
         from torch.utils.cpp_extension import load
 
         from specdec.models import cache_root
+
+        if shutil.which("ninja") is None:  # pip's ninja is not on PATH in a venv that is not activated
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
         key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
         build = cache_root() / "torch_extensions" / f"packed_linear-{key}"
