@@ -8,8 +8,9 @@ how fast the weights stream from memory. On this project's machines (torch's MKL
   padded with a zero row: one row alone would take MKL's GEMV again), 20-30 GB/s;
 - 5-16 rows: ``specdec/csrc/packed_linear.cpp``, a kernel over a copy of the weight packed in panels
   of 16 output features (built on first use with torch's C++ extension tools; the packed copy is
-  made on a weight's first 5-16 row block and kept while the weight lives: the model's fp32 weights
-  once more in memory). Without a compiler these blocks take ``F.linear`` (a warning says so).
+  made when ``skinny_linears`` routes the module, or at a direct caller's first 5-16 row block, and
+  kept while the weight lives: the model's fp32 weights once more in memory). Without a compiler
+  these blocks take ``F.linear`` (a warning says so).
 
 Microseconds per matrix, cold caches (30 copies; 2026-11-23, 2 threads), F.linear / mm(W, x.T) /
 packed kernel:
@@ -108,7 +109,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            max_rows: int = MAX_ROWS) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through a fast path for blocks of <= max_rows rows on CPU."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows == 0 or rows > max_rows or x.device.type != "cpu" or weight.dtype != torch.float32
+    if (rows == 0 or rows > min(max_rows, MAX_ROWS) or x.device.type != "cpu" or weight.dtype != torch.float32
             or x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])

@@ -56,6 +56,7 @@ def test_linear_takes_each_route_only_where_it_applies(monkeypatch):
     kernels.linear(torch.randn(16, 8), w)
     assert calls == {"mm": 2, "packed": 2}
     kernels.linear(torch.randn(17, 8), w)  # more rows than MAX_ROWS
+    kernels.linear(torch.randn(20, 8), w, max_rows=32)  # ... even when max_rows allows more
     kernels.linear(torch.randn(2, 8), w, max_rows=1)  # more rows than max_rows
     kernels.linear(torch.randn(2, 8, dtype=torch.float64), w.double())  # not fp32
     kernels.linear(torch.randn(6, 8, requires_grad=True), w)  # training needs F.linear's autograd
