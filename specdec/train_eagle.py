@@ -80,26 +80,38 @@ class TrainResult:
 def read_prompts(path: str | os.PathLike = PROMPTS_FILE) -> list[str]:
     """Instructions from a text file (one per line, '#' starts a comment) or, for instructions that
     span lines (a passage to summarize), a ``.jsonl`` file of {"prompt": "..."} lines."""
-    lines = Path(path).read_text(encoding="utf-8").splitlines()
     if str(path).endswith(".jsonl"):
-        prompts = []
-        for n, ln in enumerate(lines, 1):
-            if not ln.strip():
-                continue
-            try:
-                p = json.loads(ln)["prompt"]
-                if not isinstance(p, str) or not p.strip():
-                    raise ValueError("empty or not a string")
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f'{path}:{n}: not a {{"prompt": "..."}} line ({e})') from None
-            prompts.append(p.strip())
+        prompts = _read_jsonl(path, _prompt_of, 'a {"prompt": "..."}')
         if not prompts:
             raise ValueError(f'no prompts in {path} (one {{"prompt": "..."}} object per line)')
         return prompts
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
     prompts = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
     if not prompts:
         raise ValueError(f"no prompts in {path} (one instruction per line, '#' starts a comment)")
     return prompts
+
+
+def _prompt_of(obj) -> str:
+    p = obj["prompt"]
+    if not isinstance(p, str) or not p.strip():
+        raise ValueError("empty or not a string")
+    return p.strip()
+
+
+def _read_jsonl(path: str | os.PathLike, parse, what: str) -> list:
+    """``parse(obj)`` for each non-blank JSON line; a line that is not JSON or that ``parse`` refuses
+    (ValueError, KeyError, TypeError) is named: "FILE:LINE: not WHAT line (why)"."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(parse(json.loads(line)))
+            except (ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: not {what} line ({e})") from None
+    return rows
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -194,20 +206,14 @@ def save_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> int:
 
 def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
     """(conv, prompt_len, ids) per line of an answers file; a malformed line is named."""
-    rows = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                conv, p, ids = int(r["conv"]), int(r["prompt_len"]), [int(t) for t in r["ids"]]
-                if conv < 0 or not 0 < p < len(ids):
-                    raise ValueError(f"conv {conv}, prompt_len {p}, {len(ids)} ids")
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not an answer line ({e})") from None
-            rows.append((conv, p, ids))
-    return rows
+    return _read_jsonl(path, _answer_of, "an answer")
+
+
+def _answer_of(r) -> tuple[int, int, list[int]]:
+    conv, p, ids = int(r["conv"]), int(r["prompt_len"]), [int(t) for t in r["ids"]]
+    if conv < 0 or not 0 < p < len(ids):
+        raise ValueError(f"conv {conv}, prompt_len {p}, {len(ids)} ids")
+    return conv, p, ids
 
 
 def restore_answers(target, path: str | os.PathLike, data_dir: str | os.PathLike, progress=None) -> int:

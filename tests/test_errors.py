@@ -58,3 +58,15 @@ def test_hf_directory_roundtrip(tmp_path, target):
     loaded = load_model(str(tmp_path), dtype=torch.float64)
     ids = torch.tensor([[1, 2, 3]])
     torch.testing.assert_close(loaded.model(ids).logits, target(ids).logits)
+
+
+@pytest.mark.parametrize("sizes", ["1,x", "0,2", ""])
+def test_bench_verify_sizes_are_named_before_any_model_loads(sizes, monkeypatch):
+    import argparse
+
+    from specdec.bench import verify_cost
+
+    monkeypatch.setattr("specdec.models.load_model", lambda *a, **k: pytest.fail("model loaded first"))
+    args = argparse.Namespace(model="default", context=200, repeats=1, sizes=sizes, threads=None, out=None)
+    with pytest.raises(ValueError, match="--sizes: positive block sizes"):
+        verify_cost.run(args)

@@ -104,10 +104,13 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:  # before the model loads: a typo should not cost a load
+        sizes = tuple(int(q) for q in args.sizes.split(","))
+        if min(sizes) < 1:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--sizes: positive block sizes, comma-separated (got {args.sizes!r})") from None
     model = load_model(args.model).model.eval()
-    sizes = tuple(int(q) for q in args.sizes.split(","))
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"--sizes: positive block sizes, comma-separated (got {args.sizes!r})")
     med = measure(model, args.context, sizes, args.repeats)
     table = Table(title=f"target forward over q tokens, {args.context}-token context, "
                         f"{torch.get_num_threads()} threads (median of {args.repeats}; ratio = time over "
