@@ -3,6 +3,7 @@
     begin(prompt)     a new generation starts; the drafter sets up its own state
     propose(budget)   guess up to ``budget`` tokens after the committed text, as a DraftTree
     accept(commit)    learn what was committed this step (accepted drafts + the target's token)
+    select(rows)      batches only: keep these batch rows (finished sequences leave the batch)
 
 The decoder owns the committed text; a drafter mirrors what it needs of it. A drafter whose
 vocabulary differs from the target's sets ``vocab_size`` so the decoder can refuse it up front.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import SamplingParams
 from specdec.tree import DraftTree
 
 
@@ -23,6 +25,14 @@ class Prompt:
     input_ids: torch.Tensor  # [B, P] int64, right-padded
     lengths: torch.Tensor  # [B] int64 real tokens per row
     hidden: torch.Tensor | None = None  # [B, P - 1, D] target last hidden states, if the drafter asks
+    # The target's KV store (a specdec.kv.BMCCache) right after the prefill, for drafters that read
+    # the target's own K/V (self-speculation copies rows of it). Read it, never write it; it stays
+    # the same object for the whole generation and grows by the committed rows of every step.
+    cache: object | None = None
+    # None: greedy. Otherwise the decoder samples, and a drafter that samples its drafts draws them
+    # from its own distribution processed the same way and hands it over as DraftTree.probs.
+    sampling: SamplingParams | None = None
+    generator: torch.Generator | None = None  # the drafter's randomness when sampling (seeded)
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,16 @@ class Drafter(ABC):
         """The nn.Modules the drafter runs, for the decoder's CPU kernel routing (specdec.kernels)."""
         return []
 
+    def select(self, rows: list[int]) -> None:
+        """Keep only batch rows ``rows`` (ascending, indices into the current rows), dropping the
+        others' state: the decoder calls it when sequences finish, so their rows are no longer
+        computed. A drafter that cannot drop rows leaves this as is and works at batch size 1 only."""
+        raise NotImplementedError(f"{type(self).__name__} cannot draft for a batch (it has no select())")
+
+    @property
+    def supports_batch(self) -> bool:
+        return type(self).select is not Drafter.select
+
     @abstractmethod
     def begin(self, prompt: Prompt) -> None: ...
 
@@ -77,3 +97,6 @@ class TokenHistory:
     def extend(self, commit: Commit) -> None:
         for b, row in enumerate(self.rows):
             row.extend(commit.new_tokens(b))
+
+    def select(self, rows: list[int]) -> None:
+        self.rows = [self.rows[b] for b in rows]
