@@ -6,6 +6,7 @@ import time
 
 from rich.console import Console
 
+from specdec import kernels
 from specdec.decoder import SpecDecoder
 from specdec.registry import DRAFTERS, make_drafter
 
@@ -31,6 +32,8 @@ def run(args) -> int:
         ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
                                       return_tensors="pt", return_dict=True)["input_ids"]
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model))
+    with console.status("preparing specdec's CPU kernels ..."):
+        kernels.prepare()  # a first-use build (~20 s) and the route self-check are not generation time
     t = time.perf_counter()
     out = decoder.generate(ids, max_new_tokens=args.max_new_tokens)
     dt = time.perf_counter() - t

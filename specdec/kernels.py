@@ -7,10 +7,20 @@ how fast the weights stream from memory. On this project's machines (torch's MKL
 - 1-4 rows: ``torch.mm(W, x.T)``, MKL's GEMM with the rows as 2-4 right-hand columns (an odd count
   padded with a zero row: one row alone would take MKL's GEMV again), 20-30 GB/s;
 - 5-16 rows: ``specdec/csrc/packed_linear.cpp``, a kernel over a copy of the weight packed in panels
-  of 16 output features (built on first use with torch's C++ extension tools; the packed copy is
-  made when ``skinny_linears`` routes the module, or at a direct caller's first 5-16 row block, and
-  kept while the weight lives: the model's fp32 weights once more in memory). Without a compiler
-  these blocks take ``F.linear`` (a warning says so).
+  of 8 (AVX2) or 16 (AVX-512) output features (built on first use with torch's C++ extension tools
+  and ``-march=native``; the packed copy is made when ``skinny_linears`` routes the module, or at a
+  direct caller's first block, and kept while the weight lives: the model's fp32 weights once more
+  in memory). Without a compiler these blocks take ``F.linear`` (a warning says so).
+
+What the kernel assumes: an x86-64 or other GCC/Clang target with vector extensions (AVX-512 gets
+16-float panels, anything else 8-float panels sized for AVX2's 16 registers), fp32 weights on CPU.
+Because machines differ (the AVX-512 shape was 8-15x slower than torch on an AVX2-only CPU), the
+routes are not trusted blindly: ``calibrate()`` times F.linear, ``W @ x^T`` and the kernel once per
+process for each block size 1..16 on weights shaped like a decoder layer's, and every size takes
+its fastest route (``routes()``); ``SpecDecoder`` calibrates before its first generation. Until
+then (or with ``SPECDEC_KERNEL_CALIBRATE=0``) sizes 1-4 take ``W @ x^T`` and 5-16 the kernel.
+``SPECDEC_KERNEL=avx2`` builds and uses the AVX2 shape (``-march=x86-64-v3``) even on an AVX-512
+machine (to measure it); ``SPECDEC_KERNEL=off`` keeps torch's paths.
 
 Microseconds per matrix, cold caches (30 copies; 2026-11-23, 2 threads), F.linear / mm(W, x.T) /
 packed kernel:
@@ -32,6 +42,7 @@ import hashlib
 import logging
 import os
 import shutil
+import sys
 import weakref
 from contextlib import contextmanager
 from functools import cache, partial
@@ -42,9 +53,24 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # blocks up to this many rows take a fast path (0 turns them all off)
-MM_ROWS = 4  # up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
+MM_ROWS = 4  # uncalibrated: up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
 _SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
+# variant -> (compiler flags, op namespace). "native" is what this CPU supports; "avx2" forces the
+# 8-float shape on any x86-64-v3 CPU, AVX-512 ones included.
+VARIANTS = {"native": (["-march=native"], "specdec_kernels"),
+            "avx2": (["-march=x86-64-v3"], "specdec_kernels_avx2")}
+ROUTES = ("linear", "mm", "packed")  # F.linear, W @ x^T, the packed kernel
 log = logging.getLogger(__name__)
+
+
+def variant() -> str | None:
+    """The kernel variant in use ($SPECDEC_KERNEL: native (default), avx2, off -> None)."""
+    v = os.environ.get("SPECDEC_KERNEL", "native")
+    if v == "off":
+        return None
+    if v not in VARIANTS:
+        raise ValueError(f"SPECDEC_KERNEL={v!r}: expected one of {', '.join([*VARIANTS, 'off'])}")
+    return v
 
 
 def _skinny(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -55,9 +81,14 @@ def _skinny(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return torch.mm(weight, x2.t()).t()[:m]
 
 
-@cache
 def extension():
-    """The compiled ops (``torch.ops.specdec_kernels``), built on first use, or None if they can't be."""
+    """The compiled ops of the variant in use, built on first use, or None if they can't be."""
+    v = variant()
+    return None if v is None else _build(v)
+
+
+@cache
+def _build(name: str):
     try:
         from torch.utils.cpp_extension import load
 
@@ -68,20 +99,85 @@ def extension():
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
 
-        key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode()).hexdigest()[:16]
+        flags, ns = VARIANTS[name]
+        key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + name.encode()).hexdigest()[:16]
         build = cache_root() / "torch_extensions" / f"packed_linear-{key}"
         build.mkdir(parents=True, exist_ok=True)
+        if not any(build.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
+            print(f"specdec: building the CPU kernel ({name}, once, ~20 s) ...", file=sys.stderr, flush=True)
         load(name=f"specdec_packed_linear_{key}", sources=[str(_SOURCE)], build_directory=str(build),
-             extra_cflags=["-O3", "-march=native"], is_python_module=False, verbose=False)
-        return torch.ops.specdec_kernels
+             extra_cflags=["-O3", *flags, f"-DSPECDEC_OPS={ns}"], is_python_module=False, verbose=False)
+        return getattr(torch.ops, ns)
     except Exception as e:  # no compiler, no ninja, an unknown -march: torch's path still works
         log.warning("specdec: the packed linear kernel could not be built (%s); blocks of %d-%d rows "
                     "use F.linear", str(e).splitlines()[0] if str(e) else type(e).__name__, MM_ROWS + 1, MAX_ROWS)
         return None
 
 
-# weight id -> (weakref to the weight, its version, packed copy); dropped when the weight is
-_packs: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}
+_routes: tuple[str, ...] | None = None  # route per block size 1..MAX_ROWS, once calibrated
+
+
+def routes() -> tuple[str, ...]:
+    """The route each block size 1..MAX_ROWS takes (index 0 = 1 row)."""
+    if _routes is not None:
+        return _routes
+    kernel = "packed" if extension() is not None else "linear"
+    return tuple("mm" if m <= MM_ROWS else kernel for m in range(1, MAX_ROWS + 1))
+
+
+def fastest_routes(seconds: dict[str, list[float]]) -> tuple[str, ...]:
+    """Per block size, the route with the least time; torch's F.linear wins ties.
+
+    seconds: route -> [MAX_ROWS] median seconds for 1..MAX_ROWS rows (a missing route is not built).
+    Example: {"linear": [3, 3], "mm": [2, 3], "packed": [1, 9]} -> ("packed", "linear").
+    """
+    order = [r for r in ROUTES if r in seconds]  # "linear" first: the tie goes to torch's own path
+    n = len(seconds[order[0]])
+    return tuple(min(order, key=lambda r: seconds[r][m]) for m in range(n))
+
+
+def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 5) -> tuple[str, ...]:
+    """Time the three routes for every block size on this machine, once per process; keep the fastest.
+
+    The weights are 4 random [N, K] matrices (N, K = ``features``, the default model's MLP: 3.5 MB
+    each, 14 MB together, so they stream from memory or L3 like a model's layers, not from L1/L2),
+    cycled so no call finds its weight cached by the previous one; rounds alternate the routes, and
+    each keeps its median. ~0.5 s. A route that is slower than torch's own for a size is never used
+    for it: that is the guard against a kernel shape that suits another CPU (see the module doc).
+    """
+    global _routes
+    if _routes is not None or os.environ.get("SPECDEC_KERNEL_CALIBRATE") == "0":
+        return routes()
+    import time
+
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(*features, generator=g) for _ in range(4)]
+    ops = extension()
+    fns = {"linear": lambda x, w: F.linear(x, w), "mm": _skinny}
+    if ops is not None:
+        for w in ws:
+            packed(w)
+        fns["packed"] = _packed_linear
+    medians: dict[str, list[float]] = {r: [] for r in fns}
+    with torch.inference_mode():
+        for m in range(1, MAX_ROWS + 1):
+            x = torch.randn(m, features[1], generator=g)
+            times: dict[str, list[float]] = {r: [] for r in fns}
+            for _ in range(rounds):
+                for r, fn in fns.items():
+                    t = time.perf_counter()
+                    for w in ws:
+                        fn(x, w)
+                    times[r].append(time.perf_counter() - t)
+            for r in fns:
+                medians[r].append(sorted(times[r])[rounds // 2])
+    _routes = fastest_routes(medians)
+    log.info("specdec kernels: routes per block size 1..%d: %s", MAX_ROWS, _routes)
+    return _routes
+
+
+# (weight id, variant) -> (weakref to the weight, its version, packed copy); dropped with the weight
+_packs: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 
 def packed(weight: torch.Tensor) -> torch.Tensor | None:
@@ -90,12 +186,13 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
     if ops is None:
         return None
     version = 0 if weight.is_inference() else weight._version  # inference tensors keep no version
-    entry = _packs.get(id(weight))
+    key = (id(weight), variant())
+    entry = _packs.get(key)
     if entry is not None and entry[0]() is weight and entry[1] == version:
         return entry[2]
     with torch.inference_mode(False), torch.no_grad():
         p = ops.pack(weight.detach())
-    _packs[id(weight)] = (weakref.ref(weight, lambda _, k=id(weight): _packs.pop(k, None)), version, p)
+    _packs[key] = (weakref.ref(weight, lambda _, k=key: _packs.pop(k, None)), version, p)
     return p
 
 
@@ -112,8 +209,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if (rows == 0 or rows > min(max_rows, MAX_ROWS) or x.device.type != "cpu" or weight.dtype != torch.float32
             or x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
+    route = routes()[rows - 1]
+    if route == "linear":
+        return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
-    if rows <= MM_ROWS:
+    if route == "mm":
         y = _skinny(x2, weight)
     else:
         y = _packed_linear(x2, weight)
@@ -128,6 +228,13 @@ def _forward(module: nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
     return linear(x, module.weight, module.bias, max_rows)
 
 
+def prepare() -> None:
+    """Build (or load) the kernel and calibrate the routes now, before any clock starts."""
+    if variant() is not None:
+        extension()
+    calibrate()
+
+
 @contextmanager
 def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS):
     """Route every plain ``nn.Linear`` under ``roots`` through ``linear`` while the block runs.
@@ -138,12 +245,14 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS):
     """
     patched = []
     if max_rows > 0:
+        calibrate()  # once per process, before any timed step
         for root in roots:
             for m in root.modules():
                 if type(m) is nn.Linear and "forward" not in m.__dict__:
                     m.forward = partial(_forward, m, max_rows)
                     patched.append(m)
-                    if max_rows > MM_ROWS and m.weight.dtype == torch.float32 and m.weight.device.type == "cpu":
+                    if "packed" in routes()[:max_rows] and m.weight.dtype == torch.float32 \
+                            and m.weight.device.type == "cpu":
                         packed(m.weight)
     try:
         yield

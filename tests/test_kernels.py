@@ -25,7 +25,10 @@ def test_linear_matches_f_linear(rows, bias):
 
 
 def _count(monkeypatch):
-    """Calls per route: 'mm' (W @ x^T) and 'packed' (the kernel)."""
+    """Calls per route: 'mm' (W @ x^T) and 'packed' (the kernel), on the uncalibrated routes (1-4 rows
+    mm, 5-16 the kernel) so that which route runs does not depend on this machine's timings."""
+    monkeypatch.setattr(kernels, "_routes", None)
+    monkeypatch.setenv("SPECDEC_KERNEL_CALIBRATE", "0")
     calls = {"mm": 0, "packed": 0}
     real_mm, real_packed = kernels._skinny, kernels._packed_linear
 
@@ -47,6 +50,7 @@ def test_the_kernel_builds_here():
 
 
 def test_linear_takes_each_route_only_where_it_applies(monkeypatch):
+    monkeypatch.setattr(kernels, "_routes", None)  # the uncalibrated routes: 1-4 mm, 5-16 packed
     calls = _count(monkeypatch)
     w = torch.randn(16, 8)
     kernels.linear(torch.randn(3, 8), w)
@@ -66,6 +70,7 @@ def test_linear_takes_each_route_only_where_it_applies(monkeypatch):
 
 def test_without_the_kernel_five_rows_and_more_take_f_linear(monkeypatch):
     monkeypatch.setattr(kernels, "extension", lambda: None)
+    monkeypatch.setattr(kernels, "_routes", None)
     g = torch.Generator().manual_seed(0)
     w, x = torch.randn(33, 24, generator=g), torch.randn(7, 24, generator=g)
     torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=0, atol=0)  # F.linear itself
@@ -77,12 +82,13 @@ def test_a_packed_weight_is_reused_until_the_weight_changes():
     assert kernels.packed(w) is kernels.packed(w)
     w.mul_(2)  # an in-place update: the old packing is stale
     torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
-    key = id(w)
+    key = (id(w), kernels.variant())
     del w
     assert key not in kernels._packs  # dropped with its weight
 
 
-def test_skinny_linears_patches_and_restores():
+def test_skinny_linears_patches_and_restores(monkeypatch):
+    _count(monkeypatch)
     model = tiny_llama(3, dtype=torch.float32)
     lin = model.model.layers[0].mlp.down_proj
     ids = torch.tensor([[1, 5, 9]])
@@ -90,7 +96,7 @@ def test_skinny_linears_patches_and_restores():
         ref = model(ids).logits
         with kernels.skinny_linears(model):
             assert "forward" in vars(lin)
-            assert id(lin.weight) in kernels._packs  # packed on entry, not during a step
+            assert (id(lin.weight), kernels.variant()) in kernels._packs  # packed on entry, not during a step
             with kernels.skinny_linears(model):  # nested: the inner one patches nothing
                 pass
             assert "forward" in vars(lin)  # ... and so restores nothing
@@ -128,3 +134,38 @@ def test_skinny_rows_zero_keeps_torch_path(target, monkeypatch):
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     out = SpecDecoder(model, PromptLookupDrafter(), SpecDecoderConfig(skinny_rows=0)).generate(ids, max_new_tokens=10)
     assert torch.equal(out.sequences, hf_greedy(model, ids, 10))
+
+
+def test_each_block_size_takes_its_fastest_route():
+    """The self-check's rule: a route slower than torch's own for a block size is never taken for it."""
+    seconds = {"linear": [3.0, 3.0, 3.0], "mm": [2.0, 3.0, 4.0], "packed": [1.0, 9.0, 15.0]}
+    assert kernels.fastest_routes(seconds) == ("packed", "linear", "linear")  # ties go to F.linear
+    assert kernels.fastest_routes({"linear": [1.0], "mm": [0.5]}) == ("mm",)  # no kernel built
+
+
+def test_calibration_routes_every_size_and_stays_exact(monkeypatch):
+    monkeypatch.setattr(kernels, "_routes", None)
+    monkeypatch.delenv("SPECDEC_KERNEL_CALIBRATE", raising=False)
+    chosen = kernels.calibrate(features=(64, 32), rounds=3)
+    assert len(chosen) == kernels.MAX_ROWS and set(chosen) <= set(kernels.ROUTES)
+    assert kernels.routes() == chosen
+    for rows in (1, 5, 8, 16):
+        x, w = torch.randn(rows, 32), torch.randn(64, 32)
+        torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_the_avx2_variant_builds_and_agrees(monkeypatch):
+    """The 8-float shape, built for x86-64-v3 on any CPU that has AVX2 (skipped elsewhere)."""
+    import platform
+
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the AVX2 variant is for x86-64")
+    monkeypatch.setenv("SPECDEC_KERNEL", "avx2")
+    monkeypatch.setattr(kernels, "_routes", None)
+    ops = kernels.extension()
+    assert ops is not None and ops.lanes() == 8
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(97, 40, generator=g)
+    for rows in (5, 8, 13, 16):
+        x = torch.randn(rows, 40, generator=g)
+        torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from specdec import kernels
 from specdec.decoder import SpecDecoder
 from specdec.registry import make_drafter
 
@@ -140,6 +141,7 @@ def run(args) -> int:
     questions = select_questions(questions, categories=cats, limit_per_category=args.per_category)
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer
+    kernels.prepare()  # the kernel build and route self-check happen before any timed run
     eos = model.generation_config.eos_token_id
     methods = hf_methods(model, eos)
     if args.no_hf_lookup:

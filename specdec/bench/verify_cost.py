@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import statistics
 import time
 from pathlib import Path
@@ -94,6 +95,8 @@ def add_arguments(p) -> None:
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block sizes q, comma-separated")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
+    p.add_argument("--kernel", default=None, choices=["native", "avx2", "off"],
+                   help="kernel variant (SPECDEC_KERNEL): avx2 builds the 8-float shape even on AVX-512")
 
 
 def run(args) -> int:
@@ -104,6 +107,8 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.kernel:
+        os.environ["SPECDEC_KERNEL"] = args.kernel
     try:  # before the model loads: a typo should not cost a load
         sizes = tuple(int(q) for q in args.sizes.split(","))
         if min(sizes) < 1:
@@ -111,6 +116,8 @@ def run(args) -> int:
     except ValueError:
         raise ValueError(f"--sizes: positive block sizes, comma-separated (got {args.sizes!r})") from None
     model = load_model(args.model).model.eval()
+    kernels.prepare()
+    routes = kernels.routes()
     med = measure(model, args.context, sizes, args.repeats)
     table = Table(title=f"target forward over q tokens, {args.context}-token context, "
                         f"{torch.get_num_threads()} threads (median of {args.repeats}; ratio = time over "
@@ -123,8 +130,12 @@ def run(args) -> int:
     for q in sizes:
         table.add_row(str(q), *[x for m in METHODS for x in (f"{med[m][q] * 1e3:.1f}", f"{med[m][q] / base:.2f}x")])
     Console(width=200).print(table)
+    Console(width=200).print(f"kernel {kernels.variant()} (lanes "
+                             f"{kernels.extension().lanes() if kernels.extension() else '-'}); routes per "
+                             f"block size 1..{kernels.MAX_ROWS} after the self-check: {' '.join(routes)}")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps({"context": args.context, "threads": torch.get_num_threads(),
-                                              "repeats": args.repeats, "seconds": med}, indent=1))
+                                              "repeats": args.repeats, "kernel": kernels.variant(),
+                                              "routes": routes, "seconds": med}, indent=1))
     return 0

@@ -1,23 +1,44 @@
-// y = x @ w^T for 4-16 rows of x (verify blocks), from weights packed in panels of 16 output rows.
+// y = x @ w^T for 1-16 rows of x (verify blocks), from weights packed in panels of output features.
 //
 // A verify step multiplies a few rows by every weight matrix of the model, so it should cost what
-// streaming the weights from memory costs. MKL's GEMM does not stream them at that rate for 4-16
+// streaming the weights from memory costs. MKL's GEMM does not stream them at that rate for 1-16
 // rows (see specdec/kernels.py), so this kernel does: the weight is packed once into panels
-// [P, K, 16] (16 output features side by side for each input feature), so the inner loop reads
-// one vector of weights per input feature and multiplies it with a broadcast of each row's input,
-// M accumulators per panel in registers, no horizontal sums; 2-4 panels at a time share each
-// broadcast. The vectors are GCC vector extensions (AVX-512, AVX2 or SSE, as the compiler targets);
-// threads are torch's own pool (at::parallel_for over panels). Built on first use by
-// torch.utils.cpp_extension (specdec/kernels.py), with a fallback to torch when no compiler is there.
+// [P, K, L] (L output features side by side for each input feature, L = one vector register), so the
+// inner loop reads one vector of weights per input feature and multiplies it with a broadcast of each
+// row's input, accumulators in registers, no horizontal sums; R panels at a time share each broadcast.
+//
+// Two shapes, picked at compile time by what the compiler targets (specdec/kernels.py builds with
+// -march=native, or -march=x86-64-v3 for the AVX2 variant):
+//   AVX-512 (32 vector registers): L = 16, all M rows in one pass, R * M <= 32 accumulators.
+//   otherwise (AVX2: 16 registers):  L = 8, rows in balanced chunks of <= 6, R * chunk <= 12
+//     accumulators + R weight vectors + 1 broadcast <= 16 registers, so nothing spills. A 16-float
+//     vector with up to 64 accumulators on AVX2 spilled every FMA: 8-15x slower than torch there.
+//     The chunks of one strip of panels re-read its weights from L1/L2, not from memory.
+// The vectors are GCC vector extensions; threads are torch's own pool (at::parallel_for over strips
+// of panels). Built on first use by torch.utils.cpp_extension, with a fallback to torch when no
+// compiler is there; specdec/kernels.py also times it against torch once per process and keeps
+// torch's path for any block size where this is slower.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
+
+#ifndef SPECDEC_OPS
+#define SPECDEC_OPS specdec_kernels  // the op namespace; the AVX2 variant gets its own
+#endif
 
 namespace {
 
-constexpr int kLanes = 16;  // one panel: 16 output features, one vector per input feature
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;    // floats per vector register = output features per panel
+constexpr int kMaxChunk = 16;  // rows per pass over the weights
+#else
+constexpr int kLanes = 8;
+constexpr int kMaxChunk = 6;
+#endif
+constexpr int64_t kStrip = 4;  // panels per parallel work item (AVX2: 4 x K x 8 floats, L2-resident)
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vec load(const float* p) {
@@ -34,9 +55,19 @@ inline void store(float* p, vec v, int n) {
   }
 }
 
-// Panels [p0, p1) against all M rows of x (M accumulators x R panels). wp: [P, K, 16]; y: [M, N].
+// Panels side by side for a chunk of M rows: R * M accumulators stay in registers.
+template <int M>
+constexpr int panels_at_once() {
+#if defined(__AVX512F__)
+  return M <= 4 ? 4 : M <= 12 ? 2 : 1;
+#else
+  return M <= 3 ? 4 : M <= 4 ? 3 : 2;
+#endif
+}
+
+// Panels [p0, p1) against M rows of x (M accumulators x R panels). wp: [P, K, L]; y: [M, N] rows.
 template <int M, int R>
-void panels(const float* x, const float* wp, float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
+void chunk(const float* x, const float* wp, float* y, int64_t K, int64_t N, int64_t p0, int64_t p1) {
   int64_t p = p0;
   for (; p + R <= p1; p += R) {
     vec acc[R][M];
@@ -49,7 +80,7 @@ void panels(const float* x, const float* wp, float* y, int64_t K, int64_t N, int
       vec wr[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(w + (r * K + k + 64) * kLanes, 0, 0);  // 4 KB ahead in the panel
+        __builtin_prefetch(w + (r * K + k + 64) * kLanes, 0, 0);  // 64 vectors ahead in the panel
         wr[r] = load(w + (r * K + k) * kLanes);
       }
 #pragma GCC unroll 16
@@ -67,23 +98,13 @@ void panels(const float* x, const float* wp, float* y, int64_t K, int64_t N, int
       for (int m = 0; m < M; ++m) store(y + m * N + n0, acc[r][m], n);
     }
   }
-  if (p < p1) panels<M, 1>(x, wp, y, K, N, p, p1);
+  if (p < p1) chunk<M, 1>(x, wp, y, K, N, p, p1);
 }
 
-template <int M>
-void run(const float* x, const float* wp, float* y, int64_t K, int64_t N) {
-  constexpr int R = M <= 4 ? 4 : M <= 12 ? 2 : 1;  // R * M accumulators fit the 32 vector registers
-  const int64_t P = (N + kLanes - 1) / kLanes;
-  const int64_t blocks = (P + R - 1) / R;
-  at::parallel_for(0, blocks, 4, [&](int64_t b0, int64_t b1) {
-    panels<M, R>(x, wp, y, K, N, b0 * R, std::min<int64_t>(b1 * R, P));
-  });
-}
-
-using Fn = void (*)(const float*, const float*, float*, int64_t, int64_t);
+using ChunkFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
 template <int... Ms>
-Fn pick(int m, std::integer_sequence<int, Ms...>) {
-  static constexpr Fn fns[] = {run<Ms + 1>...};
+ChunkFn pick(int m, std::integer_sequence<int, Ms...>) {
+  static constexpr ChunkFn fns[] = {chunk<Ms + 1, panels_at_once<Ms + 1>()>...};
   return fns[m - 1];
 }
 
@@ -92,11 +113,11 @@ at::Tensor pack(const at::Tensor& w) {
   const int64_t N = w.size(0), K = w.size(1), P = (N + kLanes - 1) / kLanes;
   at::Tensor padded = at::zeros({P * kLanes, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  return padded.view({P, kLanes, K}).transpose(1, 2).contiguous();  // [P, K, 16]
+  return padded.view({P, kLanes, K}).transpose(1, 2).contiguous();  // [P, K, L]
 }
 
 at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
-  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kLanes, "linear: x [M, K], packed w [P, K, 16]");
+  TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kLanes, "linear: x [M, K], packed w [P, K, ", kLanes, "]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat, "linear: float32 only");
   const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(wp.size(1) == K, "linear: x has ", K, " features, the packed weight ", wp.size(1));
@@ -104,18 +125,39 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   TORCH_CHECK(wp.size(0) * kLanes >= N && N > (wp.size(0) - 1) * kLanes, "linear: N does not fit the packing");
   const at::Tensor xc = x.contiguous();
   at::Tensor y = at::empty({M, N}, x.options());
-  pick(static_cast<int>(M), std::make_integer_sequence<int, 16>{})(
-      xc.data_ptr<float>(), wp.data_ptr<float>(), y.data_ptr<float>(), K, N);
+  const float* xp = xc.data_ptr<float>();
+  const float* w = wp.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t P = wp.size(0), strips = (P + kStrip - 1) / kStrip;
+  const int chunks = static_cast<int>((M + kMaxChunk - 1) / kMaxChunk);
+  at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t p0 = s * kStrip, p1 = std::min(P, p0 + kStrip);
+      int64_t m0 = 0;
+      for (int c = 0; c < chunks; ++c) {  // balanced chunks: 8 rows on AVX2 -> 4 + 4, 16 -> 5 + 5 + 6
+        const int64_t mc = (M - m0) / (chunks - c);
+        pick(static_cast<int>(mc), std::make_integer_sequence<int, kMaxChunk>{})(
+            xp + m0 * K, w, yp + m0 * N, K, N, p0, p1);
+        m0 += mc;
+      }
+    }
+  });
   return y;
 }
 
+int64_t lanes() { return kLanes; }
+
 }  // namespace
 
-TORCH_LIBRARY(specdec_kernels, m) {
+// One more macro level so that SPECDEC_OPS expands before TORCH_LIBRARY pastes it.
+#define SPECDEC_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
+#define SPECDEC_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+SPECDEC_LIBRARY(SPECDEC_OPS, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor wp, int n) -> Tensor");
+  m.def("lanes() -> int", &lanes);  // L: the packing's panel width, for tests and bench-verify
 }
-TORCH_LIBRARY_IMPL(specdec_kernels, CPU, m) {
+SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
   m.impl("pack", &pack);
   m.impl("linear", &linear);
 }
