@@ -19,6 +19,13 @@ and take ``gate``: draft while a drafting step's measured tokens per second (tok
 its draft + verify seconds) beat a plain step's, else decode plainly and probe on the same schedule.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
 
+At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
+are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
+rule then stops drafting when B x (1 + k) rows cost more than the accepted tokens win. BASS's own
+schedule (``DraftLengthConfig.bass()``: start at 7, +2 up to 32, shrink by ceil(l / 10) plus one per
+consecutive shrink, never below the step's best accepted count) is a selectable policy without the
+cost gate, as in the paper.
+
 Acceptance is kept per *draft class*, a key the drafter gives before each step (``Drafter.
 draft_class``): prompt lookup's class is the length of the n-gram it matched, because a 3-gram match
 is copied far more reliably than a 1-gram one; one rate for both would gate off the good matches
@@ -28,7 +35,8 @@ are the machine's and are shared.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from typing import Hashable
 
 
@@ -45,12 +53,24 @@ class DraftLengthConfig:
     # the gate's tokens and seconds per drafting step: a long memory (~20 steps), because one step
     # yields 1, 2 or 3 tokens and a short average near break-even would close the gate on noise
     gate_decay: float = 0.95
+    shrink: str = "one"  # after a step with no whole draft accepted: "one" token, or "bass" (see bass_shrink)
+
+    @classmethod
+    def bass(cls, **overrides) -> "DraftLengthConfig":
+        """BASS's schedule as published: l0 = 7, +2 up to 32, ceil(l/10) shrinks, no cost gate."""
+        return replace(cls(initial=7, maximum=32, step_up=2, shrink="bass", cost_aware=False), **overrides)
+
+
+def bass_shrink(length: int, consecutive: int) -> int:
+    """BASS's cut after a step in which no sequence accepted its whole draft: ceil(l / 10), plus one
+    for each shrink just before this one. Example: l = 25 -> 3, then (l = 22) 3 + 1 = 4, then 3 + 2."""
+    return math.ceil(length / 10) + consecutive
 
 
 class _ClassState:
     """What the controller has learned about one draft class."""
 
-    __slots__ = ("alpha", "length", "skipped", "interval", "tokens", "seconds")
+    __slots__ = ("alpha", "length", "skipped", "interval", "tokens", "seconds", "shrinks")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         self.alpha: float | None = None  # per-token acceptance rate, None until measured
@@ -59,6 +79,7 @@ class _ClassState:
         self.length = config.initial  # BASS draft length
         self.skipped = 0  # steps gated off since the last draft
         self.interval = config.explore_every  # steps between probes; doubles while probes fail
+        self.shrinks = 0  # consecutive steps the length shrank (BASS's schedule cuts more each time)
 
 
 class DraftLengthController:
@@ -67,8 +88,13 @@ class DraftLengthController:
             raise ValueError(f"need 0 <= minimum <= initial <= maximum, got {config}")
         self.config = config
         self.classes: dict[Hashable, _ClassState] = {}
-        self.step_time: dict[int, float] = {}  # block size q -> running mean verify seconds
+        self._step_times: dict[int, dict[int, float]] = {1: {}}  # batch size -> (q -> seconds)
+        self.step_time: dict[int, float] = self._step_times[1]  # the live batch's: q -> mean verify seconds
         self.draft_time: float = 0.0  # running mean seconds the drafter takes per drafted token
+
+    def set_batch(self, batch_size: int) -> None:
+        """The live batch size changed (sequences finished): verify costs are that batch's own."""
+        self.step_time = self._step_times.setdefault(batch_size, {})
 
     def state(self, key: Hashable = None) -> _ClassState:
         if key not in self.classes:
@@ -187,5 +213,8 @@ class DraftLengthController:
             return
         if any(d > 0 and a == d for d, a in zip(num_drafted, num_accepted)):
             st.length = min(c.maximum, st.length + c.step_up)
+            st.shrinks = 0
         else:
-            st.length = max(c.minimum, max(num_accepted), st.length - 1)
+            cut = bass_shrink(st.length, st.shrinks) if c.shrink == "bass" else 1
+            st.length = max(c.minimum, max(num_accepted), st.length - cut)
+            st.shrinks += 1

@@ -1,12 +1,19 @@
-"""SpecDecoder: draft -> verify -> accept -> commit, until done.
+"""SpecDecoder: draft -> verify -> accept -> commit, until every sequence is done.
 
     out = SpecDecoder(target, PromptLookupDrafter()).generate(input_ids, max_new_tokens=128)
     out.sequences      # [B, P + new], exactly what target.generate(..., do_sample=False) returns
-    out.steps          # per step: drafted / accepted counts, draft and verify seconds
+    out.steps          # per step: drafted / accepted counts per live sequence, draft and verify seconds
 
-Invariant between steps: the target's BMC store holds every committed token but the last one, the
-*pending* token, which opens the next verify block (row 0), followed by the draft tree's nodes.
-The first step's pending block is the whole prompt (the prefill), with nothing drafted.
+A batch is B sequences at once (a padded ``input_ids`` with ``attention_mask``, left or right
+padding, or a list of 1-D prompts). Each sequence accepts its own number of drafted tokens per step
+(BASS's ragged acceptance) into its own rows of the BMC store, and stops on its own EOS or
+``max_new_tokens``; a finished sequence leaves the batch (its rows are dropped from the store and
+the drafter: compaction, so no later forward computes it).
+
+Invariant between steps: the target's BMC store holds every committed token of each live sequence
+but the last one, the *pending* token, which opens the next verify block (row 0), followed by the
+draft tree's nodes. The prefill runs each prompt alone on the causal fast path (as HF does) and
+gives the first token.
 """
 
 from __future__ import annotations
@@ -20,10 +27,12 @@ from specdec import kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
-from specdec.forward import forward_block
+from specdec.forward import forward_block, prefill
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.tree import DraftTree, ancestor_mask, node_depths
 from specdec.verifiers.tree import Verification, verify_greedy
+
+ATTENTION = ("pad", "split", "auto")
 
 
 @dataclass(frozen=True)
@@ -33,39 +42,54 @@ class SpecDecoderConfig:
     # CPU: linear layers over blocks of <= this many rows take specdec.kernels' routes (MKL's
     # skinny GEMM for 1-4 rows, the packed kernel for 5-16); 0 keeps torch's default path everywhere
     skinny_rows: int = kernels.MAX_ROWS
+    # Batches: attention over ragged lengths by padding to the longest (pad), per sequence (split),
+    # or chosen per step (auto): split once padding would be more than `split_waste` of the work
+    attention: str = "auto"
+    split_waste: float = 0.5  # docs/benchmarks.md "PAD vs SPLIT": where SPLIT starts to win on CPU
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
 
 
 @dataclass(frozen=True)
 class StepStats:
-    num_drafted: list[int]  # per sequence: real draft nodes verified this step
-    num_accepted: list[int]  # per sequence: drafted tokens kept (the step yields this + 1)
+    num_drafted: list[int]  # per live sequence: real draft nodes verified this step
+    num_accepted: list[int]  # per live sequence: drafted tokens kept (the step yields this + 1)
     draft_time: float  # seconds in drafter.propose
     verify_time: float  # seconds in the target forward, verification and commit
+    sequences: list[int] = field(default_factory=lambda: [0])  # which sequence each entry is
+    split: bool = False  # the step's attention ran per sequence (SPLIT) rather than padded (PAD)
 
 
 @dataclass(frozen=True)
 class StepEvent:
-    """What one step appended to the (single) sequence, for streaming UIs."""
+    """What one step appended to one sequence, for streaming UIs."""
 
     tokens: list[int]  # the new tokens, after max_new_tokens / EOS truncation
     from_draft: int  # how many of the leading tokens were accepted drafts (the rest: the target's)
     stats: StepStats
+    sequence: int = 0  # index of the sequence in the batch given to generate
 
 
 @dataclass
 class GenerateOutput:
-    sequences: torch.Tensor  # [B, P + new] prompt then generated tokens, like HF generate
-    prompt_length: int
+    sequences: torch.Tensor  # [B, P + new] the input rows as given, then new tokens padded with pad_token_id
+    prompt_length: int  # P: columns of the input (the padded width for a batch)
     steps: list[StepStats] = field(default_factory=list)
+    num_new: list[int] = field(default_factory=list)  # [B] tokens generated per sequence
+    steps_per_sequence: list[int] = field(default_factory=list)  # [B] target forwards each took
+    accepted_per_sequence: list[int] = field(default_factory=list)  # [B] drafted tokens each kept
 
     @property
     def new_tokens(self) -> int:
-        return self.sequences.shape[1] - self.prompt_length
+        """Tokens generated, summed over the batch."""
+        return sum(self.num_new)
 
     @property
     def mean_accepted_tokens(self) -> float:
-        """Tokens per target forward (accepted drafts + 1), Spec-Bench's tau; 1.0 = no gain."""
-        return self.new_tokens / max(1, len(self.steps))
+        """Tokens per target forward per sequence (accepted drafts + 1), Spec-Bench's tau; 1.0 = no gain."""
+        return self.new_tokens / max(1, sum(self.steps_per_sequence))
 
     @property
     def draft_time(self) -> float:
@@ -74,6 +98,43 @@ class GenerateOutput:
     @property
     def verify_time(self) -> float:
         return sum(s.verify_time for s in self.steps)
+
+    def generated(self, b: int) -> torch.Tensor:
+        """Sequence b's new tokens [num_new[b]] (no padding)."""
+        return self.sequences[b, self.prompt_length : self.prompt_length + self.num_new[b]]
+
+
+class _Batch:
+    """The live sequences: which input row each is, and what each has generated so far."""
+
+    def __init__(self, B: int, max_new_tokens: int, eos: set[int]) -> None:
+        self.rows = list(range(B))  # live row -> sequence index
+        self.new: list[list[int]] = [[] for _ in range(B)]  # per sequence
+        self.steps = [0] * B
+        self.accepted = [0] * B
+        self.max_new, self.eos = max_new_tokens, eos
+
+    def wanted(self) -> int:
+        """Draft tokens still useful to some live sequence (after its bonus token)."""
+        return max(self.max_new - len(self.new[s]) - 1 for s in self.rows)
+
+    def extend(self, commit: Commit, stats: StepStats, callback) -> list[int]:
+        """Append each live sequence's new tokens (truncated at max_new_tokens and EOS); returns the
+        live rows that go on."""
+        keep = []
+        for row, s in enumerate(self.rows):
+            toks = commit.new_tokens(row)[: self.max_new - len(self.new[s])]
+            stop = next((i for i, t in enumerate(toks) if t in self.eos), None)
+            if stop is not None:
+                toks = toks[: stop + 1]
+            self.new[s].extend(toks)
+            self.steps[s] += 1
+            self.accepted[s] += min(len(toks), int(commit.num_accepted[row]))
+            if callback is not None:
+                callback(StepEvent(toks, min(len(toks), int(commit.num_accepted[row])), stats, s))
+            if stop is None and len(self.new[s]) < self.max_new:
+                keep.append(row)
+        return keep
 
 
 class SpecDecoder:
@@ -90,126 +151,205 @@ class SpecDecoder:
                 f"drafter vocabulary ({drafter.vocab_size} tokens) does not match the target's "
                 f"({self.vocab_size} tokens): a drafter must share the target's tokenizer")
 
-    def _check_input(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-        if input_ids.dim() == 1:
-            input_ids = input_ids[None]
-        if input_ids.dim() != 2:
-            raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
-        B = input_ids.shape[0]
-        if B != 1:
-            raise ValueError(f"batch size {B} is not supported yet (batched verification is a later "
-                             "issue): pass one sequence at a time")
-        if attention_mask is not None:  # drop left/right padding of the single row
-            input_ids = input_ids[:, attention_mask[0].bool().to(input_ids.device)]
-        P = input_ids.shape[1]
-        if P == 0:
-            raise ValueError("empty prompt: input_ids has no tokens (SpecDecoder needs at least one)")
-        if self.context_window is not None and P >= self.context_window:
-            raise ValueError(f"prompt of {P} tokens does not fit the model's context window of "
-                             f"{self.context_window} tokens (no room left to generate)")
-        return input_ids.to(torch.long)
+    def generate(self, input_ids, max_new_tokens: int = 128, eos_token_id=None,
+                 attention_mask: torch.Tensor | None = None, streamer=None, callback=None,
+                 pad_token_id: int | None = None) -> GenerateOutput:
+        """Greedy generation; each sequence token-identical to ``target.generate(..., do_sample=False)``
+        of its prompt alone.
 
-    def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, eos_token_id=None,
-                 attention_mask: torch.Tensor | None = None, streamer=None, callback=None) -> GenerateOutput:
-        """Greedy generation; token-identical to ``target.generate(..., do_sample=False)``.
-
-        eos_token_id: int or list (default: the target's generation config); the EOS is kept, as HF
-        does. streamer: HF-style object with put(tokens)/end() (e.g. ``TextStreamer``).
-        callback: called with a ``StepEvent`` after each step (new tokens, how many were drafted).
-        max_new_tokens is clipped to the room left in the context window.
+        input_ids: [P] or [B, P] (with ``attention_mask`` [B, P] for padded rows, left or right), or a
+        list of 1-D prompts of different lengths (laid out left-padded, as HF would). eos_token_id: int
+        or list (default: the target's generation config); the EOS is kept, as HF does.
+        streamer: HF-style object with put(tokens)/end() (e.g. ``TextStreamer``), batch size 1 only.
+        callback: called with a ``StepEvent`` per live sequence after each step.
+        max_new_tokens is clipped to the room left in the context window by the longest prompt.
         """
+        ids, prompts = self._check_input(input_ids, attention_mask)
+        if streamer is not None and len(prompts) > 1:
+            raise ValueError(f"a streamer takes one sequence (HF streamers are batch-1); got {len(prompts)}: "
+                             "use callback=, whose events name their sequence")
+        if len(prompts) > 1 and self.drafter is not None and not self.drafter.supports_batch:
+            raise ValueError(f"drafter {type(self.drafter).__name__} cannot draft for a batch of "
+                             f"{len(prompts)} sequences (it has no select()); pass one sequence at a time")
+        pad = _pad_id(pad_token_id, eos_token_id, self.target)
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
         with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows):
-            return self._generate(input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback)
+            batch, steps = self._generate(prompts, max_new_tokens, _eos_set(eos_token_id, self.target),
+                                          streamer, callback)
+        new = [batch.new[s] for s in range(len(prompts))]
+        width = max(len(n) for n in new)
+        tail = torch.full((len(prompts), width), pad, dtype=torch.long)
+        for s, n in enumerate(new):
+            tail[s, : len(n)] = torch.tensor(n, dtype=torch.long)
+        return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], steps, [len(n) for n in new],
+                              batch.steps, batch.accepted)
 
-    def _generate(self, input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback):
-        ids = self._check_input(input_ids, attention_mask)
-        B, P = ids.shape
-        device = self.target.device
-        eos = _eos_set(eos_token_id, self.target)
+    def _generate(self, prompts: list[torch.Tensor], max_new_tokens, eos, streamer, callback):
+        B, device = len(prompts), self.target.device
         if self.context_window is not None:
-            max_new_tokens = min(max_new_tokens, self.context_window - P)
-        want_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+            max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
+        batch = _Batch(B, max_new_tokens, eos)
         controller = DraftLengthController(self.config.draft_length)
         cache = BMCCache.for_model(self.target, B, self.config.bmc)
         if streamer is not None:
-            streamer.put(ids.cpu())
-        out = GenerateOutput(ids, P)
-        new: list[int] = []
-        # Step 0 is the prefill: the whole prompt is the pending block and nothing is drafted, so
-        # one forward gives the first token (as in HF). After it, one pending token per step.
-        pending = ids.to(device)  # [B, p]
-        while len(new) < max_new_tokens:
-            # 1. draft: never more than the tokens still wanted after the bonus token
-            wanted = max_new_tokens - len(new) - 1
+            streamer.put(prompts[0][None].cpu())
+        steps: list[StepStats] = []
+        # 0. prefill: each prompt alone on the causal fast path, its K/V copied into its store rows
+        t0 = time.perf_counter()
+        ver, commit = self._prefill(cache, prompts)
+        stats = StepStats([0] * B, [0] * B, 0.0, time.perf_counter() - t0, list(range(B)))
+        live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback, first=True)
+        pending = ver.next_token[live, None].to(device)  # [B', 1]
+        while batch.rows:
+            # 1. draft: never more than the tokens some sequence still wants after its bonus token
             t0 = time.perf_counter()
-            key = self.drafter.draft_class() if self.drafter is not None and new else None
-            if self.drafter is None or not new:
-                budget = 0
-            elif self.drafter.follows_controller:
-                budget = min(controller.budget(key), wanted)
-            else:  # the drafter sizes its own tree; the controller only says whether drafting pays
-                budget = wanted if controller.gate(key) else 0
-            tree = (self.drafter.propose(budget) if self.drafter is not None and budget > 0
-                    else DraftTree.empty(B))
+            key, tree = self._draft(controller, len(batch.rows), batch.wanted())
             t1 = time.perf_counter()
-            # 2.-4. one target forward over [pending, nodes], greedy walk, commit the kept rows
-            ver, hidden = self._verify(cache, pending, tree, want_hidden)
-            commit = _make_commit(tree, ver, None if hidden is None else hidden[:, P - 1 if not new else 0:])
+            # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
+            ver, hidden, split = self._verify(cache, pending, tree)
+            commit = _make_commit(tree, ver, hidden)
             t2 = time.perf_counter()
-            if not new and self.drafter is not None:
-                prefix = None if hidden is None else hidden[:, : P - 1]
-                self.drafter.begin(Prompt(ids, torch.full((B,), P), prefix))
-            # 5. finish the step: output grows, the drafter learns, the controller adapts
-            step_tokens = commit.new_tokens(0)[: max_new_tokens - len(new)]
-            stop = next((i for i, t in enumerate(step_tokens) if t in eos), None)
-            if stop is not None:
-                step_tokens = step_tokens[: stop + 1]
-            new.extend(step_tokens)
-            stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1)
-            out.steps.append(stats)
-            if streamer is not None:
-                streamer.put(torch.tensor(step_tokens))
-            if callback is not None:
-                callback(StepEvent(step_tokens, min(len(step_tokens), stats.num_accepted[0]), stats))
-            if stop is not None:
-                break
-            if self.drafter is not None:
-                self.drafter.accept(commit)
-            if len(out.steps) > 1:  # the prefill's time says nothing about a decode step's cost
-                controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key)
-            pending = ver.next_token[:, None].to(device)
+            stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
+                              list(batch.rows), split)
+            # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
+            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key)
+            live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
+            controller.set_batch(len(live))
+            pending = ver.next_token[live, None].to(device)
         if streamer is not None:
             streamer.end()
-        out.sequences = torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
-        return out
+        return batch, steps
 
-    def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree,
-                want_hidden: bool) -> tuple[Verification, torch.Tensor | None]:
-        """One target forward over [pending block (p tokens), tree nodes]; keep pending + path.
+    # -- stages
 
-        Returns the verification and, if asked, the target's last hidden states at the kept rows
-        [B, p + A, D] (row p - 1 + j produced new token j).
+    def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor]) -> tuple[Verification, Commit]:
+        """Every prompt alone through ``forward.prefill`` into its rows; the first token of each."""
+        want_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+        B, P = len(prompts), max(len(p) for p in prompts)
+        logits, hidden = [], []
+        for b, ids in enumerate(prompts):
+            pre = prefill(self.target, ids, want_hidden)
+            cache.load_prefill(b, pre.layers, capacity=P)
+            logits.append(pre.logits)
+            hidden.append(pre.hidden)
+        ver = verify_greedy(torch.stack(logits)[:, None].float().cpu(), DraftTree.empty(B))
+        last = torch.stack([h[-1:] for h in hidden]) if want_hidden else None  # [B, 1, D]
+        if self.drafter is not None:
+            ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
+            prefix = torch.zeros(B, max(P - 1, 0), hidden[0].shape[-1], dtype=hidden[0].dtype) if want_hidden else None
+            for b, p in enumerate(prompts):
+                ids[b, : len(p)] = p
+                if want_hidden:
+                    prefix[b, : len(p) - 1] = hidden[b][:-1]
+            lengths = torch.tensor([len(p) for p in prompts])
+            self.drafter.begin(Prompt(ids, lengths, prefix, cache))
+        return ver, _make_commit(DraftTree.empty(B), ver, last)
+
+    def _draft(self, controller: DraftLengthController, batch_size: int, wanted: int):
+        """The draft class and the tree for this step (an empty tree when drafting does not pay)."""
+        if self.drafter is None or wanted <= 0:
+            return None, DraftTree.empty(batch_size)
+        key = self.drafter.draft_class()
+        if self.drafter.follows_controller:
+            budget = min(controller.budget(key), wanted)
+        else:  # the drafter sizes its own tree; the controller only says whether drafting pays
+            budget = wanted if controller.gate(key) else 0
+        return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size))
+
+    def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree):
+        """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path.
+
+        Returns the verification, the target's last hidden states at the kept rows [B, 1 + A, D] if
+        the drafter reads them (row j produced new token j), and whether attention ran SPLIT.
         """
+        want_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         B, N = tree.tokens.shape
-        p = pending.shape[1]
-        block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, p + N]
+        block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, 1 + N]
         if _is_chain(tree):
-            mask = depth = None  # causal block: the store's fast path
+            mask = depth = None  # causal block: the store's fast path (ragged chains are causal too)
         else:
-            assert p == 1, "a tree hangs off a single pending token"
             mask = ancestor_mask(tree.parents, tree.num_nodes)
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
-        res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden)
-        ver = verify_greedy(res.logits[:, p - 1 :].float().cpu(), _to_cpu(tree))
-        kept = [list(range(p - 1)) + [p - 1 + r for r in rows] for rows in ver.kept_rows()]
+        split = self._split(cache, 1 + N)
+        res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden, split)
+        ver = verify_greedy(res.logits.float().cpu(), _to_cpu(tree))
+        kept = ver.kept_rows()
         cache.commit(kept)
         hidden = None
         if want_hidden:
             width = max(len(k) for k in kept)
             idx = torch.tensor([k + [k[-1]] * (width - len(k)) for k in kept], device=res.hidden.device)
             hidden = res.hidden.gather(1, idx[:, :, None].expand(-1, -1, res.hidden.shape[-1]))
-        return ver, hidden
+        return ver, hidden, split
+
+    def _split(self, cache: BMCCache, q: int) -> bool:
+        """SPLIT attention this step? auto: when PAD's padded columns would be over split_waste of them.
+        Example: lengths [200, 4000], q 4: PAD 8008 columns, 4208 needed -> waste 0.47 -> PAD."""
+        mode = self.config.attention
+        if cache.batch_size == 1 or mode == "pad":
+            return False
+        if mode == "split":
+            return True
+        padded = cache.batch_size * (cache.max_length + q)
+        return 1 - sum(n + q for n in cache.lengths) / padded > self.config.split_waste
+
+    def _finish_step(self, batch: _Batch, cache: BMCCache, commit: Commit, stats: StepStats,
+                     steps: list[StepStats], streamer, callback, first: bool = False) -> list[int]:
+        """Record the step, stream it, let the drafter learn, drop finished rows; the live rows."""
+        steps.append(stats)
+        before = len(batch.new[batch.rows[0]])
+        keep = batch.extend(commit, stats, callback)
+        if streamer is not None:  # batch size 1: the one sequence's tokens of this step
+            streamer.put(torch.tensor(batch.new[0][before:]))
+        if self.drafter is not None and keep:
+            self.drafter.accept(commit)
+        if len(keep) < len(batch.rows):  # compaction: one gather per buffer, in the store and the drafter
+            if keep:
+                cache.select(keep)
+                if self.drafter is not None:
+                    self.drafter.select(keep)
+            batch.rows = [batch.rows[r] for r in keep]
+        return keep
+
+    def _check_input(self, input_ids, attention_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The input as laid out for the output [B, P], and each sequence's real tokens."""
+        if isinstance(input_ids, (list, tuple)):
+            if attention_mask is not None:
+                raise ValueError("attention_mask goes with a padded input_ids tensor, not a list of prompts")
+            prompts = [torch.as_tensor(p, dtype=torch.long).reshape(-1) for p in input_ids]
+            if not prompts:
+                raise ValueError("empty batch: the list of prompts has no sequence")
+            P = max(len(p) for p in prompts)
+            ids = torch.zeros(len(prompts), P, dtype=torch.long)  # left padding, overwritten below
+            for b, p in enumerate(prompts):
+                if len(p):
+                    ids[b, P - len(p):] = p
+        else:
+            ids = input_ids[None] if input_ids.dim() == 1 else input_ids
+            if ids.dim() != 2:
+                raise ValueError(f"input_ids must be [batch, length], got shape {tuple(input_ids.shape)}")
+            ids = ids.to(torch.long).cpu()
+            if attention_mask is None:
+                prompts = list(ids)
+            else:
+                mask = attention_mask[None] if attention_mask.dim() == 1 else attention_mask
+                if tuple(mask.shape) != tuple(ids.shape):
+                    raise ValueError(f"attention_mask shape {tuple(attention_mask.shape)} does not match "
+                                     f"input_ids shape {tuple(input_ids.shape)}")
+                mask = mask.bool().cpu()
+                prompts = [row[m] for row, m in zip(ids, mask)]
+        for b, p in enumerate(prompts):
+            name = "prompt" if len(prompts) == 1 else f"sequence {b}"
+            if len(p) == 0:
+                raise ValueError(f"empty prompt: {name} has no tokens (SpecDecoder needs at least one)")
+            if self.context_window is not None and len(p) >= self.context_window:
+                raise ValueError(f"{name} of {len(p)} tokens does not fit the model's context window of "
+                                 f"{self.context_window} tokens (no room left to generate)")
+        if isinstance(input_ids, (list, tuple)):
+            pad = _pad_id(None, None, self.target)
+            for b, p in enumerate(prompts):
+                ids[b, : ids.shape[1] - len(p)] = pad
+        return ids, prompts
 
 
 def _is_chain(tree: DraftTree) -> bool:
@@ -240,3 +380,14 @@ def _eos_set(eos_token_id, target) -> set[int]:
     if eos_token_id is None:
         return set()
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+
+
+def _pad_id(pad_token_id, eos_token_id, target) -> int:
+    """pad_token_id, else the target's, else its first EOS (as HF generate falls back), else 0."""
+    if pad_token_id is not None:
+        return int(pad_token_id)
+    gen = getattr(target, "generation_config", None)
+    if gen is not None and gen.pad_token_id is not None:
+        return int(gen.pad_token_id)
+    eos = sorted(_eos_set(eos_token_id, target))
+    return eos[0] if eos else 0

@@ -69,6 +69,29 @@ class DraftTree:
         return DraftTree(tokens, parents, num_nodes, probs)
 
 
+def pick_rows(use_a: list[bool], a: DraftTree, b: DraftTree) -> DraftTree:
+    """Row b of the result is row b of ``a`` where use_a[b], else of ``b`` (each row keeps its own
+    node count); the narrower tree is padded. Example: a = [[5, 6]] chain, b = [[7]] -> use_a
+    [False] gives [[7, 0]] with parents [[-1, 0]] (the padding slot's parent is never read) and
+    num_nodes [1]."""
+    assert a.batch_size == b.batch_size == len(use_a), "pick_rows: trees and choices disagree on B"
+    if a.probs is not None or b.probs is not None:
+        raise NotImplementedError("pick_rows: trees carrying draft distributions (sampling) are not mixed yet")
+    N = max(a.width, b.width)
+
+    def widen(t: DraftTree, x: torch.Tensor, fill: int) -> torch.Tensor:
+        out = torch.full((t.batch_size, N), fill, dtype=x.dtype, device=x.device)
+        out[:, : t.width] = x
+        return out
+
+    # padding slots hang off the pending token (parent -1): always valid, never a real node's ancestor
+    pick = torch.tensor(use_a, device=a.tokens.device)[:, None]
+    tokens = torch.where(pick, widen(a, a.tokens, 0), widen(b, b.tokens.to(a.tokens.device), 0))
+    parents = torch.where(pick, widen(a, a.parents, -1), widen(b, b.parents.to(a.tokens.device), -1))
+    num = torch.where(pick[:, 0], a.num_nodes, b.num_nodes.to(a.num_nodes.device))
+    return DraftTree(tokens, parents, num)
+
+
 def node_depths(parents: torch.Tensor) -> torch.Tensor:
     """Depth of each node (children of the pending token have depth 1).
 

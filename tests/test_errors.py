@@ -28,9 +28,48 @@ def test_vocabulary_mismatch(target):
         SpecDecoder(target, ModelDrafter(other))
 
 
-def test_batch_over_one_for_now(target):
-    with pytest.raises(ValueError, match="batch size 2 is not supported yet"):
-        SpecDecoder(target).generate(torch.zeros(2, 4, dtype=torch.long))
+def test_attention_mask_of_another_shape_is_named(target):
+    with pytest.raises(ValueError, match=r"attention_mask shape \(2, 3\) does not match input_ids shape \(2, 4\)"):
+        SpecDecoder(target).generate(torch.ones(2, 4, dtype=torch.long), attention_mask=torch.ones(2, 3))
+
+
+def test_a_sequence_of_zero_real_tokens_is_named(target):
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    with pytest.raises(ValueError, match="empty prompt: sequence 1 has no tokens"):
+        SpecDecoder(target).generate(torch.ones(2, 3, dtype=torch.long), attention_mask=mask)
+    with pytest.raises(ValueError, match="empty prompt: sequence 2 has no tokens"):
+        SpecDecoder(target).generate([[1, 2], [3], []])
+
+
+def test_a_drafter_that_cannot_batch_says_so(target):
+    from specdec.drafters.base import Drafter
+    from specdec.tree import DraftTree
+
+    class OneAtATime(Drafter):
+        def begin(self, prompt):
+            pass
+
+        def propose(self, budget):
+            return DraftTree.empty(1)
+
+        def accept(self, commit):
+            pass
+
+    assert not OneAtATime().supports_batch
+    with pytest.raises(ValueError, match="OneAtATime cannot draft for a batch of 2 sequences"):
+        SpecDecoder(target, OneAtATime()).generate([[1, 2], [3]])
+
+
+def test_a_streamer_takes_one_sequence(target):
+    class Streamer:
+        def put(self, t):
+            pass
+
+        def end(self):
+            pass
+
+    with pytest.raises(ValueError, match="a streamer takes one sequence"):
+        SpecDecoder(target).generate([[1, 2], [3]], streamer=Streamer())
 
 
 def test_missing_model_path(tmp_path):
@@ -67,6 +106,7 @@ def test_bench_verify_sizes_are_named_before_any_model_loads(sizes, monkeypatch)
     from specdec.bench import verify_cost
 
     monkeypatch.setattr("specdec.models.load_model", lambda *a, **k: pytest.fail("model loaded first"))
-    args = argparse.Namespace(model="default", context=200, repeats=1, sizes=sizes, threads=None, out=None)
+    args = argparse.Namespace(model="default", context=200, repeats=1, sizes=sizes, threads=None, out=None,
+                              kernel=None)
     with pytest.raises(ValueError, match="--sizes: positive block sizes"):
         verify_cost.run(args)

@@ -248,6 +248,14 @@ class EagleDrafter(Drafter):
             self._feats[b].append(commit.hidden[b, :n])  # hidden[j] is the feature before tokens[j]
             self._toks[b].extend(commit.tokens[b, :n].tolist())
 
+    def select(self, rows: list[int]) -> None:
+        self.cache.select(rows)
+        self._feats = [self._feats[b] for b in rows]
+        self._toks = [self._toks[b] for b in rows]
+        if self._root is not None:
+            idx = torch.tensor(rows, device=self._root.device)
+            self._root, self._has_root = self._root[idx], self._has_root[idx]
+
     @torch.inference_mode()
     def propose(self, budget: int) -> DraftTree:
         B = len(self._toks)

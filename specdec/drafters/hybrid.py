@@ -2,14 +2,15 @@
 
 Lookup drafts cost nothing and, after a 2- or 3-gram match, are accepted far more often than a
 small drafter's guesses (summaries, RAG answers, code edits and translations copy their context);
-where nothing long enough matches, the other drafter guesses. Each step uses one source, chosen by
-the length of the suffix n-gram that matches: ``min_ngram`` or longer, lookup's continuation as a
-chain; shorter, the other drafter's draft. So a verify block never carries both (on a CPU a verify
-over more rows costs more, specdec.kernels). Both sources see every commit, so the one not used
-stays in step (EAGLE's head feeds the skipped pairs at its next draft, in one forward).
+where nothing long enough matches, the other drafter guesses. Each sequence uses one source per step,
+chosen by the length of its suffix n-gram match: ``min_ngram`` or longer, lookup's continuation as a
+chain; shorter, the other drafter's draft. So a verify row never carries both (on a CPU a verify
+over more rows costs more, specdec.kernels); in a batch each row takes its own source. Both sources
+see every commit, so the one not used stays in step (EAGLE's head feeds the skipped pairs at its
+next draft, in one forward).
 
-The choice is also the step's draft class (``("lookup", n)`` or ``("other", its class)``), so the
-decoder's controller keeps apart what each source earns: lookup chains follow its draft length
+The choice is also the step's draft class (``("lookup", n)``, n the longest match, when some row
+copies, else ``("other", its class)``), so the decoder's controller keeps apart what each source earns: lookup chains follow its draft length
 for their n-gram class, a self-sizing drafter keeps its throughput gate.
 
     drafter = LookupHybridDrafter(EagleDrafter.default(target))   # `--drafter eagle+lookup`
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.tree import DraftTree
+from specdec.tree import DraftTree, pick_rows
 
 
 @dataclass(frozen=True)
@@ -38,20 +39,20 @@ class LookupHybridDrafter(Drafter):
         self.config = config
         self.vocab_size = other.vocab_size
         self.needs_hidden_states = other.needs_hidden_states
-        self._use_lookup: bool | None = None  # this step's source, None until chosen
-        self.drafts = Counter()  # proposals per source ("lookup", "other"): what a run relied on
+        self._use_lookup: list[bool] | None = None  # per row: this step's source is lookup; None until chosen
+        self.drafts = Counter()  # row proposals per source ("lookup", "other"): what a run relied on
 
     @property
     def follows_controller(self) -> bool:
-        return True if self._use_lookup else self.other.follows_controller
+        return True if self._use_lookup and any(self._use_lookup) else self.other.follows_controller
 
     def torch_modules(self) -> list:
         return self.other.torch_modules()
 
     def draft_class(self):
-        n = self.lookup.draft_class()
-        self._use_lookup = n >= self.config.min_ngram
-        return ("lookup", n) if self._use_lookup else ("other", self.other.draft_class())
+        n = self.lookup.draft_class()  # also matches every row (kept for propose)
+        self._use_lookup = [m >= self.config.min_ngram for m, _ in self.lookup._matches]
+        return ("lookup", n) if any(self._use_lookup) else ("other", self.other.draft_class())
 
     def begin(self, prompt: Prompt) -> None:
         self.lookup.begin(prompt)
@@ -61,11 +62,21 @@ class LookupHybridDrafter(Drafter):
     def propose(self, budget: int) -> DraftTree:
         if self._use_lookup is None:
             self.draft_class()
-        source = "lookup" if self._use_lookup else "other"
-        self.drafts[source] += 1
-        return (self.lookup if self._use_lookup else self.other).propose(budget)
+        use = self._use_lookup
+        self.drafts["lookup"] += sum(use)
+        self.drafts["other"] += len(use) - sum(use)
+        if all(use):
+            return self.lookup.propose(budget)
+        if not any(use):
+            return self.other.propose(budget)
+        return pick_rows(use, self.lookup.propose(budget), self.other.propose(budget))  # ragged: per row
 
     def accept(self, commit: Commit) -> None:
         self.lookup.accept(commit)
         self.other.accept(commit)
+        self._use_lookup = None
+
+    def select(self, rows: list[int]) -> None:
+        self.lookup.select(rows)
+        self.other.select(rows)
         self._use_lookup = None

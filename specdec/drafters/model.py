@@ -79,6 +79,11 @@ class ModelDrafter(Drafter):
         self._drafted = budget - 1
         return DraftTree.chain(torch.stack(drafts, dim=1).cpu())
 
+    def select(self, rows: list[int]) -> None:
+        self.history.select(rows)
+        self.cache.select(rows)
+        self._fed = [self._fed[b] for b in rows]
+
     def accept(self, commit: Commit) -> None:
         self.history.extend(commit)
         if not self._proposed:  # nothing was written since the last accept: nothing to roll back

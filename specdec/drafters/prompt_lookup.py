@@ -79,3 +79,7 @@ class PromptLookupDrafter(Drafter):
     def accept(self, commit: Commit) -> None:
         self.history.extend(commit)
         self._matches = None
+
+    def select(self, rows: list[int]) -> None:
+        self.history.select(rows)
+        self._matches = None

@@ -139,6 +139,25 @@ class BMCLayer(CacheLayerMixin):
         if self.layer_idx == 0:
             self.store.num_allocations += 1
 
+    def load_prefix(self, b: int, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
+        """Write a prefill's K/V [H, P, D] as batch row b's first P rows (buffers made on first use)."""
+        with torch.inference_mode():
+            if self.keys is None:
+                B, (H, _, Dk), Dv = self.store.batch_size, keys.shape, values.shape[-1]
+                self.dtype, self.device = keys.dtype, keys.device
+                self.is_initialized = True
+                # zeros, not empty: padding must be finite (see _grow)
+                self.keys = torch.zeros(B, H, capacity, Dk, dtype=keys.dtype, device=keys.device)
+                self.values = torch.zeros(B, H, capacity, Dv, dtype=values.dtype, device=values.device)
+            self.keys[b, :, : keys.shape[1]] = keys
+            self.values[b, :, : values.shape[1]] = values
+
+    def select(self, rows: torch.Tensor) -> None:
+        """Keep batch rows ``rows`` [B'] only (one gather per buffer: finished sequences leave)."""
+        if self.keys is not None:
+            with torch.inference_mode():
+                self.keys, self.values = self.keys[rows], self.values[rows]
+
     def gather_rows(self, src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
         """Move rows ``src`` to rows ``dst`` of batch rows ``batch`` (all [M]); reads happen first."""
         with torch.inference_mode():  # buffers made under inference mode only change inside it
@@ -257,6 +276,28 @@ class BMCCache(Cache):
             for layer in self.layers:
                 layer.gather_rows(t(src), t(dst), t(bat))
         self._plan = None
+
+    def load_prefill(self, b: int, layers: list[tuple[torch.Tensor, torch.Tensor]], capacity: int) -> None:
+        """Batch row b's prompt K/V, computed elsewhere (a prefill run alone on the causal fast path):
+        per layer (keys, values) [H, P, D]; the row's length becomes P. ``capacity`` sizes the buffers
+        when they are made (the longest prompt of the batch, rounded up to a multiple of T)."""
+        assert len(layers) == len(self.layers), f"{len(layers)} layers of K/V for a {len(self.layers)}-layer store"
+        capacity = math.ceil(capacity / self.config.period) * self.config.period
+        for layer, (k, v) in zip(self.layers, layers):
+            layer.load_prefix(b, k, v, capacity)
+        self.lengths[b] = layers[0][0].shape[1]
+        if self.num_allocations == 0:
+            self.num_allocations = 1
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only batch rows ``rows`` (ascending): the finished sequences' rows are dropped, so no
+        later forward computes them (compaction, not masking). Example: lengths [5, 9, 7], rows [0, 2]
+        -> lengths [5, 7]; the attended view shrinks to 7 + Q rows."""
+        assert self._plan is None, "select() between forwards only"
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        for layer in self.layers:
+            layer.select(idx)
+        self.lengths = [self.lengths[b] for b in rows]
 
     def rollback(self, lengths: list[int]) -> None:
         """Shorten each row to ``lengths[b]`` committed rows; the rows after become padding."""
