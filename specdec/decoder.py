@@ -159,7 +159,7 @@ class SpecDecoder:
             t2 = time.perf_counter()
             if not new and self.drafter is not None:
                 prefix = None if hidden is None else hidden[:, : P - 1]
-                self.drafter.begin(Prompt(ids, torch.full((B,), P), prefix))
+                self.drafter.begin(Prompt(ids, torch.full((B,), P), prefix, cache=cache))
             # 5. finish the step: output grows, the drafter learns, the controller adapts
             step_tokens = commit.new_tokens(0)[: max_new_tokens - len(new)]
             stop = next((i for i, t in enumerate(step_tokens) if t in eos), None)
