@@ -79,7 +79,7 @@ class SelfSpecDrafter(Drafter):
 
     def propose(self, budget: int) -> DraftTree:
         B = self.cache.batch_size
-        if budget <= 0:
+        if budget <= 0 or self._pending is None:  # no pending token before the first accept
             return DraftTree.empty(B)
         self._before_propose = list(self.cache.lengths)
         ids = self._pending  # [B, 1]
