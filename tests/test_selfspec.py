@@ -259,3 +259,31 @@ def test_book_prompt_on_the_default_model_equals_hf_greedy(real, name):
         out = SpecDecoder(real.model, drafter, ALWAYS_DRAFT).generate(ids, max_new_tokens=16)
     assert torch.equal(out.sequences, ref), real.tokenizer.decode(out.sequences[0, ids.shape[1]:])
     assert sum(s.num_accepted[0] for s in out.steps) > 0
+
+
+# -- bench-longctx figures --------------------------------------------------------------------------
+
+def _step(drafted, accepted, draft_time, verify_time):
+    from specdec.decoder import StepStats
+
+    return StepStats([drafted], [accepted], draft_time, verify_time)
+
+
+def test_bench_figures_from_steps_and_the_cost_models_prediction():
+    from specdec.bench.longctx import predicted_speedup, step_figures
+
+    steps = [_step(0, 0, 0.0, 9.0),  # the prefill: left out
+             _step(3, 3, 0.3, 0.2), _step(3, 1, 0.3, 0.2), _step(0, 0, 0.0, 0.1)]
+    fig = step_figures(steps)
+    assert fig["accept_rate"] == pytest.approx(4 / 6) and fig["alpha"] == pytest.approx(4 / 5)
+    assert fig["gamma"] == 3 and fig["t_draft"] == pytest.approx(0.1) and fig["t_verify"] == pytest.approx(0.2)
+    assert fig["t_plain"] == pytest.approx(0.1) and fig["decode_seconds"] == pytest.approx(1.1)
+    assert predicted_speedup(fig, t_target=0.1) == pytest.approx(omega(3, 0.8) * 0.1 / (0.3 + 0.2))
+    assert predicted_speedup(step_figures(steps[:1] + steps[3:]), 0.1) == 1.0  # never drafted
+
+
+def test_bench_longctx_names_bad_lengths_before_loading_a_model(capsys):
+    from specdec.cli import main
+
+    assert main(["bench-longctx", "--lengths", "1k"]) == 2
+    assert "--lengths must be comma-separated integers, got '1k'" in capsys.readouterr().err
