@@ -232,6 +232,12 @@ def test_budget_over_the_prompt_degrades_to_the_full_cache_with_a_warning():
     assert torch.equal(out.sequences, hf_greedy(TARGET, ids, 10))
 
 
+def test_prompt_beyond_the_context_window_is_refused_before_any_drafting():
+    small = tiny_llama(3, layers=1, max_pos=32)
+    with pytest.raises(ValueError, match="does not fit the model's context window of 32 tokens"):
+        SpecDecoder(small, SnapKVDrafter(small, budget=8)).generate(_ids(0, 32), max_new_tokens=4)
+
+
 def test_drafter_without_the_targets_store_is_named():
     with pytest.raises(ValueError, match="needs the target's KV store"):
         StreamingDrafter(TARGET, budget=8).begin(Prompt(_ids(0, 10), torch.tensor([10])))

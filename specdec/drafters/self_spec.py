@@ -24,6 +24,7 @@ generation grows past the budget. A budget below ``sink + 1`` (StreamingLLM) or 
 from __future__ import annotations
 
 import warnings
+from abc import abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -54,10 +55,10 @@ class SelfSpecDrafter(Drafter):
 
     # torch_modules() stays []: the draft runs the target's own modules, which the decoder routes.
 
+    @abstractmethod
     def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
         """Per row b, the prompt positions the draft keeps, [layers, H, n_b], and how many leading
         slots eviction must never drop."""
-        raise NotImplementedError
 
     def begin(self, prompt: Prompt) -> None:
         if not isinstance(prompt.cache, BMCCache):
