@@ -256,7 +256,7 @@ def run(args) -> int:
         raise ValueError("--methods must start with hf-generate: every output is checked against it")
     instructions = list(INSTRUCTIONS) if args.instruction == "both" else [args.instruction]
     books = read_books(Path(args.questions) if args.questions else BOOKS)[: args.books]
-    console = Console()
+    console = Console(width=max(150, Console().width))  # 12 columns: never squeeze them to 80 in a pipe
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer
     window = model.config.max_position_embeddings
