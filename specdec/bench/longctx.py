@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import statistics
 import time
 import warnings
@@ -215,7 +216,13 @@ def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_to
     q = ctx.Queue()
     p = ctx.Process(target=_peak_rss_child, args=(spec, model_spec, ids[0].tolist(), max_new_tokens, q))
     p.start()
-    value = q.get()
+    while True:  # a child that dies (out of memory, an error) must not hang the bench
+        try:
+            value = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"--memory: the child running {spec.name} exited with code {p.exitcode}")
     p.join()
     return value
 
