@@ -187,7 +187,7 @@ def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
     return records
 
 
-def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, queue) -> None:
+def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out) -> None:
     torch.set_num_threads(int(os.environ.get("SPECDEC_BENCH_THREADS", "2")))
     from specdec.models import load_model
 
@@ -205,7 +205,7 @@ def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_t
     base = kib("VmRSS:")
     with torch.inference_mode():
         run_method(spec, loaded.model, x, max_new_tokens, loaded.model.generation_config.eos_token_id)
-    queue.put((kib("VmHWM:") - base) / 1024)
+    out.put((kib("VmHWM:") - base) / 1024)
 
 
 def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_tokens: int) -> float:
