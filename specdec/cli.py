@@ -13,6 +13,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "bench": ("specdec.bench.generation", "ours vs HF generate vs HF prompt lookup, same process"),
     "bench-kv": ("specdec.bench.kv", "KV store microbenchmark: iterative vs upfront vs BMC"),
     "bench-verify": ("specdec.bench.verify_cost", "target forward time over 1..32 tokens (verify-cost curve)"),
+    "bench-longctx": ("specdec.bench.longctx", "long-context self-speculation (MagicDec) vs HF generate"),
     "chat": ("specdec.chat", "terminal chat with speculative decoding"),
     "specbench": ("specdec.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
     "train-eagle": ("specdec.train_eagle", "train an EAGLE head for a target, offline"),

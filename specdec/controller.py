@@ -39,6 +39,8 @@ import math
 from dataclasses import dataclass, replace
 from typing import Hashable
 
+from specdec import cost_model
+
 
 @dataclass(frozen=True)
 class DraftLengthConfig:
@@ -140,13 +142,9 @@ class DraftLengthController:
         t1 = self.step_time.get(1)
         if self.state(key).alpha is None or t1 is None:
             return k_max  # not measured yet: try it
-        best, best_gain = 0, 1.0
-        for k in range(1, k_max + 1):
-            ratio = self.cost_ratio(1 + k)
-            gain = self.expected_tokens(k, key) / (ratio + k * self.draft_time / t1)
-            if gain > best_gain * 1.001:  # prefer the shorter draft on (near) ties
-                best, best_gain = k, gain
-        return best
+        # MagicDec's estimate with T_target = t(1), T_verify(k) = t(1 + k), T_draft = draft_time
+        return cost_model.best_gamma(self.state(key).alpha, t1, self.draft_time,
+                                     lambda k: self.cost_ratio(1 + k) * t1, k_max).gamma
 
     def budget(self, key: Hashable = None) -> int:
         """Tokens to draft next, for a draft of class ``key``."""

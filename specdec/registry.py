@@ -13,6 +13,7 @@ from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 
 DrafterFactory = Callable[[object], "Drafter | None"]
 
@@ -26,6 +27,10 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "eagle": lambda target: make_eagle(target),
     # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
     "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),
+    # the target drafts for itself over 512 KV rows (MagicDec): 4 sinks + the recent window
+    "streaming": lambda target: StreamingDrafter(target, budget=512),
+    # ... or over the prompt rows its last 32 prompt queries attend to most, plus the window
+    "snapkv": lambda target: SnapKVDrafter(target, budget=512),
 }
 
 

@@ -1,0 +1,350 @@
+"""`specdec bench-longctx`: self-speculation at long contexts (MagicDec) against HF generate.
+
+Prompts are book excerpts (``/work/shared/longctx/books.jsonl`` or ``--questions`` in that format)
+cut to the first N tokens (``--lengths``), followed by an instruction ("Continue the story." or
+"Summarize the passage above."), inside the chat template. For each prompt every method generates
+greedily, in an order rotated from prompt to prompt so machine noise hits all alike, and every
+output is compared token for token with HF generate's. Methods: HF ``generate``, specdec plain
+decoding (``none``), ``streaming`` and ``snapkv`` at each ``--budgets`` size, ``prompt-lookup``.
+
+Per record (one prompt, one method), appended to ``--out``.jsonl as it finishes (a rerun skips the
+records already there):
+    tokens_per_s, ttft     end to end; TTFT = HF generate with max_new_tokens=1, or specdec's
+                           first step (prefill + the drafter's setup)
+    accept_rate            drafted tokens accepted / drafted; gamma = mean drafted per drafting step
+    alpha                  per-token acceptance as the cost model uses it (a rejection ends a trial)
+    t_target, t_draft,     seconds: a plain decode step (``none`` on the same prompt), one draft
+    t_verify               forward, one verify forward of gamma + 1 rows (this method's steps)
+    predicted              MagicDec's speedup from those, next to measured = decode-phase tokens/s
+                           over ``none``'s decode-phase tokens/s on the same prompt
+``--memory`` also runs each method once in a child process at the longest prompt and records its
+peak RSS above the loaded model (Linux: /proc/self/clear_refs resets the peak after loading).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import statistics
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec import cost_model
+
+BOOKS = Path("/work/shared/longctx/books.jsonl")
+INSTRUCTIONS = {"continue": "Continue the story.", "summary": "Summarize the passage above."}
+
+
+@dataclass(frozen=True)
+class LongPrompt:
+    book: str  # the excerpt's id
+    length: int  # tokens of the excerpt kept (--lengths)
+    instruction: str  # a key of INSTRUCTIONS
+    input_ids: torch.Tensor  # [1, P] chat template applied (P a few tokens over length)
+
+    @property
+    def key(self) -> str:
+        return f"{self.book}/{self.length}/{self.instruction}"
+
+
+@dataclass(frozen=True)
+class MethodSpec:
+    name: str  # "hf-generate", "none", "streaming@512", "snapkv@512", "prompt-lookup"
+    drafter: str | None  # registry name; None = HF generate
+    budget: int | None = None  # KV rows of a self-speculation drafter
+
+
+def read_books(path: Path) -> list[dict]:
+    """Lines of {"id", "text", ...}; a line without them is an error naming the line."""
+    books = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if not isinstance(rec, dict) or "id" not in rec or "text" not in rec:
+            raise ValueError(f"{path}:{i}: expected an object with 'id' and 'text'")
+        books.append(rec)
+    return books
+
+
+def build_prompts(tokenizer, books: list[dict], lengths: list[int], instructions: list[str]) -> list[LongPrompt]:
+    out = []
+    for book in books:
+        tokens = tokenizer(book["text"], add_special_tokens=False)["input_ids"]
+        for n in lengths:
+            if len(tokens) < n:
+                raise ValueError(f"book {book['id']!r} has {len(tokens)} tokens, fewer than --lengths {n}")
+            excerpt = tokenizer.decode(tokens[:n])  # the first n tokens, from the start
+            for ins in instructions:
+                messages = [{"role": "user", "content": f"{excerpt}\n\n{INSTRUCTIONS[ins]}"}]
+                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                                    return_dict=True)["input_ids"]
+                out.append(LongPrompt(book["id"], n, ins, ids))
+    return out
+
+
+def make_methods(names: list[str], budgets: list[int]) -> list[MethodSpec]:
+    methods = []
+    for name in names:
+        if name == "hf-generate":
+            methods.append(MethodSpec(name, None))
+        elif name in ("streaming", "snapkv"):
+            methods += [MethodSpec(f"{name}@{b}", name, b) for b in budgets]
+        else:
+            methods.append(MethodSpec(name, name))
+    return methods
+
+
+def make_drafter(spec: MethodSpec, model):
+    from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+    from specdec.registry import make_drafter as by_name
+
+    if spec.budget is None:
+        return by_name(spec.drafter, model)
+    return {"streaming": StreamingDrafter, "snapkv": SnapKVDrafter}[spec.drafter](model, budget=spec.budget)
+
+
+def step_figures(steps) -> dict:
+    """Acceptance and timings from a generation's StepStats (step 0, the prefill, left out)."""
+    decode = steps[1:]
+    drafting = [s for s in decode if s.num_drafted[0]]
+    plain = [s for s in decode if not s.num_drafted[0]]
+    drafted = sum(s.num_drafted[0] for s in drafting)
+    accepted = sum(s.num_accepted[0] for s in drafting)
+    trials = sum(s.num_accepted[0] + (s.num_accepted[0] < s.num_drafted[0]) for s in drafting)
+    mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
+    return {
+        "drafting_steps": len(drafting), "plain_steps": len(plain),
+        "accept_rate": accepted / drafted if drafted else None,
+        "alpha": accepted / trials if trials else None,
+        "gamma": drafted / len(drafting) if drafting else 0.0,
+        "t_draft": sum(s.draft_time for s in drafting) / drafted if drafted else None,
+        "t_verify": mean([s.verify_time for s in drafting]),
+        "t_plain": mean([s.verify_time for s in plain]),
+        "decode_seconds": sum(s.draft_time + s.verify_time for s in decode),
+    }
+
+
+def predicted_speedup(fig: dict, t_target: float | None) -> float | None:
+    """MagicDec's estimate for this run's mean gamma and alpha (1.0 when it never drafted)."""
+    if not fig["drafting_steps"]:
+        return 1.0
+    if t_target is None or fig["alpha"] is None:
+        return None
+    g = fig["gamma"]  # Omega's closed form holds for a mean gamma too (an estimate, not a count)
+    return cost_model.omega(g, fig["alpha"]) * t_target / (g * fig["t_draft"] + fig["t_verify"])
+
+
+def run_method(spec: MethodSpec, model, ids: torch.Tensor, max_new_tokens: int, eos) -> dict:
+    """One generation: its new tokens, seconds, TTFT and (specdec) step figures."""
+    from specdec.decoder import SpecDecoder
+
+    if spec.drafter is None:
+        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        t = time.perf_counter()
+        model.generate(ids, max_new_tokens=1, **kw)
+        ttft = time.perf_counter() - t
+        t = time.perf_counter()
+        seq = model.generate(ids, max_new_tokens=max_new_tokens, **kw)
+        return {"output": seq[0, ids.shape[1]:].tolist(), "seconds": time.perf_counter() - t, "ttft": ttft}
+    drafter = make_drafter(spec, model) if spec.drafter != "none" else None
+    first: list[float] = []
+    t = time.perf_counter()
+    out = SpecDecoder(model, drafter).generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                                               callback=lambda e: first or first.append(time.perf_counter()))
+    seconds = time.perf_counter() - t
+    return {"output": out.sequences[0, ids.shape[1]:].tolist(), "seconds": seconds, "ttft": first[0] - t,
+            "steps": len(out.steps), **step_figures(out.steps)}
+
+
+def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
+    """Ratios within one prompt: to HF generate, and the cost model against ``none``'s decode."""
+    hf = results.get("hf-generate")
+    plain = results.get("none")
+    t_target = plain.get("t_plain") if plain else None
+    plain_rate = (len(plain["output"]) - 1) / plain["decode_seconds"] if plain and plain["decode_seconds"] else None
+    records = []
+    for name, r in results.items():
+        rec = {"prompt": prompt.key, "book": prompt.book, "length": prompt.length,
+               "instruction": prompt.instruction, "prompt_tokens": prompt.input_ids.shape[1], "method": name,
+               **{k: v for k, v in r.items() if k != "output"},
+               "new_tokens": len(r["output"]), "tokens_per_s": len(r["output"]) / r["seconds"]}
+        if hf is not None:
+            rec["identical"] = r["output"] == hf["output"]
+            rec["hf_tokens_per_s"] = len(hf["output"]) / hf["seconds"]
+            rec["speedup_vs_hf"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"]
+        if "steps" in r and name != "hf-generate":
+            rec["predicted"] = predicted_speedup(r, t_target)
+            rate = (len(r["output"]) - 1) / r["decode_seconds"] if r["decode_seconds"] else None
+            rec["measured"] = rate / plain_rate if rate and plain_rate else None
+        rec["output"] = r["output"]  # kept so a resumed run can still compare with HF's output
+        records.append(rec)
+    return records
+
+
+def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out) -> None:
+    torch.set_num_threads(int(os.environ.get("SPECDEC_BENCH_THREADS", "2")))
+    from specdec.models import load_model
+
+    loaded = load_model(model_spec)
+    x = torch.tensor([ids])
+    with warnings.catch_warnings():  # warm-up: one-off allocations are not the method's
+        warnings.simplefilter("ignore")  # (its short prompt fits every budget)
+        run_method(spec, loaded.model, x[:, :64], 4, None)
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
+
+    def kib(field):
+        line = next(ln for ln in Path("/proc/self/status").read_text().splitlines() if ln.startswith(field))
+        return int(line.split()[1])
+
+    base = kib("VmRSS:")
+    with torch.inference_mode():
+        run_method(spec, loaded.model, x, max_new_tokens, loaded.model.generation_config.eos_token_id)
+    out.put((kib("VmHWM:") - base) / 1024)
+
+
+def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_tokens: int) -> float:
+    """Peak RSS (MB) one generation adds above the loaded model, measured in a fresh process."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    p = ctx.Process(target=_peak_rss_child, args=(spec, model_spec, ids[0].tolist(), max_new_tokens, q))
+    p.start()
+    while True:  # a child that dies (out of memory, an error) must not hang the bench
+        try:
+            value = q.get(timeout=5)
+            break
+        except queue.Empty:
+            if not p.is_alive():
+                raise RuntimeError(f"--memory: the child running {spec.name} exited with code {p.exitcode}")
+    p.join()
+    return value
+
+
+def _ints(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{what} must be positive integers, got {text!r}")
+    return values
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default")
+    p.add_argument("--questions", default=None, help=f"excerpts, JSONL of {{id, text}} (default: {BOOKS})")
+    p.add_argument("--books", type=int, default=2, help="first N excerpts of the file")
+    p.add_argument("--lengths", default="1024,2048,4096,7000", help="excerpt tokens kept, from the start")
+    p.add_argument("--instruction", choices=["continue", "summary", "both"], default="both")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--methods", default="hf-generate,none,streaming,snapkv,prompt-lookup")
+    p.add_argument("--budgets", default="256,512,1024", help="KV rows of streaming and snapkv")
+    p.add_argument("--memory", action="store_true", help="peak RSS per method (a child process each)")
+    p.add_argument("--out", default="results/longctx", help="appends OUT.jsonl; writes OUT.json (summary)")
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdec.models import load_model
+
+    lengths = _ints(args.lengths, "--lengths")
+    budgets = _ints(args.budgets, "--budgets")
+    names = [m for m in args.methods.split(",") if m]
+    if names[0] != "hf-generate":
+        raise ValueError("--methods must start with hf-generate: every output is checked against it")
+    instructions = list(INSTRUCTIONS) if args.instruction == "both" else [args.instruction]
+    books = read_books(Path(args.questions) if args.questions else BOOKS)[: args.books]
+    console = Console(width=max(150, Console().width))  # 12 columns: never squeeze them to 80 in a pipe
+    loaded = load_model(args.model)
+    model, tok = loaded.model, loaded.tokenizer
+    window = model.config.max_position_embeddings
+    if max(lengths) + args.max_new_tokens + 64 > window:
+        raise ValueError(f"--lengths {max(lengths)} + {args.max_new_tokens} new tokens does not fit the "
+                         f"model's context window of {window} tokens")
+    eos = model.generation_config.eos_token_id
+    prompts = build_prompts(tok, books, lengths, instructions)
+    methods = make_methods(names, budgets)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log = out.with_suffix(".jsonl")
+    done: dict[str, dict[str, dict]] = {}
+    if log.exists():
+        for line in log.read_text().splitlines():
+            if line.strip():
+                r = json.loads(line)
+                done.setdefault(r["prompt"], {})[r["method"]] = r
+    records = [r for per in done.values() for r in per.values()]
+    with torch.inference_mode():
+        warm = tok("Once upon a time", return_tensors="pt")["input_ids"]
+        with warnings.catch_warnings():  # the short warm-up prompt fits every budget: no news
+            warnings.simplefilter("ignore")
+            for m in methods:  # first calls pay one-off costs (allocator, kernels): not measured
+                run_method(m, model, warm, 4, eos)
+        for i, prompt in enumerate(prompts):
+            have = done.get(prompt.key, {})  # records are written per prompt, so only a changed
+            todo = [m for m in methods if m.name not in have]  # --methods/--budgets leaves gaps
+            if not todo:
+                continue
+            results = dict(have)  # earlier records of this prompt serve as references (HF, none)
+            k = i % len(todo)
+            for m in todo[k:] + todo[:k]:
+                console.log(f"{prompt.key} ({prompt.input_ids.shape[1]} tokens): {m.name}")
+                results[m.name] = run_method(m, model, prompt.input_ids, args.max_new_tokens, eos)
+            new = [r for r in finish_records(prompt, results) if r["method"] not in have]
+            with open(log, "a") as f:
+                for r in new:
+                    f.write(json.dumps(r) + "\n")
+            records += new
+    memory = {}
+    if args.memory:
+        longest = max(prompts, key=lambda p: p.input_ids.shape[1])
+        for m in methods:
+            memory[m.name] = peak_rss_mb(m, args.model, longest.input_ids, args.max_new_tokens)
+    summary = summarize(records, memory)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    console.print(table(summary, loaded.name, args.max_new_tokens, Table))
+    return 0
+
+
+def summarize(records: list[dict], memory: dict[str, float]) -> list[dict]:
+    """One row per (length, instruction, method): means over books."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        groups.setdefault((r["length"], r["instruction"], r["method"]), []).append(r)
+
+    def mean(rs, key):
+        xs = [r[key] for r in rs if r.get(key) is not None]
+        return statistics.fmean(xs) if xs else None
+
+    rows = []
+    for (length, ins, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        rows.append({"length": length, "instruction": ins, "method": method, "prompts": len(rs),
+                     **{k: mean(rs, k) for k in ("speedup_vs_hf", "hf_tokens_per_s", "tokens_per_s", "ttft",
+                                                  "accept_rate", "gamma", "predicted", "measured")},
+                     "identical": sum(bool(r.get("identical")) for r in rs),
+                     "peak_rss_mb": memory.get(method)})
+    return rows
+
+
+def table(rows: list[dict], model_name: str, max_new_tokens: int, Table):
+    t = Table(title=f"{model_name}: long-context self-speculation, {max_new_tokens} new tokens, greedy, batch 1")
+    cols = ("length", "instr.", "method", "vs HF", "HF tok/s", "TTFT s", "accept", "gamma", "predicted",
+            "measured", "identical", "peak MB")
+    for c in cols:
+        t.add_column(c, justify="right")
+    f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
+    for r in rows:
+        t.add_row(str(r["length"]), r["instruction"], r["method"], f(r["speedup_vs_hf"], ".2f") + "x",
+                  f(r["hf_tokens_per_s"], ".1f"), f(r["ttft"], ".2f"), f(r["accept_rate"], ".2f"),
+                  f(r["gamma"], ".1f"), f(r["predicted"], ".2f"), f(r["measured"], ".2f"),
+                  f"{r['identical']}/{r['prompts']}", f(r["peak_rss_mb"], ".0f"))
+    return t

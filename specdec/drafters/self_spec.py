@@ -1,0 +1,221 @@
+"""Self-speculation (MagicDec): the target drafts for itself, reading a compressed copy of its KV.
+
+    StreamingDrafter(target, budget=512, sink=4)           attention sinks + the recent window
+    SnapKVDrafter(target, budget=512, window=32, kernel=7)  prompt rows the last queries attend to
+
+Each step the draft is the target's own forward, one token at a time, against a ``CompressedCache``
+of ``budget`` rows per KV head (plus up to ``overshoot`` rows between compactions, and the step's
+draft rows): a greedy chain of K tokens. At long contexts a decode step is bound by reading the KV
+cache, so reading a few hundred rows instead of thousands makes the draft cheap, and being the
+target it is accepted often.
+
+No second prefill, no drift. The compressed cache is copied from the target's store right after its
+prefill (``Prompt.cache``). Between steps it holds exactly the *target's* K/V rows of every committed
+token it keeps: ``accept`` drops the rows the draft wrote (the pending token and the drafts) and
+copies the rows the target just committed from the target's store. The pending token (the last
+committed one) is not in the target's store yet, so the draft computes its row at the next propose,
+and that row is replaced by the target's one step later.
+
+Degenerate budgets: a prompt of at most ``budget`` tokens is copied whole (a warning says the draft
+then reads as much as the target, so it cannot be cheaper); it is compressed like any other once the
+generation grows past the budget. A budget below ``sink + 1`` (StreamingLLM) or below 1 is refused.
+"""
+
+from __future__ import annotations
+
+import warnings
+from abc import abstractmethod
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface
+
+from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.forward import forward_block
+from specdec.kv.bmc import BMCCache
+from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
+                                   streaming_keep)
+from specdec.tree import DraftTree
+
+
+class SelfSpecDrafter(Drafter):
+    """The shared loop; a subclass only says which prompt rows the draft keeps (``prompt_rows``)."""
+
+    def __init__(self, target, cache_config: CompressedCacheConfig) -> None:
+        self.target = target
+        self.cache_config = cache_config
+        cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        self.num_layers = cfg.num_hidden_layers
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.cache: CompressedCache | None = None
+        self.source: BMCCache | None = None  # the target's store (read only)
+        self._synced: list[int] = []  # per row: target rows already copied (= target.lengths after accept)
+        self._pending: torch.Tensor | None = None  # [B, 1] the last committed token, not in any store yet
+        self._before_propose: list[int] | None = None  # draft slots in use before the last propose
+
+    # torch_modules() stays []: the draft runs the target's own modules, which the decoder routes.
+
+    @abstractmethod
+    def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
+        """Per row b, the prompt positions the draft keeps, [layers, H, n_b], and how many leading
+        slots eviction must never drop."""
+
+    def begin(self, prompt: Prompt) -> None:
+        if not isinstance(prompt.cache, BMCCache):
+            raise ValueError(f"{type(self).__name__} needs the target's KV store (Prompt.cache) from the decoder")
+        self.source = prompt.cache
+        lengths = prompt.lengths.tolist()
+        budget = self.cache_config.budget
+        if any(n <= budget for n in lengths):
+            warnings.warn(f"{type(self).__name__}: prompt of {min(lengths)} tokens fits the budget of {budget} "
+                          "rows: the draft copies the whole cache (no cheaper than the target until it grows)",
+                          stacklevel=2)
+        B = len(lengths)
+        self.cache = CompressedCache(self.num_layers, B, self.cache_config, self.source.dtype, self.source.device)
+        keep, protected = self.prompt_rows(prompt, self.source)
+        self.cache.load(self.source, keep, protected)
+        self._synced = list(self.source.lengths)
+        self._pending = None
+        self._before_propose = None
+
+    def propose(self, budget: int) -> DraftTree:
+        B = self.cache.batch_size
+        if budget <= 0 or self._pending is None:  # no pending token before the first accept
+            return DraftTree.empty(B)
+        self._before_propose = list(self.cache.lengths)
+        ids = self._pending  # [B, 1]
+        drafts = []
+        for _ in range(budget):  # feed pending, d1, ..., d(K-1); d(K) is never fed
+            out = forward_block(self.target, self.cache, ids, None, None)
+            self.cache.commit([[0]] * B)
+            ids = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            drafts.append(ids)
+        return DraftTree.chain(torch.cat(drafts, dim=1).cpu())
+
+    def accept(self, commit: Commit) -> None:
+        last = (commit.num_new - 1).clamp(min=0)
+        new_pending = commit.tokens.gather(1, last[:, None])  # [B, 1]
+        finished = commit.num_new == 0  # a finished row keeps its pending token
+        if self._pending is not None:
+            new_pending = torch.where(finished[:, None], self._pending.cpu(), new_pending)
+        self._pending = new_pending.to(self.source.device)
+        if self._before_propose is not None:  # drop the draft's own rows: pending token + drafts
+            self.cache.rollback(self._before_propose)
+            self._before_propose = None
+        self.cache.append(self.source, self._synced)  # the target's rows of the tokens it committed
+        self._synced = list(self.source.lengths)
+        self.cache.evict()
+
+    def select(self, rows: list[int]) -> None:
+        self.cache.select(rows)
+        self._synced = [self._synced[b] for b in rows]
+        if self._pending is not None:
+            self._pending = self._pending[rows]
+        if self._before_propose is not None:
+            self._before_propose = [self._before_propose[b] for b in rows]
+
+
+class StreamingDrafter(SelfSpecDrafter):
+    """StreamingLLM: the first ``sink`` tokens and the most recent ``budget - sink``."""
+
+    def __init__(self, target, budget: int = 512, sink: int = 4, overshoot: int = 64) -> None:
+        if sink < 0 or budget < sink + 1:
+            raise ValueError(f"streaming budget {budget} must be at least sink + 1 = {sink + 1} rows")
+        super().__init__(target, CompressedCacheConfig(budget=budget, overshoot=overshoot))
+        self.sink = sink
+
+    def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
+        budget, L, H = self.cache_config.budget, self.num_layers, self.num_kv_heads
+        keep = [streaming_keep(n, self.sink, budget).expand(L, H, -1) for n in source.lengths]
+        return keep, [self.sink] * len(keep)
+
+
+@dataclass(frozen=True)
+class SnapKVConfig:
+    window: int = 32  # observation window: the last prompt queries that vote (SnapKV's default)
+    kernel: int = 7  # pooling kernel over positions (odd)
+
+
+class SnapKVDrafter(SelfSpecDrafter):
+    """SnapKV: each layer's KV heads keep the prompt positions the last ``window`` queries attend to
+    most (pooled, summed per GQA group), plus the window; decoded tokens append, and past the budget
+    the oldest decoded rows are evicted (the selected prompt rows stay)."""
+
+    def __init__(self, target, budget: int = 512, window: int = 32, kernel: int = 7, overshoot: int = 64) -> None:
+        if budget < 1:
+            raise ValueError(f"snapkv budget must be at least 1 row, got {budget}")
+        if window < 1 or kernel < 1 or kernel % 2 == 0:
+            raise ValueError(f"snapkv needs window >= 1 and an odd kernel >= 1, got window {window}, kernel {kernel}")
+        super().__init__(target, CompressedCacheConfig(budget=budget, overshoot=overshoot))
+        self.snap = SnapKVConfig(window, kernel)
+
+    def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
+        budget, L, H = self.cache_config.budget, self.num_layers, self.num_kv_heads
+        lengths = source.lengths
+        w = min(self.snap.window, min(lengths))
+        votes = observe_window(self.target, source, prompt.input_ids, lengths, w) if max(lengths) > budget else None
+        keep, protected = [], []
+        for b, n in enumerate(lengths):
+            if n <= budget:
+                keep.append(torch.arange(n).expand(L, H, n))
+                protected.append(max(0, budget - min(self.snap.window, budget)))
+                continue
+            rows = [snapkv_keep(votes[l][b], n, budget, w, self.snap.kernel) for l in range(L)]
+            keep.append(torch.stack(rows))  # [layers, H, budget]
+            protected.append(budget - min(w, budget))  # the selected prompt rows stay; the window slides
+        return keep, protected
+
+
+# ---------------------------------------------------------------------------------------------
+# SnapKV's observation window without a second prefill.
+
+OBSERVE = "specdec_observe"
+
+
+def _observe_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, snapkv_votes=None,
+                       **kwargs):
+    """Eager attention that also records, per KV head, how much the block's queries attend to each
+    key: query [B, Hq, w, D], key/value [B, H, L, D] -> votes[layer] [B, H, L]."""
+    B, Hq, w, D = query.shape
+    H = key.shape[1]
+    k = key.repeat_interleave(Hq // H, dim=1)  # query head q reads KV head q // (Hq / H)
+    v = value.repeat_interleave(Hq // H, dim=1)
+    logits = torch.matmul(query, k.transpose(2, 3)) * scaling + attention_mask  # [B, Hq, w, L]
+    weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    if snapkv_votes is not None:
+        snapkv_votes[module.layer_idx] = group_scores(weights.sum(2), H)  # [B, H, L]
+    out = torch.matmul(weights.to(v.dtype), v).transpose(1, 2).contiguous()  # [B, w, Hq, D]
+    return out, None
+
+
+AttentionInterface.register(OBSERVE, _observe_attention)
+
+
+@torch.inference_mode()
+def observe_window(model, store: BMCCache, input_ids: torch.Tensor, lengths: list[int], window: int) -> list:
+    """One forward of ``model`` over each row's last ``window`` prompt tokens, attending to the
+    store's rows (read only, never written), recording the attention votes: per layer [B, H, L].
+
+    Row b's window holds positions [n_b - w, n_b) and sees the store's rows up to its own position.
+    Example: n = (6, 4), w = 2, L = 6 -> row 0 queries 4, 5; row 1 queries 2, 3 (sees cols 0..3).
+    """
+    B = len(lengths)
+    L = max(lengths)
+    n = torch.tensor(lengths)[:, None]  # [B, 1]
+    positions = n - window + torch.arange(window)  # [B, w]
+    ids = input_ids.gather(1, positions)  # [B, w]
+    dtype = store.dtype
+    visible = torch.arange(L)[None, None, :] <= positions[:, :, None]  # [B, w, L]
+    bias = torch.zeros(B, 1, window, L, dtype=dtype)
+    bias.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
+    votes: dict[int, torch.Tensor] = {}
+    config = model.config
+    saved = config._attn_implementation
+    config._attn_implementation = OBSERVE  # this forward only; restored below whatever happens
+    try:
+        model(input_ids=ids.to(model.device), position_ids=positions.to(model.device),
+              attention_mask=bias.to(model.device), past_key_values=StoreView(store, L), use_cache=True,
+              logits_to_keep=1, snapkv_votes=votes)
+    finally:
+        config._attn_implementation = saved
+    return [votes[i] for i in range(len(votes))]

@@ -1,0 +1,295 @@
+"""Self-speculation (StreamingLLM, SnapKV): selection rules on hand-made scores, the cost model on
+hand numbers, and whole generations token-identical to HF greedy with the draft cache holding
+exactly the target's own K/V rows."""
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_llama
+from specdec import SpecDecoder
+from specdec.controller import DraftLengthConfig
+from specdec.cost_model import best_gamma, omega, speedup
+from specdec.decoder import SpecDecoderConfig
+from specdec.drafters.base import Commit, Prompt
+from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+from specdec.forward import forward_block
+from specdec.kv.bmc import BMCCache
+from specdec.kv.compressed import group_scores, pool_scores, snapkv_keep, streaming_keep
+
+# tiny_llama: 4 query heads, 2 KV heads (GQA groups of 2), float64
+TARGET = tiny_llama(3, layers=2)
+ALWAYS_DRAFT = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False, initial=3))
+
+
+def _ids(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(1, 128, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefilled(model, ids: torch.Tensor) -> BMCCache:
+    cache = BMCCache.for_model(model, ids.shape[0])
+    forward_block(model, cache, ids, None, None)
+    cache.commit([list(range(ids.shape[1]))] * ids.shape[0])
+    return cache
+
+
+# -- selection rules ---------------------------------------------------------------------------
+
+def test_streaming_keeps_the_sinks_and_the_most_recent_rows():
+    assert streaming_keep(10, 2, 5).tolist() == [0, 1, 7, 8, 9]
+    assert streaming_keep(10, 0, 3).tolist() == [7, 8, 9]
+    assert streaming_keep(4, 2, 5).tolist() == [0, 1, 2, 3]  # fits: everything
+
+
+def test_pooling_lends_a_hot_positions_score_to_its_neighbours():
+    assert pool_scores(torch.tensor([[0.0, 3.0, 0.0, 0.0]]), 3).tolist() == [[1.0, 1.0, 1.0, 0.0]]
+    assert pool_scores(torch.tensor([[0.0, 3.0, 0.0]]), 1).tolist() == [[0.0, 3.0, 0.0]]
+
+
+def test_gqa_votes_sum_over_the_query_heads_of_each_group():
+    scores = torch.arange(4 * 3, dtype=torch.float).reshape(1, 4, 3)  # query heads 0..3
+    grouped = group_scores(scores, 2)
+    assert grouped.shape == (1, 2, 3)
+    assert torch.equal(grouped[0, 0], scores[0, 0] + scores[0, 1])
+    assert torch.equal(grouped[0, 1], scores[0, 2] + scores[0, 3])
+
+
+def test_snapkv_each_head_keeps_its_own_top_positions_and_the_window():
+    votes = torch.zeros(2, 10)
+    votes[0, [1, 4, 6]] = torch.tensor([5.0, 3.0, 4.0])
+    votes[1, [0, 2, 7]] = torch.tensor([1.0, 9.0, 2.0])
+    votes[:, 8:] = 100.0  # the window's own votes never take a selection slot
+    keep = snapkv_keep(votes, length=10, budget=5, window=2, kernel=1)
+    assert keep.tolist() == [[1, 4, 6, 8, 9], [0, 2, 7, 8, 9]]
+
+
+def test_snapkv_pooling_keeps_the_neighbourhood_of_a_hot_position():
+    votes = torch.zeros(1, 12)
+    votes[0, 5] = 9.0
+    votes[0, 1] = 4.0  # alone it beats 4 and 6, but pooled (kernel 3) it is 4/3 < 9/3
+    assert snapkv_keep(votes, length=12, budget=5, window=2, kernel=3).tolist() == [[4, 5, 6, 10, 11]]
+
+
+def test_snapkv_budget_below_the_window_keeps_the_most_recent_rows():
+    assert snapkv_keep(torch.rand(2, 20), length=20, budget=3, window=8, kernel=7).tolist() == [[17, 18, 19]] * 2
+
+
+def test_snapkv_prompt_within_the_budget_is_kept_whole():
+    assert snapkv_keep(torch.rand(2, 6), length=6, budget=8, window=2, kernel=3).tolist() == [list(range(6))] * 2
+
+
+# -- cost model ---------------------------------------------------------------------------------
+
+def test_omega_counts_expected_tokens_per_step():
+    assert omega(3, 0.8) == pytest.approx(1 + 0.8 + 0.64 + 0.512)
+    assert omega(3, 1.0) == 4.0
+    assert omega(0, 0.3) == 1.0
+    assert omega(2, 0.0) == 1.0
+
+
+def test_speedup_matches_the_worked_example():
+    assert speedup(3, 0.8, t_target=0.1, t_draft=0.02, t_verify=0.11) == pytest.approx(2.952 * 0.1 / 0.17)
+
+
+def test_best_gamma_trades_acceptance_against_draft_cost():
+    verify = lambda g: 0.1 + 0.01 * g  # noqa: E731
+    choice = best_gamma(0.8, 0.1, 0.02, verify, max_gamma=8)
+    by_hand = {g: speedup(g, 0.8, 0.1, 0.02, verify(g)) for g in range(1, 9)}
+    assert choice.gamma == max(by_hand, key=by_hand.get) and choice.speedup == pytest.approx(max(by_hand.values()))
+    assert best_gamma(0.1, 0.1, 0.09, verify, max_gamma=8).gamma == 0  # a dear draft rarely accepted
+    assert best_gamma(1.0, 0.1, 0.0, lambda g: 0.1, max_gamma=5).gamma == 5  # free and always right
+
+
+def test_cost_model_rejects_an_acceptance_rate_outside_zero_one():
+    with pytest.raises(ValueError, match="0 <= alpha <= 1"):
+        omega(2, 1.5)
+
+
+# -- whole generations ------------------------------------------------------------------------------
+
+DRAFTERS = {
+    "streaming": lambda budget: StreamingDrafter(TARGET, budget=budget, sink=4, overshoot=8),
+    "snapkv": lambda budget: SnapKVDrafter(TARGET, budget=budget, window=8, kernel=3, overshoot=8),
+}
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+@pytest.mark.parametrize("seed,length,budget", [(0, 60, 16), (1, 100, 6), (2, 45, 24), (3, 90, 12), (4, 70, 9)])
+def test_generation_equals_hf_greedy(kind, seed, length, budget):
+    """Prompts past the budget, budgets below SnapKV's window of 8, partial acceptance."""
+    ids = _ids(seed, length)
+    drafter = DRAFTERS[kind](budget)
+    config = ALWAYS_DRAFT if seed % 2 == 0 else SpecDecoderConfig()  # forced drafts, and the gated default
+    out = SpecDecoder(TARGET, drafter, config).generate(ids, max_new_tokens=32)
+    assert torch.equal(out.sequences, hf_greedy(TARGET, ids, 32))
+
+
+def test_a_full_budget_draft_is_the_target_and_is_always_accepted():
+    ids = _ids(0, 30)
+    with pytest.warns(UserWarning, match="copies the whole cache"):
+        out = SpecDecoder(TARGET, StreamingDrafter(TARGET, budget=1000), ALWAYS_DRAFT).generate(ids, max_new_tokens=24)
+    assert torch.equal(out.sequences, hf_greedy(TARGET, ids, 24))
+    drafted = [s for s in out.steps if s.num_drafted[0]]
+    assert drafted and all(s.num_accepted == s.num_drafted for s in drafted)
+
+
+def _match_rows(draft: torch.Tensor, target: torch.Tensor) -> list[int]:
+    """draft [n, D], target [T, D]: the target row each draft row equals exactly (asserts one exists)."""
+    eq = (draft[:, None, :] == target[None, :, :]).all(-1)  # [n, T]
+    assert eq.any(1).all(), "a draft row is not any of the target's rows"
+    return eq.float().argmax(1).tolist()
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+@pytest.mark.parametrize("new_tokens", [7, 30])
+def test_draft_cache_holds_exactly_the_targets_rows(kind, new_tokens):
+    """After a step the draft's slots are copies of the target's K/V (no draft-computed row, no
+    drift): the protected head at prompt positions, then the most recent committed rows in order."""
+    ids = _ids(5, 70)
+    drafter = DRAFTERS[kind](16)
+    SpecDecoder(TARGET, drafter, ALWAYS_DRAFT).generate(ids, max_new_tokens=new_tokens)
+    cache, source = drafter.cache, drafter.source
+    n, T, head = cache.lengths[0], source.lengths[0], cache.protected[0]
+    assert cache.next_positions() == [T]  # the pending token goes at the target's next position
+    for dst, src in zip(cache.layers, source.layers):
+        for h in range(src.keys.shape[1]):
+            rows = _match_rows(dst.keys[0, h, :n], src.keys[0, h, :T])
+            assert rows[head:] == list(range(T - (n - head), T))  # the recent rows, in order
+            assert rows[:head] == sorted(rows[:head]) and all(r < 70 for r in rows[:head])
+            assert torch.equal(dst.values[0, h, :n], src.values[0, h, rows])
+
+
+def test_snapkv_heads_choose_different_prompt_rows():
+    ids = _ids(2, 80)
+    drafter = SnapKVDrafter(TARGET, budget=20, window=8, kernel=3)
+    source = _prefilled(TARGET, ids)
+    keep, protected = drafter.prompt_rows(Prompt(ids, torch.tensor([80]), cache=source), source)
+    rows = keep[0]  # [layers, H, 20]
+    assert rows.shape == (2, 2, 20) and protected == [12]
+    assert torch.equal(rows[..., 12:], torch.arange(72, 80).expand(2, 2, 8))  # the window, every head
+    assert not torch.equal(rows[:, 0], rows[:, 1])  # KV heads select their own positions
+
+
+def test_observation_window_never_writes_the_targets_store():
+    ids = _ids(4, 50)
+    source = _prefilled(TARGET, ids)
+    before = [(layer.keys.clone(), layer.values.clone()) for layer in source.layers]
+    impl = TARGET.config._attn_implementation
+    drafter = SnapKVDrafter(TARGET, budget=12, window=8)
+    drafter.begin(Prompt(ids, torch.tensor([50]), cache=source))
+    assert source.lengths == [50] and TARGET.config._attn_implementation == impl
+    for (k, v), layer in zip(before, source.layers):
+        assert torch.equal(k, layer.keys) and torch.equal(v, layer.values)
+
+
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_eviction_keeps_the_budget(kind):
+    ids = _ids(6, 40)
+    drafter = DRAFTERS[kind](16)
+    lengths = []
+    SpecDecoder(TARGET, drafter, ALWAYS_DRAFT).generate(
+        ids, max_new_tokens=60, callback=lambda e: lengths.append(drafter.cache.lengths[0]))
+    assert max(lengths) <= 16 + 8 + 1 + 10  # budget + overshoot + pending + the longest draft
+    assert drafter.cache.num_compactions >= 3  # amortised: one gather per ~overshoot tokens, not per step
+    assert drafter.cache.capacity <= 64  # buffers sized by the budget, never by the context
+
+
+def test_dropping_a_batch_row_keeps_the_other_rows_state():
+    ids = torch.cat([_ids(7, 40), _ids(8, 40)])
+    pair = StreamingDrafter(TARGET, budget=12, sink=2)
+    pair.begin(Prompt(ids, torch.tensor([40, 40]), cache=_prefilled(TARGET, ids)))
+    single = StreamingDrafter(TARGET, budget=12, sink=2)
+    single.begin(Prompt(ids[1:], torch.tensor([40]), cache=_prefilled(TARGET, ids[1:])))
+    for d in (pair, single):
+        B = d.cache.batch_size
+        d.accept(Commit(torch.full((B, 1), 9), torch.ones(B, dtype=torch.long), torch.zeros(B, dtype=torch.long)))
+    pair.select([1])
+    assert pair.cache.lengths == single.cache.lengths and pair.cache.shift == single.cache.shift
+    for a, b in zip(pair.cache.layers, single.cache.layers):
+        assert torch.allclose(a.keys[:, :, :12], b.keys[:, :, :12])
+    assert torch.equal(pair.propose(3).tokens, single.propose(3).tokens)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+def test_streaming_budget_below_sink_plus_one_is_refused():
+    with pytest.raises(ValueError, match="streaming budget 4 must be at least sink \\+ 1 = 5 rows"):
+        StreamingDrafter(TARGET, budget=4, sink=4)
+
+
+def test_snapkv_even_kernel_is_refused():
+    with pytest.raises(ValueError, match="odd kernel"):
+        SnapKVDrafter(TARGET, budget=64, kernel=4)
+
+
+def test_budget_over_the_prompt_degrades_to_the_full_cache_with_a_warning():
+    ids = _ids(9, 20)
+    drafter = SnapKVDrafter(TARGET, budget=64)
+    with pytest.warns(UserWarning, match="prompt of 20 tokens fits the budget of 64 rows"):
+        out = SpecDecoder(TARGET, drafter, ALWAYS_DRAFT).generate(ids, max_new_tokens=10)
+    assert torch.equal(out.sequences, hf_greedy(TARGET, ids, 10))
+
+
+def test_prompt_beyond_the_context_window_is_refused_before_any_drafting():
+    small = tiny_llama(3, layers=1, max_pos=32)
+    with pytest.raises(ValueError, match="does not fit the model's context window of 32 tokens"):
+        SpecDecoder(small, SnapKVDrafter(small, budget=8)).generate(_ids(0, 32), max_new_tokens=4)
+
+
+def test_drafter_without_the_targets_store_is_named():
+    with pytest.raises(ValueError, match="needs the target's KV store"):
+        StreamingDrafter(TARGET, budget=8).begin(Prompt(_ids(0, 10), torch.tensor([10])))
+
+
+# -- the default model ------------------------------------------------------------------------------
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", ["streaming", "snapkv"])
+def test_book_prompt_on_the_default_model_equals_hf_greedy(real, name):
+    from pathlib import Path
+
+    books = Path("/work/shared/longctx/books.jsonl")
+    if not books.exists():
+        pytest.skip("book excerpts unavailable")
+    text = json.loads(books.read_text().splitlines()[0])["text"]
+    excerpt = real.tokenizer.decode(real.tokenizer(text)["input_ids"][:600])
+    ids = real.tokenizer.apply_chat_template([{"role": "user", "content": excerpt + "\n\nContinue the story."}],
+                                             add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"]
+    ref = real.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False)
+    drafter = (StreamingDrafter if name == "streaming" else SnapKVDrafter)(real.model, budget=128)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # 600 tokens is past a 128-row budget: no degrade warning
+        out = SpecDecoder(real.model, drafter, ALWAYS_DRAFT).generate(ids, max_new_tokens=16)
+    assert torch.equal(out.sequences, ref), real.tokenizer.decode(out.sequences[0, ids.shape[1]:])
+    assert sum(s.num_accepted[0] for s in out.steps) > 0
+
+
+# -- bench-longctx figures --------------------------------------------------------------------------
+
+def _step(drafted, accepted, draft_time, verify_time):
+    from specdec.decoder import StepStats
+
+    return StepStats([drafted], [accepted], draft_time, verify_time)
+
+
+def test_bench_figures_from_steps_and_the_cost_models_prediction():
+    from specdec.bench.longctx import predicted_speedup, step_figures
+
+    steps = [_step(0, 0, 0.0, 9.0),  # the prefill: left out
+             _step(3, 3, 0.3, 0.2), _step(3, 1, 0.3, 0.2), _step(0, 0, 0.0, 0.1)]
+    fig = step_figures(steps)
+    assert fig["accept_rate"] == pytest.approx(4 / 6) and fig["alpha"] == pytest.approx(4 / 5)
+    assert fig["gamma"] == 3 and fig["t_draft"] == pytest.approx(0.1) and fig["t_verify"] == pytest.approx(0.2)
+    assert fig["t_plain"] == pytest.approx(0.1) and fig["decode_seconds"] == pytest.approx(1.1)
+    assert predicted_speedup(fig, t_target=0.1) == pytest.approx(omega(3, 0.8) * 0.1 / (0.3 + 0.2))
+    assert predicted_speedup(step_figures(steps[:1] + steps[3:]), 0.1) == 1.0  # never drafted
+
+
+def test_bench_longctx_names_bad_lengths_before_loading_a_model(capsys):
+    from specdec.cli import main
+
+    assert main(["bench-longctx", "--lengths", "1k"]) == 2
+    assert "--lengths must be comma-separated integers, got '1k'" in capsys.readouterr().err
