@@ -301,7 +301,7 @@ class SpecDecoder:
         keep = batch.extend(commit, stats, callback)
         if streamer is not None:  # batch size 1: the one sequence's tokens of this step
             streamer.put(torch.tensor(batch.new[0][before:]))
-        if self.drafter is not None and keep:
+        if self.drafter is not None:  # also after the last step: a drafter's state ends in step
             self.drafter.accept(commit)
         if len(keep) < len(batch.rows):  # compaction: one gather per buffer, in the store and the drafter
             if keep:
