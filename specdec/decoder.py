@@ -2,6 +2,8 @@
 
     out = SpecDecoder(target, PromptLookupDrafter()).generate(input_ids, max_new_tokens=128)
     out.sequences      # [B, P + new], exactly what target.generate(..., do_sample=False) returns
+    out = decoder.generate(input_ids, do_sample=True, temperature=0.7, top_p=0.9, seed=0)
+                       # distributed exactly as target.generate(..., do_sample=True, same arguments)
     out.steps          # per step: drafted / accepted counts, draft and verify seconds
 
 Invariant between steps: the target's BMC store holds every committed token but the last one, the
@@ -22,7 +24,9 @@ from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths
+from specdec.verifiers.sampling import verify_sampling
 from specdec.verifiers.tree import Verification, verify_greedy
 
 
@@ -110,8 +114,19 @@ class SpecDecoder:
         return input_ids.to(torch.long)
 
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 128, eos_token_id=None,
-                 attention_mask: torch.Tensor | None = None, streamer=None, callback=None) -> GenerateOutput:
-        """Greedy generation; token-identical to ``target.generate(..., do_sample=False)``.
+                 attention_mask: torch.Tensor | None = None, streamer=None, callback=None,
+                 do_sample: bool = False, temperature: float | None = None, top_k: int | None = None,
+                 top_p: float | None = None, generator: torch.Generator | None = None,
+                 seed: int | None = None) -> GenerateOutput:
+        """Greedy generation, token-identical to ``target.generate(..., do_sample=False)``; or, with
+        ``do_sample=True``, sampling distributed exactly as ``target.generate(do_sample=True, ...)``
+        with the same temperature / top_k / top_p (unset ones as HF fills them: the target's
+        generation_config, else temperature 1, top_k 50, top_p 1; see ``specdec.sampling``).
+        Randomness: ``generator`` if given, else a new one seeded with ``seed``, else one seeded from
+        torch's global RNG (so ``torch.manual_seed`` fixes it, as with HF). A seed repeats a run
+        only if the drafts repeat too: the default controller sizes drafts from measured times, so
+        for bit-repeatable samples use ``DraftLengthConfig(cost_aware=False)`` (the distribution is
+        exact either way). Without do_sample the sampling arguments are ignored, as HF ignores them.
 
         eos_token_id: int or list (default: the target's generation config); the EOS is kept, as HF
         does. streamer: HF-style object with put(tokens)/end() (e.g. ``TextStreamer``).
@@ -119,10 +134,16 @@ class SpecDecoder:
         max_new_tokens is clipped to the room left in the context window.
         """
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
+        sampling = SamplingParams.resolve(self.target, temperature, top_k, top_p) if do_sample else None
+        if sampling is not None and generator is None:
+            seed = int(torch.randint(2**62, ())) if seed is None else seed
+            generator = torch.Generator().manual_seed(seed)  # CPU: the verifier samples on the CPU
         with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows):
-            return self._generate(input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback)
+            return self._generate(input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback,
+                                  sampling, generator)
 
-    def _generate(self, input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback):
+    def _generate(self, input_ids, max_new_tokens, eos_token_id, attention_mask, streamer, callback,
+                  sampling, generator):
         ids = self._check_input(input_ids, attention_mask)
         B, P = ids.shape
         device = self.target.device
@@ -154,12 +175,13 @@ class SpecDecoder:
                     else DraftTree.empty(B))
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes], greedy walk, commit the kept rows
-            ver, hidden = self._verify(cache, pending, tree, want_hidden)
+            ver, hidden = self._verify(cache, pending, tree, want_hidden, sampling, generator)
             commit = _make_commit(tree, ver, None if hidden is None else hidden[:, P - 1 if not new else 0:])
             t2 = time.perf_counter()
             if not new and self.drafter is not None:
                 prefix = None if hidden is None else hidden[:, : P - 1]
-                self.drafter.begin(Prompt(ids, torch.full((B,), P), prefix))
+                self.drafter.begin(Prompt(ids, torch.full((B,), P), prefix, sampling=sampling,
+                                          generator=generator))
             # 5. finish the step: output grows, the drafter learns, the controller adapts
             step_tokens = commit.new_tokens(0)[: max_new_tokens - len(new)]
             stop = next((i for i, t in enumerate(step_tokens) if t in eos), None)
@@ -184,9 +206,11 @@ class SpecDecoder:
         out.sequences = torch.cat([ids, torch.tensor([new], dtype=torch.long)], dim=1)
         return out
 
-    def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree,
-                want_hidden: bool) -> tuple[Verification, torch.Tensor | None]:
-        """One target forward over [pending block (p tokens), tree nodes]; keep pending + path.
+    def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, want_hidden: bool,
+                sampling: SamplingParams | None = None,
+                generator: torch.Generator | None = None) -> tuple[Verification, torch.Tensor | None]:
+        """One target forward over [pending block (p tokens), tree nodes]; keep pending + path
+        (greedy walk, or rejection sampling against the processed distribution when sampling).
 
         Returns the verification and, if asked, the target's last hidden states at the kept rows
         [B, p + A, D] (row p - 1 + j produced new token j).
@@ -201,7 +225,11 @@ class SpecDecoder:
             mask = ancestor_mask(tree.parents, tree.num_nodes)
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden)
-        ver = verify_greedy(res.logits[:, p - 1 :].float().cpu(), _to_cpu(tree))
+        logits = res.logits[:, p - 1 :].float().cpu()  # [B, 1 + N, V]
+        if sampling is None:
+            ver = verify_greedy(logits, _to_cpu(tree))
+        else:
+            ver = verify_sampling(target_probs(logits, sampling), _to_cpu(tree), generator)
         kept = [list(range(p - 1)) + [p - 1 + r for r in rows] for rows in ver.kept_rows()]
         cache.commit(kept)
         hidden = None
@@ -218,7 +246,8 @@ def _is_chain(tree: DraftTree) -> bool:
 
 
 def _to_cpu(tree: DraftTree) -> DraftTree:
-    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.cpu(), tree.probs)
+    probs = None if tree.probs is None else tree.probs.cpu()
+    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.cpu(), probs)
 
 
 def _make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None) -> Commit:
