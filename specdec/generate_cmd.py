@@ -8,6 +8,7 @@ from rich.console import Console
 
 from specdec.decoder import SpecDecoder
 from specdec.registry import DRAFTERS, make_drafter
+from specdec.sampling import add_sampling_arguments, sampling_arguments
 
 
 def add_arguments(p) -> None:
@@ -16,12 +17,14 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    add_sampling_arguments(p)
 
 
 def run(args) -> int:
     from specdec.models import load_model
 
     console = Console()
+    sampling = sampling_arguments(args)  # bad flags fail before the model loads
     with console.status(f"loading {args.model} ..."):
         loaded = load_model(args.model)
     tok = loaded.tokenizer
@@ -32,7 +35,7 @@ def run(args) -> int:
                                       return_tensors="pt", return_dict=True)["input_ids"]
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model))
     t = time.perf_counter()
-    out = decoder.generate(ids, max_new_tokens=args.max_new_tokens)
+    out = decoder.generate(ids, max_new_tokens=args.max_new_tokens, **sampling)
     dt = time.perf_counter() - t
     console.print(tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True))
     console.print(f"[dim]{loaded.name} | drafter {args.drafter} | {out.new_tokens} tokens in {dt:.2f} s = "
