@@ -18,8 +18,11 @@ import sys
 import time
 from dataclasses import dataclass
 
+import torch
+
 from specdec.decoder import SpecDecoder, StepEvent
 from specdec.registry import DRAFTERS, make_drafter
+from specdec.sampling import add_sampling_arguments, sampling_arguments
 from specdec.specbench import chat_input_ids, stop_token_ids
 
 DRAFT_STYLE = "cyan"  # text from accepted drafts
@@ -96,12 +99,16 @@ class ReplyStats:
 class ChatSession:
     """The conversation, the decoder, and how replies are shown."""
 
-    def __init__(self, model, tokenizer, drafter: str, max_new_tokens: int, console, color: bool = True) -> None:
+    def __init__(self, model, tokenizer, drafter: str, max_new_tokens: int, console, color: bool = True,
+                 sampling: dict | None = None) -> None:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("this model's tokenizer has no chat template; chat needs one")
         self.model, self.tokenizer, self.console = model, tokenizer, console
         self.max_new_tokens = max_new_tokens
         self.color = color
+        self.sampling = dict(sampling or {})  # generate() arguments (specdec.sampling.sampling_arguments)
+        if self.sampling.get("seed") is not None:  # one stream for the whole chat, not the same per reply
+            self.sampling["generator"] = torch.Generator().manual_seed(self.sampling.pop("seed"))
         self.eos = stop_token_ids(model, tokenizer)
         self.messages: list[dict] = []
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -149,7 +156,7 @@ class ChatSession:
         t = time.perf_counter()
         try:
             self.decoder.generate(ids, max_new_tokens=self.max_new_tokens, eos_token_id=self.eos,
-                                  callback=on_step)
+                                  callback=on_step, **self.sampling)
         except KeyboardInterrupt:  # stop this reply only; the decoder keeps no state between calls
             interrupted = True
         seconds = time.perf_counter() - t
@@ -226,6 +233,7 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
     p.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
     p.add_argument("--no-color", action="store_true", help="no colours (drafted tokens not marked)")
+    add_sampling_arguments(p)
 
 
 def run(args) -> int:
@@ -235,6 +243,7 @@ def run(args) -> int:
 
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling = sampling_arguments(args)
     console = Console(no_color=args.no_color, highlight=False)
     if sys.stdin.isatty():
         try:
@@ -249,7 +258,8 @@ def run(args) -> int:
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; chat needs one with a chat template")
     color = not args.no_color and console.color_system is not None
-    session = ChatSession(loaded.model, loaded.tokenizer, args.drafter, args.max_new_tokens, console, color)
+    session = ChatSession(loaded.model, loaded.tokenizer, args.drafter, args.max_new_tokens, console, color,
+                          sampling)
     console.print(f"[bold]specdec chat[/bold] · {loaded.name} · drafter {args.drafter} · up to "
                   f"{args.max_new_tokens} tokens per reply · /help for commands")
     if color:

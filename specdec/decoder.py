@@ -2,6 +2,8 @@
 
     out = SpecDecoder(target, PromptLookupDrafter()).generate(input_ids, max_new_tokens=128)
     out.sequences      # [B, P + new], exactly what target.generate(..., do_sample=False) returns
+    out = decoder.generate(input_ids, do_sample=True, temperature=0.7, top_p=0.9, seed=0)
+                       # distributed exactly as target.generate(..., do_sample=True, same arguments)
     out.steps          # per step: drafted / accepted counts per live sequence, draft and verify seconds
 
 A batch is B sequences at once (a padded ``input_ids`` with ``attention_mask``, left or right
@@ -29,7 +31,9 @@ from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block, prefill
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths
+from specdec.verifiers.sampling import verify_sampling
 from specdec.verifiers.tree import Verification, verify_greedy
 
 ATTENTION = ("pad", "split", "auto")
@@ -104,6 +108,22 @@ class GenerateOutput:
         return self.sequences[b, self.prompt_length : self.prompt_length + self.num_new[b]]
 
 
+@dataclass(frozen=True)
+class _Acceptance:
+    """How the target judges a draft: the greedy walk, or rejection sampling against its processed
+    distribution (``sampling`` set), with the run's one generator."""
+
+    sampling: SamplingParams | None = None
+    generator: torch.Generator | None = None
+
+    def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
+        """logits [B, 1 + N, V] at the pending row and every node."""
+        logits, tree = logits.float().cpu(), _to_cpu(tree)
+        if self.sampling is None:
+            return verify_greedy(logits, tree)
+        return verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
+
+
 class _Batch:
     """The live sequences: which input row each is, and what each has generated so far."""
 
@@ -153,9 +173,19 @@ class SpecDecoder:
 
     def generate(self, input_ids, max_new_tokens: int = 128, eos_token_id=None,
                  attention_mask: torch.Tensor | None = None, streamer=None, callback=None,
-                 pad_token_id: int | None = None) -> GenerateOutput:
-        """Greedy generation; each sequence token-identical to ``target.generate(..., do_sample=False)``
-        of its prompt alone.
+                 pad_token_id: int | None = None, do_sample: bool = False, temperature: float | None = None,
+                 top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
+                 seed: int | None = None) -> GenerateOutput:
+        """Greedy generation, each sequence token-identical to ``target.generate(..., do_sample=False)``
+        of its prompt alone; or, with ``do_sample=True``, sampling distributed exactly as
+        ``target.generate(do_sample=True, ...)`` with the same temperature / top_k / top_p (unset ones
+        as HF fills them: the target's generation_config, else temperature 1, top_k 50, top_p 1; see
+        ``specdec.sampling``). Randomness: ``generator`` if given, else a new one seeded with ``seed``,
+        else one seeded from torch's global RNG (so ``torch.manual_seed`` fixes it, as with HF). A seed
+        repeats a run only if the drafts repeat too: the default controller sizes drafts from measured
+        times, so for bit-repeatable samples use ``DraftLengthConfig(cost_aware=False)`` (the
+        distribution is exact either way). Without do_sample the sampling arguments are ignored, as
+        HF ignores them.
 
         input_ids: [P] or [B, P] (with ``attention_mask`` [B, P] for padded rows, left or right), or a
         list of 1-D prompts of different lengths (laid out left-padded, as HF would). eos_token_id: int
@@ -172,10 +202,14 @@ class SpecDecoder:
             raise ValueError(f"drafter {type(self.drafter).__name__} cannot draft for a batch of "
                              f"{len(prompts)} sequences (it has no select()); pass one sequence at a time")
         pad = _pad_id(pad_token_id, eos_token_id, self.target)
+        sampling = SamplingParams.resolve(self.target, temperature, top_k, top_p) if do_sample else None
+        if sampling is not None and generator is None:
+            seed = int(torch.randint(2**62, ())) if seed is None else seed
+            generator = torch.Generator().manual_seed(seed)  # CPU: the verifier samples on the CPU
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
         with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows):
             batch, steps = self._generate(prompts, max_new_tokens, _eos_set(eos_token_id, self.target),
-                                          streamer, callback)
+                                          streamer, callback, _Acceptance(sampling, generator))
         new = [batch.new[s] for s in range(len(prompts))]
         width = max(len(n) for n in new)
         tail = torch.full((len(prompts), width), pad, dtype=torch.long)
@@ -184,7 +218,8 @@ class SpecDecoder:
         return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], steps, [len(n) for n in new],
                               batch.steps, batch.accepted)
 
-    def _generate(self, prompts: list[torch.Tensor], max_new_tokens, eos, streamer, callback):
+    def _generate(self, prompts: list[torch.Tensor], max_new_tokens, eos, streamer, callback,
+                  judge: _Acceptance):
         B, device = len(prompts), self.target.device
         if self.context_window is not None:
             max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
@@ -196,7 +231,7 @@ class SpecDecoder:
         steps: list[StepStats] = []
         # 0. prefill: each prompt alone on the causal fast path, its K/V copied into its store rows
         t0 = time.perf_counter()
-        ver, commit = self._prefill(cache, prompts)
+        ver, commit = self._prefill(cache, prompts, judge)
         stats = StepStats([0] * B, [0] * B, 0.0, time.perf_counter() - t0, list(range(B)))
         live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback, first=True)
         pending = ver.next_token[live, None].to(device)  # [B', 1]
@@ -206,7 +241,7 @@ class SpecDecoder:
             key, tree = self._draft(controller, len(batch.rows), batch.wanted())
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
-            ver, hidden, split = self._verify(cache, pending, tree)
+            ver, hidden, split = self._verify(cache, pending, tree, judge)
             commit = _make_commit(tree, ver, hidden)
             t2 = time.perf_counter()
             stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
@@ -222,7 +257,8 @@ class SpecDecoder:
 
     # -- stages
 
-    def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor]) -> tuple[Verification, Commit]:
+    def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor],
+                 judge: _Acceptance) -> tuple[Verification, Commit]:
         """Every prompt alone through ``forward.prefill`` into its rows; the first token of each."""
         want_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         B, P = len(prompts), max(len(p) for p in prompts)
@@ -232,7 +268,7 @@ class SpecDecoder:
             cache.load_prefill(b, pre.layers, capacity=P)
             logits.append(pre.logits)
             hidden.append(pre.hidden)
-        ver = verify_greedy(torch.stack(logits)[:, None].float().cpu(), DraftTree.empty(B))
+        ver = judge(torch.stack(logits)[:, None], DraftTree.empty(B))  # the first token: nothing drafted
         last = torch.stack([h[-1:] for h in hidden]) if want_hidden else None  # [B, 1, D]
         if self.drafter is not None:
             ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
@@ -242,7 +278,7 @@ class SpecDecoder:
                 if want_hidden:
                     prefix[b, : len(p) - 1] = hidden[b][:-1]
             lengths = torch.tensor([len(p) for p in prompts])
-            self.drafter.begin(Prompt(ids, lengths, prefix, cache))
+            self.drafter.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
         return ver, _make_commit(DraftTree.empty(B), ver, last)
 
     def _draft(self, controller: DraftLengthController, batch_size: int, wanted: int):
@@ -256,8 +292,9 @@ class SpecDecoder:
             budget = wanted if controller.gate(key) else 0
         return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size))
 
-    def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree):
-        """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path.
+    def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):
+        """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path
+        (the greedy walk, or rejection sampling against the processed distribution).
 
         Returns the verification, the target's last hidden states at the kept rows [B, 1 + A, D] if
         the drafter reads them (row j produced new token j), and whether attention ran SPLIT.
@@ -272,7 +309,7 @@ class SpecDecoder:
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         split = self._split(cache, 1 + N)
         res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden, split)
-        ver = verify_greedy(res.logits.float().cpu(), _to_cpu(tree))
+        ver = judge(res.logits, tree)
         kept = ver.kept_rows()
         cache.commit(kept)
         hidden = None
@@ -358,7 +395,8 @@ def _is_chain(tree: DraftTree) -> bool:
 
 
 def _to_cpu(tree: DraftTree) -> DraftTree:
-    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.cpu(), tree.probs)
+    probs = None if tree.probs is None else tree.probs.cpu()
+    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.cpu(), probs)
 
 
 def _make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None) -> Commit:

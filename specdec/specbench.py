@@ -1,7 +1,9 @@
 """`specdec specbench`: Spec-Bench's protocol on our drafters, resumable, answers written as it goes.
 
-For each question every method answers every turn greedily with the model's chat template; turn 2
-is asked after the method's *own* answer to turn 1 (the conversation Spec-Bench runs). Methods:
+For each question every method answers every turn greedily (or, with ``--temperature T > 0``, by
+sampling: HF with ``do_sample=True``, ours losslessly, both from the same processed distribution)
+with the model's chat template; turn 2 is asked after the method's *own* answer to turn 1 (the
+conversation Spec-Bench runs). Methods:
 
     baseline     plain HF ``model.generate`` (greedy): what Spec-Bench's speedups are relative to
     <drafter>    SpecDecoder(model, registry drafter), e.g. prompt-lookup, early-exit, none
@@ -15,7 +17,9 @@ Figures (Spec-Bench's definitions, ``evaluation/speed.py``), per task and overal
     speedup                mean over questions of tokens/s of the method, over the same mean for the
                            baseline (tokens/s of a question = its new tokens / its seconds, all turns)
     mean accepted tokens   total new tokens / total target forwards (= mean of accept_lengths)
-    identical              every answer token-identical to the baseline's (the lossless check)
+    identical              every answer token-identical to the baseline's (the lossless check);
+                           not compared when sampling (samples differ; tests/test_sampling.py checks
+                           the distribution instead)
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import torch
 from specdec.decoder import SpecDecoder
 from specdec.questions import TASKS, Question, load_questions, select_questions, task_of
 from specdec.registry import DRAFTERS, make_drafter
+from specdec.sampling import sampling_kwargs
 
 BASELINE = "baseline"  # plain HF generate, greedy
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -45,6 +50,7 @@ class SpecBenchConfig:
     drafters: tuple[str, ...] = ("prompt-lookup",)  # registry names, each compared with the baseline
     max_new_tokens: int = 1024  # Spec-Bench's setting
     warmup_tokens: int = 8  # one untimed short generation per method first (allocator, first calls)
+    temperature: float = 0.0  # > 0: every method samples (HF's other defaults, e.g. top_k 50); 0: greedy
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,13 @@ class TurnResult:
 Answerer = Callable[[torch.Tensor, int], TurnResult]  # (input_ids [1, P], max_new_tokens) -> result
 
 
-def hf_generate_answerer(model, eos: list[int], pad: int) -> Answerer:
+def hf_generate_answerer(model, eos: list[int], pad: int, temperature: float = 0.0) -> Answerer:
+    sampling = sampling_kwargs(model, temperature)
+
     def answer(ids: torch.Tensor, max_new_tokens: int) -> TurnResult:
         t = time.perf_counter()
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=eos, pad_token_id=pad)
+                             eos_token_id=eos, pad_token_id=pad, **sampling)
         dt = time.perf_counter() - t
         new = out[0, ids.shape[1]:].tolist()
         return TurnResult(new, dt, [1] * len(new))  # one forward per token
@@ -69,14 +77,15 @@ def hf_generate_answerer(model, eos: list[int], pad: int) -> Answerer:
     return answer
 
 
-def specdec_answerer(model, drafter_name: str, eos: list[int]) -> Answerer:
+def specdec_answerer(model, drafter_name: str, eos: list[int], temperature: float = 0.0) -> Answerer:
     decoder = SpecDecoder(model, make_drafter(drafter_name, model))  # drafters reset in begin()
+    sampling = sampling_kwargs(model, temperature)
 
     def answer(ids: torch.Tensor, max_new_tokens: int) -> TurnResult:
         lengths: list[int] = []  # what each step really added (EOS / length truncation included)
         t = time.perf_counter()
         out = decoder.generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                               callback=lambda ev: lengths.append(len(ev.tokens)))
+                               callback=lambda ev: lengths.append(len(ev.tokens)), **sampling)
         dt = time.perf_counter() - t
         return TurnResult(out.sequences[0, ids.shape[1]:].tolist(), dt, lengths)
 
@@ -222,7 +231,8 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
     answer_dir = config.out_dir / "model_answer"
     answer_dir.mkdir(parents=True, exist_ok=True)
     _check_run_settings(config.out_dir, {"model": model_name, "dtype": str(model.dtype),
-                                         "max_new_tokens": config.max_new_tokens})
+                                         "max_new_tokens": config.max_new_tokens,
+                                         **({"temperature": config.temperature} if config.temperature else {})})
     files = {m: AnswerFile(answer_dir / f"{_file_name(model_name)}-{_file_name(m)}.jsonl") for m in methods}
     for m, f in files.items():
         for q in questions:
@@ -240,8 +250,8 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
 
     eos = stop_token_ids(model, tokenizer)  # the same stop tokens for every method
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    answerers = {BASELINE: hf_generate_answerer(model, eos, pad)}
-    answerers.update({d: specdec_answerer(model, d, eos) for d in config.drafters})
+    answerers = {BASELINE: hf_generate_answerer(model, eos, pad, config.temperature)}
+    answerers.update({d: specdec_answerer(model, d, eos, config.temperature) for d in config.drafters})
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     context_window = getattr(cfg, "max_position_embeddings", None)
 
@@ -294,13 +304,16 @@ def method_stats(records: list[dict], baseline: list[dict]) -> dict:
             "mismatched_questions": mismatched}
 
 
-def summarize(answers: dict[str, dict], questions: list[Question], baseline: str = BASELINE) -> dict:
+def summarize(answers: dict[str, dict], questions: list[Question], baseline: str = BASELINE,
+              temperature: float = 0.0) -> dict:
     """answers: method -> {question_id: record}. Per method, per task (Spec-Bench order) and overall,
-    over the selected questions that both the method and the baseline have answered."""
+    over the selected questions that both the method and the baseline have answered. When sampling
+    (temperature > 0) answers are not compared: "identical" is None."""
     base = answers[baseline]
     tasks = [t for t in TASKS if any(task_of(q.category) == t for q in questions)]
     tasks += sorted({task_of(q.category) for q in questions} - set(tasks))
-    out: dict = {"baseline": f"{baseline} (HF generate, greedy)", "tasks": tasks, "methods": {}}
+    mode = "greedy" if not temperature else f"do_sample=True, temperature {temperature}"
+    out: dict = {"baseline": f"{baseline} (HF generate, {mode})", "tasks": tasks, "methods": {}}
     for m, recs in answers.items():
         done = [q for q in questions if q.question_id in recs and q.question_id in base]
         per_task = {}
@@ -310,6 +323,10 @@ def summarize(answers: dict[str, dict], questions: list[Question], baseline: str
         out["methods"][m] = {"overall": method_stats([recs[q.question_id] for q in done],
                                                      [base[q.question_id] for q in done]),
                              "tasks": per_task}
+    if temperature:
+        for m in out["methods"].values():
+            for s in [m["overall"], *m["tasks"].values()]:
+                s["identical"], s["mismatched_questions"] = None, None
     return out
 
 
@@ -335,8 +352,11 @@ def print_summary(console, summary: dict, title: str) -> None:
             if not s["questions"]:
                 row.append("-")
                 continue
-            same = "[green]✓[/green]" if s["identical"] else f"[red]✗{len(s['mismatched_questions'])}[/red]"
-            row.append(f"{s['speedup']:.2f}x τ{s['mean_accepted_tokens']:.2f} {same}")
+            if s["identical"] is None:  # sampling: answers differ by design
+                same = ""
+            else:
+                same = " [green]✓[/green]" if s["identical"] else f" [red]✗{len(s['mismatched_questions'])}[/red]"
+            row.append(f"{s['speedup']:.2f}x τ{s['mean_accepted_tokens']:.2f}{same}")
         table.add_row(*row)
     console.print(table)
 
@@ -357,9 +377,10 @@ def evaluate(model, tokenizer, model_name: str, questions: list[Question], confi
         files = answer_all(model, tokenizer, model_name, questions, config,
                            lambda what, total, done: bar.update(task, description=what, total=total,
                                                                 completed=done))
-    summary = summarize({m: f.records for m, f in files.items()}, questions)
+    summary = summarize({m: f.records for m, f in files.items()}, questions, temperature=config.temperature)
     summary["meta"] = {
         "model": model_name, "dtype": str(model.dtype), "max_new_tokens": config.max_new_tokens,
+        "temperature": config.temperature,
         "questions": len(questions), "answers": str(config.out_dir / "model_answer"),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
         "date": time.strftime("%Y-%m-%d %H:%M")}
@@ -367,7 +388,8 @@ def evaluate(model, tokenizer, model_name: str, questions: list[Question], confi
     tmp.write_text(json.dumps(summary, indent=1) + "\n")
     os.replace(tmp, config.out_dir / "summary.json")  # never a half-written summary
     print_summary(console, summary, f"Spec-Bench · {model_name} · {len(questions)} questions · "
-                  f"max {config.max_new_tokens} new tokens · greedy")
+                  f"max {config.max_new_tokens} new tokens · "
+                  + ("greedy" if not config.temperature else f"sampling at temperature {config.temperature}"))
     console.print(f"[dim]answers: {config.out_dir / 'model_answer'}  summary: "
                   f"{config.out_dir / 'summary.json'}[/dim]")
     return summary
@@ -388,6 +410,10 @@ def add_arguments(p) -> None:
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model weights dtype")
     p.add_argument("--threads", type=int, default=None,
                    help="torch CPU threads (default: torch's choice); recorded in summary.json")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, answers compared token for token with HF's; > 0: every "
+                        "method samples (HF generate with do_sample=True and HF's other defaults, "
+                        "e.g. top_k 50), answers not compared; tau and speedup still reported")
 
 
 def run(args) -> int:
@@ -398,6 +424,7 @@ def run(args) -> int:
     questions = select_questions(questions, categories=cats, limit_per_category=args.limit_per_category)
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
+    sampling_kwargs(None, args.temperature)  # a bad --temperature fails before the model loads
     if args.threads is not None:
         if args.threads < 1:
             raise ValueError(f"--threads must be at least 1, got {args.threads}")
@@ -409,6 +436,6 @@ def run(args) -> int:
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; Spec-Bench needs one with a chat template")
     config = SpecBenchConfig(out_dir=Path(args.out), drafters=tuple(args.drafter or ("prompt-lookup",)),
-                             max_new_tokens=args.max_new_tokens)
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature)
     evaluate(loaded.model, loaded.tokenizer, loaded.name, questions, config)
     return 0

@@ -34,6 +34,10 @@ class DraftTree:
     num_nodes: torch.Tensor  # [B] int64 real nodes per row; nodes >= num_nodes[b] are padding
     # [B, N, V] the drafter's distribution each token was drawn from (lossless sampling needs q);
     # None means the draft is deterministic (one-hot at the drafted token), as for prompt lookup.
+    # Trees: row i is the distribution node i's token was drawn from, i.e. the drafter's processed
+    # distribution after node i's parent, so siblings carry the same row; siblings are drawn without
+    # replacement and tried in index order (specdec.verifiers.sampling removes each rejected one from
+    # q). Deterministic trees (EAGLE's top-k) leave it None: siblings must then be distinct tokens.
     probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:

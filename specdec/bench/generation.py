@@ -2,7 +2,10 @@
 
 For every question (first turn, chat template applied) each method generates greedily; the order
 of methods rotates from question to question so machine noise hits all of them alike, and every
-output is compared token for token with HF generate's. Figures are ratios taken in this run:
+output is compared token for token with HF generate's. With ``--temperature T > 0`` every method
+samples instead (HF generate with ``do_sample=True``, ours losslessly, from the same processed
+distribution; HF's prompt lookup is left out), outputs are not compared (``identical`` is None)
+and speedup and tau are reported as before. Figures are ratios taken in this run:
     speedup      Spec-Bench's formula: the method's tokens/s over HF generate's (totals)
     median       the median over questions of HF time / method time (robust to outliers)
     tau          mean tokens per target forward (accepted drafts + 1), where the method reports it
@@ -23,6 +26,7 @@ import torch
 from specdec import kernels
 from specdec.decoder import SpecDecoder
 from specdec.registry import make_drafter
+from specdec.sampling import sampling_kwargs
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented default for prompt_lookup_num_tokens
 
@@ -33,31 +37,37 @@ class Method:
     run: object  # (ids [1, P], max_new_tokens) -> (sequences [1, P + n], steps or None)
 
 
-def hf_methods(model, eos) -> list[Method]:
+def hf_methods(model, eos, temperature: float = 0.0) -> list[Method]:
+    """HF generate, and (greedy only) HF's prompt lookup."""
+    sampling = sampling_kwargs(model, temperature)
+
     def plain(ids, n):
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              eos_token_id=eos, pad_token_id=eos), None
+        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, eos_token_id=eos,
+                              pad_token_id=eos, **sampling), None
 
     def lookup(ids, n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
                               eos_token_id=eos, pad_token_id=eos,
                               prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS), None
 
-    return [Method("hf-generate", plain), Method("hf-prompt-lookup", lookup)]
+    return [Method("hf-generate", plain)] + ([Method("hf-prompt-lookup", lookup)] if not temperature else [])
 
 
-def specdec_method(model, drafter_name: str, eos) -> Method:
+def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0) -> Method:
+    sampling = sampling_kwargs(model, temperature)
+
     def go(ids, n):
         out = SpecDecoder(model, make_drafter(drafter_name, model)).generate(ids, max_new_tokens=n,
-                                                                            eos_token_id=eos)
+                                                                            eos_token_id=eos, **sampling)
         return out.sequences, len(out.steps)
 
     return Method(f"specdec:{drafter_name}", go)
 
 
 def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens: int, log_path: Path | None,
-              progress=None) -> list[dict]:
-    """One record per (question, method): tokens, seconds, steps, identical-to-HF."""
+              progress=None, compare: bool = True) -> list[dict]:
+    """One record per (question, method): tokens, seconds, steps, identical-to-HF (None when not
+    ``compare``: sampled outputs differ by design)."""
     records = []
     with torch.inference_mode():
         warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
@@ -78,7 +88,7 @@ def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens
             seq, steps, dt = outs[m.name]
             rec = {"question_id": q.question_id, "category": q.category, "method": m.name,
                    "new_tokens": seq.shape[1] - ids.shape[1], "seconds": dt, "steps": steps,
-                   "identical": bool(torch.equal(seq, ref))}
+                   "identical": bool(torch.equal(seq, ref)) if compare else None}
             records.append(rec)
             if log_path is not None:
                 with open(log_path, "a") as f:
@@ -106,7 +116,7 @@ def summarize(records: list[dict], baseline: str, group_of) -> dict:
                 "speedup": tokens / secs / base_tps,
                 "median_speedup": statistics.median(base_time[r["question_id"]] / r["seconds"] for r in rs),
                 "tau": tokens / sum(steps) if len(steps) == len(rs) else None,
-                "identical": sum(r["identical"] for r in rs),
+                "identical": None if any(r["identical"] is None for r in rs) else sum(r["identical"] for r in rs),
             }
         return out
 
@@ -125,6 +135,10 @@ def add_arguments(p) -> None:
     p.add_argument("--drafters", default="none,prompt-lookup", help="comma-separated registry names")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF's prompt-lookup method")
     p.add_argument("--out", default="results/bench", help="writes OUT.jsonl (records) and OUT.json (summary)")
+    p.add_argument("--temperature", type=float, default=0.0,
+                   help="0 (default): greedy, outputs compared token for token with HF's; > 0: every "
+                        "method samples (HF generate with do_sample=True and HF's other defaults, "
+                        "e.g. top_k 50; no HF prompt lookup), outputs not compared, tau and speedup reported")
 
 
 def run(args) -> int:
@@ -136,6 +150,7 @@ def run(args) -> int:
     from specdec.questions import load_questions, select_questions, task_of
 
     console = Console()
+    sampling_kwargs(None, args.temperature)  # a bad --temperature fails before the model loads
     questions = load_questions(args.questions) if args.questions else load_questions()
     cats = args.categories.split(",") if args.categories else None
     questions = select_questions(questions, categories=cats, limit_per_category=args.per_category)
@@ -143,10 +158,10 @@ def run(args) -> int:
     model, tok = loaded.model, loaded.tokenizer
     kernels.prepare()  # the kernel build and route self-check happen before any timed run
     eos = model.generation_config.eos_token_id
-    methods = hf_methods(model, eos)
+    methods = hf_methods(model, eos, args.temperature)
     if args.no_hf_lookup:
         methods = methods[:1]
-    methods += [specdec_method(model, d, eos) for d in args.drafters.split(",") if d]
+    methods += [specdec_method(model, d, eos, args.temperature) for d in args.drafters.split(",") if d]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".jsonl")
@@ -155,19 +170,22 @@ def run(args) -> int:
                   TimeRemainingColumn(), console=console) as bar:
         task = bar.add_task("bench", total=len(questions))
         records = run_bench(model, tok, questions, methods, args.max_new_tokens, log,
-                            progress=lambda: bar.advance(task))
+                            progress=lambda: bar.advance(task), compare=not args.temperature)
     summary = summarize(records, methods[0].name, task_of)
     summary["meta"] = {"model": loaded.name, "questions": args.questions or "shipped", "per_category":
-                       args.per_category, "max_new_tokens": args.max_new_tokens, "threads": torch.get_num_threads(),
+                       args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                       "threads": torch.get_num_threads(),
                        "torch": torch.__version__, "machine": platform.machine(),
                        "date": time.strftime("%Y-%m-%d")}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    table = Table(title=f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, greedy")
+    table = Table(title=f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, "
+                  + ("greedy" if not args.temperature else f"sampling at temperature {args.temperature}"))
     for col in ("method", "tokens/s", "speedup", "median speedup", "tau", "identical"):
         table.add_column(col, justify="right")
     for name, s in summary["overall"].items():
         table.add_row(name, f"{s['tokens_per_s']:.1f}", f"{s['speedup']:.2f}x", f"{s['median_speedup']:.2f}x",
-                      "-" if s["tau"] is None else f"{s['tau']:.2f}", f"{s['identical']}/{s['questions']}")
+                      "-" if s["tau"] is None else f"{s['tau']:.2f}",
+                      "-" if s["identical"] is None else f"{s['identical']}/{s['questions']}")
     console.print(table)
     by_task = Table(title="speedup over hf-generate per Spec-Bench task")
     by_task.add_column("task")

@@ -9,6 +9,7 @@ import torch
 from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
 
 
@@ -24,7 +25,10 @@ def vocab_size_of(model) -> int:
 
 
 class ModelDrafter(Drafter):
-    """Any HF causal LM sharing the target's vocabulary drafts greedily, one token per forward.
+    """Any HF causal LM sharing the target's vocabulary drafts a chain, one token per forward:
+    greedily, or, when the decoder samples (``Prompt.sampling``), by sampling each token from the
+    draft model's distribution processed like the target's (same temperature / top-k / top-p),
+    with ``Prompt.generator``; that distribution is handed over as ``DraftTree.probs`` [B, K, V].
 
     State between steps: the draft store holds rows for committed tokens ``[0, cache_len)``; the
     committed tokens after that (one or two per step) are *pending* and are fed first next time.
@@ -41,6 +45,8 @@ class ModelDrafter(Drafter):
         self._fed: list[int] = []  # per row: committed tokens in the store before the last propose
         self._drafted = 0  # drafted tokens written into the store by the last propose (K - 1)
         self._proposed = False  # a propose ran since the last accept (the decoder may skip it)
+        self.sampling: SamplingParams | None = None  # from the prompt; None = greedy drafts
+        self.generator: torch.Generator | None = None
 
     def torch_modules(self) -> list:
         return [self.model]
@@ -51,6 +57,7 @@ class ModelDrafter(Drafter):
         self.cache = BMCCache.for_model(self.model, B, self.config.bmc)
         self._fed = [0] * B
         self._drafted = 0
+        self.sampling, self.generator = prompt.sampling, prompt.generator
 
     def _feed(self, rows: list[list[int]]) -> torch.Tensor:
         """Append ragged token rows to the store as chains; logits [B, V] after each row's last."""
@@ -72,12 +79,23 @@ class ModelDrafter(Drafter):
             return DraftTree.empty(B)
         pending = [row[n:] for row, n in zip(self.history.rows, self._fed)]
         logits = self._feed(pending)
-        drafts = [logits.argmax(-1)]  # [B] each
+        probs: list[torch.Tensor] = []  # [B, V] each, when sampling
+        drafts = [self._pick(logits, probs)]  # [B] each
         for _ in range(budget - 1):
             logits = self._feed([[t] for t in drafts[-1].tolist()])
-            drafts.append(logits.argmax(-1))
+            drafts.append(self._pick(logits, probs))
         self._drafted = budget - 1
-        return DraftTree.chain(torch.stack(drafts, dim=1).cpu())
+        q = torch.stack(probs, dim=1) if probs else None  # [B, K, V] when sampling
+        return DraftTree.chain(torch.stack(drafts, dim=1).cpu(), probs=q)
+
+    def _pick(self, logits: torch.Tensor, probs: list) -> torch.Tensor:
+        """The next drafted token per row from logits [B, V]: argmax, or a sample from the processed
+        distribution (appended to ``probs``, on the CPU where the verifier reads it)."""
+        if self.sampling is None:
+            return logits.argmax(-1)
+        q = target_probs(logits[:, None].cpu(), self.sampling)[:, 0]  # [B, V] float64
+        probs.append(q)
+        return torch.multinomial(q, 1, generator=self.generator)[:, 0].to(logits.device)
 
     def select(self, rows: list[int]) -> None:
         self.history.select(rows)

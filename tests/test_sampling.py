@@ -1,0 +1,400 @@
+"""Lossless sampling: HF's processing, the rejection rules on hand-built cases, and distribution tests.
+
+The distribution tests compare the empirical joint distribution of the first two generated tokens
+with the target's exact one, J[x, y] = p(x) p(y | x), computed by enumerating the first token on a
+tiny model with a 32-token vocabulary. Two levels:
+    * the verifier's math (``verify_sampling``), on N_PURE identical rows in one batched call;
+    * whole generations through ``SpecDecoder`` at B = 1, N_E2E of them (raise it once batched
+      generate lands: the same test then runs as many rows as wanted in one call).
+Each compares by a chi-square test (bins with an expected count < 5 merged into one; the test passes
+when p-value > ALPHA) and a total-variation bound (TV_FACTOR times the TV expected from sampling
+noise alone). A deliberately wrong rule fails the same test (``test_wrong_rule_fails_...``).
+"""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import GenerationConfig
+
+import specdec.verifiers.sampling as vs
+from conftest import perturbed, tiny_llama
+from specdec.controller import DraftLengthConfig
+from specdec.decoder import SpecDecoder, SpecDecoderConfig
+from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.model import ModelDrafter
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.sampling import SamplingParams, logits_processors, target_probs
+from specdec.tree import DraftTree
+from specdec.verifiers.sampling import acceptance_probability, residual, verify_sampling
+
+V = 32  # vocabulary of the distribution tests: 32 * 32 joint bins
+N_PURE = 40_000  # samples per pure-function distribution test (one batched call)
+N_E2E = 400  # samples per end-to-end test at B = 1 (~25 ms each on this CPU); raise to 20_000 with batching
+ALPHA = 1e-3  # chi-square significance: a correct rule fails a given seed with probability 1e-3
+TV_FACTOR = 3.0  # TV bound = this x the TV that sampling noise alone gives (normal approximation)
+PROMPT = torch.tensor([[1, 5, 7, 5, 7, 9]])
+PARAMS = {"temperature": SamplingParams(temperature=0.7), "top_k": SamplingParams(top_k=5),
+          "top_p": SamplingParams(top_p=0.8)}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny float64 forwards run far faster on one thread on a shared 2-core machine."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def peaked(seed: int) -> torch.nn.Module:
+    """A tiny random Llama whose logits are spread enough (entropy ~1.5 nats) to have structure: a
+    fresh init gives near-uniform distributions, under which every rule looks right."""
+    m = tiny_llama(seed, vocab=V)
+    with torch.no_grad():
+        m.lm_head.weight.mul_(20)
+    return m
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = peaked(0)
+    return {"target": target, "good": perturbed(target, 0.3), "bad": peaked(7)}
+
+
+@torch.no_grad()
+def tables(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(x) [V] after PROMPT and p(y | x) [V, V] after PROMPT + x, processed by ``params``."""
+    first = target_probs(model(PROMPT).logits[:, -1:], params)[0, 0]
+    ids = torch.cat([PROMPT.expand(V, -1), torch.arange(V)[:, None]], dim=1)  # [V, P + 1]
+    second = target_probs(model(ids).logits[:, -1:], params)[:, 0]
+    return first, second
+
+
+# ----------------------------------------------------------------------------------- statistics
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test of counts [M] against probs [M]; bins expecting < 5 are merged into one.
+    A count in a bin of probability 0 gives p-value 0."""
+    counts, probs = counts.double(), probs.double()
+    n = counts.sum()
+    expected = n * probs
+    if bool((counts[probs == 0] > 0).any()):
+        return 0.0
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor(float(len(obs) - 1), dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
+
+
+def tv_distance(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    return 0.5 * float((counts.double() / counts.sum() - probs).abs().sum())
+
+
+def tv_noise(probs: torch.Tensor, n: int) -> float:
+    """TV expected from n exact samples: 0.5 * sum E|freq - p| ~ 0.5 * sum sqrt(2 p (1 - p) / (pi n))."""
+    return 0.5 * float((2 * probs * (1 - probs) / (math.pi * n)).sqrt().sum())
+
+
+def assert_matches(pairs: torch.Tensor, joint: torch.Tensor) -> None:
+    """pairs [n, 2] sampled token pairs vs the exact joint [V, V]."""
+    counts = torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
+    probs = joint.reshape(-1)
+    pval, tv = chi_square_pvalue(counts, probs), tv_distance(counts, probs)
+    bound = TV_FACTOR * tv_noise(probs, len(pairs))
+    assert pval > ALPHA and tv < bound, f"chi-square p-value {pval:.2e} (needs > {ALPHA}), TV {tv:.4f} (bound {bound:.4f})"
+
+
+# ------------------------------------------------------------------ drafts for the pure-level tests
+
+def draw_siblings(q: torch.Tensor, k: int, g: torch.Generator) -> torch.Tensor:
+    """k tokens per row drawn from q [B, V] without replacement -> [B, k]. A row whose q runs out
+    repeats its last token (such a sibling has q = 0 after removal, so it is never accepted)."""
+    out, q = [], q.clone()
+    for _ in range(k):
+        dead = q.sum(-1) <= 0
+        x = torch.multinomial(torch.where(dead[:, None], 1.0, q), 1, generator=g)[:, 0]
+        x = torch.where(dead, out[-1], x) if out else x
+        out.append(x)
+        q[torch.arange(len(x)), x] = 0
+    return torch.stack(out, 1)
+
+
+def top(q: torch.Tensor, k: int) -> torch.Tensor:
+    return q.topk(k, dim=-1).indices  # deterministic draft: the k most likely tokens
+
+
+# Tree shape of the tree tests: two children of the pending token, the first with two children,
+# the second with one:   pending ── c0 ── g0, g1        parents = [-1, -1, 0, 0, 1]
+#                               └── c1 ── g2
+TREE_PARENTS = [-1, -1, 0, 0, 1]
+
+
+def draft(kind: str, shape: str, q1: torch.Tensor, q2: torch.Tensor, n: int, g: torch.Generator) -> DraftTree:
+    """n drafts of ``shape`` ("chain": 2 tokens, "tree": TREE_PARENTS) sampled from the drafter's
+    tables (q1 [V], q2 [V, V]), or deterministic (kind "fixed": top tokens, probs None)."""
+    sampled = kind != "fixed"
+    if shape == "chain":
+        d0 = torch.multinomial(q1.expand(n, V), 1, replacement=True, generator=g)[:, 0] if sampled \
+            else top(q1[None], 1)[:, 0].expand(n)
+        d1 = torch.multinomial(q2[d0], 1, generator=g)[:, 0] if sampled else top(q2[d0], 1)[:, 0]
+        probs = torch.stack([q1.expand(n, V), q2[d0]], 1) if sampled else None
+        return DraftTree.chain(torch.stack([d0, d1], 1), probs=probs)
+    c = draw_siblings(q1.expand(n, V), 2, g) if sampled else top(q1[None], 2).expand(n, 2)
+    g01 = draw_siblings(q2[c[:, 0]], 2, g) if sampled else top(q2[c[:, 0]], 2)
+    g2 = draw_siblings(q2[c[:, 1]], 1, g) if sampled else top(q2[c[:, 1]], 1)
+    tokens = torch.cat([c, g01, g2], 1)  # [n, 5]
+    probs = None
+    if sampled:  # row of each node = the distribution it was drawn from (its parent's)
+        probs = torch.stack([q1.expand(n, V), q1.expand(n, V), q2[c[:, 0]], q2[c[:, 0]], q2[c[:, 1]]], 1)
+    parents = torch.tensor(TREE_PARENTS).expand(n, -1)
+    return DraftTree(tokens, parents, torch.full((n,), 5), probs)
+
+
+def block_probs(tree: DraftTree, p1: torch.Tensor, p2: torch.Tensor) -> torch.Tensor:
+    """The target's probabilities at each block row [n, 1 + N, V]: p1 after the pending token,
+    p2[x] after a depth-1 node x; depth-2 rows only feed the third token, which is not tested
+    (uniform there)."""
+    n, N = tree.tokens.shape
+    out = torch.full((n, 1 + N, V), 1.0 / V, dtype=torch.float64)
+    out[:, 0] = p1
+    depth1 = (tree.parents == -1)
+    for i in range(N):
+        if bool(depth1[0, i]):
+            out[:, 1 + i] = p2[tree.tokens[:, i]]
+    return out
+
+
+def first_two_tokens(ver, tree: DraftTree, p2: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """[n, 2]: the step's tokens (accepted path, then the sampled one); rows that got one token
+    take the second from a next step with nothing drafted (an empty tree, sampled from p)."""
+    n = tree.tokens.shape[0]
+    path = tree.tokens.gather(1, ver.accepted.clamp(min=0))  # [n, A]
+    first = torch.where(ver.num_accepted > 0, path[:, 0] if path.shape[1] else 0, ver.next_token)
+    second_from_path = torch.where(ver.num_accepted > 1, path[:, min(1, path.shape[1] - 1)], ver.next_token) \
+        if path.shape[1] else ver.next_token
+    nxt = verify_sampling(p2[first][:, None], DraftTree.empty(n), g).next_token
+    second = torch.where(ver.num_accepted > 0, second_from_path, nxt)
+    return torch.stack([first, second], 1)
+
+
+def speculative_pairs(models, drafter: str, shape: str, params: SamplingParams, n: int = N_PURE, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    p1, p2 = tables(models["target"], params)
+    q1, q2 = tables(models["good" if drafter == "fixed" else drafter], params)
+    tree = draft(drafter, shape, q1, q2, n, g)
+    ver = verify_sampling(block_probs(tree, p1, p2), tree, g)
+    return first_two_tokens(ver, tree, p2, g), p1[:, None] * p2  # pairs [n, 2], joint [V, V]
+
+
+# ------------------------------------------------------------------ processing: exactly HF's
+
+@pytest.mark.parametrize("kwargs", [{"temperature": 0.7}, {"top_k": 5}, {"top_p": 0.8},
+                                    {"temperature": 1.3, "top_k": 20, "top_p": 0.9}])
+def test_target_probs_equal_what_hf_generate_samples_from(target, kwargs):
+    """HF generate's processed scores (output_scores) softmaxed = target_probs of its raw logits.
+    The default target has V = 128, so HF's default top_k of 50 is in play when top_k is unset."""
+    ids = torch.tensor([[1, 5, 7, 9]])
+    out = target.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=True,
+                          pad_token_id=0, output_scores=True, output_logits=True,
+                          return_dict_in_generate=True, **kwargs)
+    params = SamplingParams.resolve(target, **kwargs)
+    for scores, logits in zip(out.scores, out.logits):
+        ours = target_probs(logits[:, None], params)[:, 0]
+        assert torch.allclose(ours, torch.softmax(scores.double(), -1), atol=1e-6)
+        assert torch.equal(ours > 0, scores > float("-inf"))  # the same tokens filtered out
+
+
+def test_unset_arguments_resolve_as_hf_does():
+    assert SamplingParams.resolve(None) == SamplingParams(1.0, 50, 1.0)  # HF's top_k 50 default
+    model = SimpleNamespace(generation_config=GenerationConfig(temperature=0.6, top_p=0.9))
+    assert SamplingParams.resolve(model) == SamplingParams(0.6, 50, 0.9)
+    assert SamplingParams.resolve(model, top_p=1.0, top_k=0) == SamplingParams(0.6, 0, 1.0)
+
+
+def test_warpers_are_hf_classes_in_hf_order_and_skipped_when_neutral():
+    names = [type(p).__name__ for p in logits_processors(SamplingParams(0.5, 3, 0.9))]
+    assert names == ["TemperatureLogitsWarper", "TopKLogitsWarper", "TopPLogitsWarper"]
+    assert len(logits_processors(SamplingParams(1.0, 0, 1.0))) == 0
+
+
+# ------------------------------------------------------------------ the rules, hand-built cases
+
+def one_hot_rows(*tokens: int) -> torch.Tensor:
+    return torch.nn.functional.one_hot(torch.tensor(tokens), 4).double()
+
+
+def test_residual_is_normalised_positive_part_of_p_minus_q():
+    p = torch.tensor([0.5, 0.3, 0.2, 0.0], dtype=torch.float64)
+    q = torch.tensor([0.2, 0.6, 0.2, 0.0], dtype=torch.float64)
+    assert torch.allclose(residual(p, q), torch.tensor([1.0, 0, 0, 0], dtype=torch.float64))
+    assert torch.equal(residual(p, p), p)  # no residual mass: keep p (rejection had probability 0)
+    assert torch.allclose(acceptance_probability(torch.tensor([0.2, 0.5, 0.0]), torch.tensor([0.4, 0.1, 0.3])),
+                          torch.tensor([0.5, 1.0, 0.0]))
+
+
+def test_all_accepted_then_bonus_from_last_node():
+    tree = DraftTree.chain(torch.tensor([[1, 2]]))  # deterministic
+    probs = one_hot_rows(1, 2, 3)[None]  # the target is sure of 1, then 2, then 3
+    ver = verify_sampling(probs, tree, torch.Generator().manual_seed(0))
+    assert ver.accepted.tolist() == [[0, 1]] and ver.num_accepted.tolist() == [2] and ver.next_token.tolist() == [3]
+
+
+def test_none_accepted_when_target_gives_draft_zero_probability():
+    tree = DraftTree.chain(torch.tensor([[1, 2]]))
+    probs = one_hot_rows(3, 2, 0)[None]
+    ver = verify_sampling(probs, tree, torch.Generator().manual_seed(0))
+    assert ver.num_accepted.tolist() == [0] and ver.accepted.shape == (1, 0) and ver.next_token.tolist() == [3]
+
+
+def test_early_mismatch_resamples_from_residual_at_mismatch():
+    tree = DraftTree.chain(torch.tensor([[1, 2, 3]]))
+    p_row2 = torch.tensor([0.0, 0.0, 0.0, 1.0], dtype=torch.float64)  # after token 1: only 3, not 2
+    probs = torch.stack([one_hot_rows(1)[0], p_row2, one_hot_rows(0)[0], one_hot_rows(0)[0]])[None]
+    ver = verify_sampling(probs, tree, torch.Generator().manual_seed(0))
+    assert ver.accepted.tolist() == [[0]] and ver.num_accepted.tolist() == [1] and ver.next_token.tolist() == [3]
+
+
+def test_q_with_zeros_where_p_is_not_accepts_half_and_recovers_the_rest():
+    """p = [.5, .5, 0, 0], q = one-hot at 0: accept 0 half the time, else the residual is token 1."""
+    n = 20_000
+    p = torch.tensor([0.5, 0.5, 0, 0], dtype=torch.float64)
+    probs = torch.stack([p, p]).expand(n, 2, 4)
+    tree = DraftTree.chain(torch.zeros(n, 1, dtype=torch.long), probs=one_hot_rows(0)[None].expand(n, 1, 4))
+    ver = verify_sampling(probs, tree, torch.Generator().manual_seed(0))
+    rejected = ver.num_accepted == 0
+    assert abs(rejected.double().mean().item() - 0.5) < 0.02
+    assert bool((ver.next_token[rejected] == 1).all())
+
+
+def test_p_with_zeros_where_q_is_not_never_accepts_that_token():
+    """p = one-hot at 0, q = [.5, .5, 0, 0]: a drafted 1 is always rejected, a drafted 0 always kept."""
+    p = one_hot_rows(0)[0]
+    q = torch.tensor([0.5, 0.5, 0, 0], dtype=torch.float64)
+    tree = DraftTree.chain(torch.tensor([[1], [0]]), probs=q.expand(2, 1, 4))
+    ver = verify_sampling(torch.stack([p, p]).expand(2, 2, 4), tree, torch.Generator().manual_seed(0))
+    assert ver.num_accepted.tolist() == [0, 1] and ver.next_token.tolist()[0] == 0
+
+
+def test_top_p_cutting_the_drafted_token_rejects_it():
+    logits = torch.tensor([[[4.0, 3.0, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0]]])  # top-p 0.7 keeps {0}
+    probs = target_probs(logits, SamplingParams(top_p=0.7))
+    assert probs[0, 0].tolist()[1:] == [0.0, 0.0, 0.0]
+    tree = DraftTree.chain(torch.tensor([[1]]), probs=torch.full((1, 1, 4), 0.25, dtype=torch.float64))
+    ver = verify_sampling(probs, tree, torch.Generator().manual_seed(0))
+    assert ver.num_accepted.tolist() == [0] and ver.next_token.tolist() == [0]
+
+
+def test_tree_first_child_rejected_second_accepted():
+    tree = DraftTree(torch.tensor([[1, 2, 3]]), torch.tensor([[-1, -1, 1]]), torch.tensor([3]))
+    probs = torch.stack([torch.tensor([0.0, 0.0, 1.0, 0.0], dtype=torch.float64),  # wants 2, not 1
+                         one_hot_rows(0)[0], one_hot_rows(3)[0], one_hot_rows(1)[0]])[None]
+    ver = verify_sampling(probs, tree, torch.Generator().manual_seed(0))
+    assert ver.accepted.tolist() == [[1, 2]] and ver.num_accepted.tolist() == [2] and ver.next_token.tolist() == [1]
+
+
+def test_ragged_batch_rows_without_nodes_sample_from_row_zero():
+    tree = DraftTree.chain(torch.tensor([[1, 2], [1, 2]]), num_nodes=torch.tensor([2, 0]))
+    probs = one_hot_rows(1, 2, 3)[None].repeat(2, 1, 1)
+    probs[1, 0] = one_hot_rows(0)[0]
+    ver = verify_sampling(probs, tree, torch.Generator().manual_seed(0))
+    assert ver.num_accepted.tolist() == [2, 0] and ver.next_token.tolist() == [3, 0]
+    assert ver.accepted.tolist() == [[0, 1], [-1, -1]]
+
+
+# ------------------------------------------------------------------ distribution tests (the heart)
+
+@pytest.mark.parametrize("param", sorted(PARAMS))
+@pytest.mark.parametrize("shape", ["chain", "tree"])
+@pytest.mark.parametrize("drafter", ["good", "bad", "fixed"])
+def test_speculative_sampling_approximates_target_distribution(models, drafter, shape, param):
+    pairs, joint = speculative_pairs(models, drafter, shape, PARAMS[param])
+    assert_matches(pairs, joint)
+
+
+@pytest.mark.parametrize("wrong", ["no_residual", "always_accept"])
+@pytest.mark.parametrize("drafter", ["good", "fixed"])
+def test_wrong_rule_fails_the_distribution_test(models, monkeypatch, wrong, drafter):
+    """The same test rejects a rule that samples from p instead of the residual after a rejection,
+    or that keeps every draft: the test can fail."""
+    if wrong == "no_residual":
+        monkeypatch.setattr(vs, "residual", lambda p, q: p)
+    else:
+        monkeypatch.setattr(vs, "acceptance_probability", lambda p_x, q_x: torch.ones_like(p_x))
+    pairs, joint = speculative_pairs(models, drafter, "chain", PARAMS["temperature"])
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_matches(pairs, joint)
+
+
+class FixedTreeDrafter(Drafter):
+    """Always the same small deterministic tree (up to ``budget`` nodes): two children, the first
+    with a child. probs None, as an EAGLE top-k tree."""
+
+    follows_controller = False
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+
+    def begin(self, prompt: Prompt) -> None: ...
+
+    def accept(self, commit: Commit) -> None: ...
+
+    def propose(self, budget: int) -> DraftTree:
+        n = min(3, budget)
+        return DraftTree(torch.tensor([self.tokens[:n]]), torch.tensor([[-1, -1, 0][:n]]), torch.tensor([n]))
+
+
+@pytest.mark.parametrize("drafter", ["model", "lookup", "fixed-tree"])
+def test_generate_samples_target_distribution_end_to_end(models, drafter):
+    """SpecDecoder.generate(do_sample=True) at B = 1, N_E2E times: the first two new tokens follow
+    the target's joint distribution (temperature 0.8, HF's default top_k 50 >= V: off)."""
+    target = models["target"]
+    params = SamplingParams.resolve(target, temperature=0.8)
+    p1, p2 = tables(target, params)
+    make = {"model": lambda: ModelDrafter(models["good"]), "lookup": PromptLookupDrafter,
+            "fixed-tree": lambda: FixedTreeDrafter(top(p1[None], 2)[0].tolist() + [int(p2[int(p1.argmax())].argmax())])}
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
+    decoder = SpecDecoder(target, make[drafter](), config)
+    g = torch.Generator().manual_seed(1)
+    pairs, drafted = [], 0
+    for _ in range(N_E2E):
+        out = decoder.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=0.8, generator=g)
+        pairs.append(out.sequences[0, PROMPT.shape[1]: PROMPT.shape[1] + 2])
+        drafted += sum(s.num_drafted[0] for s in out.steps)
+    assert drafted > 0
+    assert_matches(torch.stack(pairs), p1[:, None] * p2)
+
+
+# ------------------------------------------------------------------ determinism and bad input
+
+def test_same_seed_same_samples(models):
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # drafts independent of timing
+    decoder = SpecDecoder(models["target"], ModelDrafter(models["good"]), config)
+    runs = [decoder.generate(PROMPT, max_new_tokens=12, do_sample=True, top_p=0.9, seed=s).sequences
+            for s in (3, 3, 4)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    pairs = [speculative_pairs(models, "good", "tree", PARAMS["top_k"], n=500, seed=5)[0] for _ in range(2)]
+    assert torch.equal(pairs[0], pairs[1])
+
+
+def test_greedy_unchanged_when_sampling_arguments_given_without_do_sample(models):
+    decoder = SpecDecoder(models["target"], PromptLookupDrafter())
+    a = decoder.generate(PROMPT, max_new_tokens=8).sequences
+    b = decoder.generate(PROMPT, max_new_tokens=8, temperature=0.5, seed=1).sequences
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"temperature": 0.0}, "temperature"), ({"temperature": -1.0}, "temperature"),
+                                          ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+                                          ({"top_k": -1}, "top_k")])
+def test_bad_sampling_arguments_fail_with_one_line_naming_them(models, kwargs, name):
+    with pytest.raises(ValueError, match=name) as err:
+        SpecDecoder(models["target"]).generate(PROMPT, max_new_tokens=2, do_sample=True, **kwargs)
+    assert "\n" not in str(err.value)
