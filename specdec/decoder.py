@@ -259,15 +259,21 @@ class SpecDecoder:
 
     def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor],
                  judge: _Acceptance) -> tuple[Verification, Commit]:
-        """Every prompt alone through ``forward.prefill`` into its rows; the first token of each."""
+        """Prompts of one length together (no padding: HF's unpadded prefill), each length alone,
+        through ``forward.prefill`` into their rows; the first token of each."""
         want_hidden = self.drafter is not None and self.drafter.needs_hidden_states
         B, P = len(prompts), max(len(p) for p in prompts)
-        logits, hidden = [], []
-        for b, ids in enumerate(prompts):
-            pre = prefill(self.target, ids, want_hidden)
-            cache.load_prefill(b, pre.layers, capacity=P)
-            logits.append(pre.logits)
-            hidden.append(pre.hidden)
+        groups: dict[int, list[int]] = {}
+        for b, p in enumerate(prompts):
+            groups.setdefault(len(p), []).append(b)
+        logits: list[torch.Tensor | None] = [None] * B
+        hidden: list[torch.Tensor | None] = [None] * B
+        for rows in groups.values():
+            pre = prefill(self.target, torch.stack([prompts[b] for b in rows]), want_hidden)
+            for g, b in enumerate(rows):
+                cache.load_prefill(b, [(k[g], v[g]) for k, v in pre.layers], capacity=P)
+                logits[b] = pre.logits[g]
+                hidden[b] = pre.hidden[g] if want_hidden else None
         ver = judge(torch.stack(logits)[:, None], DraftTree.empty(B))  # the first token: nothing drafted
         last = torch.stack([h[-1:] for h in hidden]) if want_hidden else None  # [B, 1, D]
         if self.drafter is not None:

@@ -86,20 +86,20 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
 
 @dataclass(frozen=True)
 class Prefill:
-    logits: torch.Tensor  # [V] the target's logits after the prompt's last token
-    hidden: torch.Tensor | None  # [P, D] last hidden states at every prompt position, if asked
-    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [H, P, D]
+    logits: torch.Tensor  # [G, V] the target's logits after each prompt's last token
+    hidden: torch.Tensor | None  # [G, P, D] last hidden states at every prompt position, if asked
+    layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [G, H, P, D]
 
 
 @torch.inference_mode()
 def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False) -> Prefill:
-    """One prompt [P] alone, exactly as HF ``generate`` prefills it: a DynamicCache, no explicit mask
-    (SDPA's causal fast path: a 4D bias at 7k tokens took attention's masked path, ~2x HF's time),
-    logits for the last position only (the lm_head over 49k tokens x P rows would cost more than
-    the prompt's attention). The caller copies the K/V into its store."""
+    """G prompts of one length [G, P], exactly as HF ``generate`` prefills an unpadded batch: a
+    DynamicCache, no explicit mask (SDPA's causal fast path: a 4D bias at 7k tokens took attention's
+    masked path, ~2x HF's time), logits for the last position only (the lm_head over 49k tokens x P
+    rows would cost more than the prompt's attention). The caller copies the K/V into its store."""
     cache = DynamicCache()
-    out = model(input_ids=input_ids[None].to(model.device), past_key_values=cache, use_cache=True,
+    out = model(input_ids=input_ids.to(model.device), past_key_values=cache, use_cache=True,
                 output_hidden_states=want_hidden, logits_to_keep=1)
-    layers = [(layer.keys[0], layer.values[0]) for layer in cache.layers]
-    hidden = out.hidden_states[-1][0] if want_hidden else None
-    return Prefill(out.logits[0, -1], hidden, layers)
+    layers = [(layer.keys, layer.values) for layer in cache.layers]
+    hidden = out.hidden_states[-1] if want_hidden else None
+    return Prefill(out.logits[:, -1], hidden, layers)

@@ -4,8 +4,8 @@ The distribution tests compare the empirical joint distribution of the first two
 with the target's exact one, J[x, y] = p(x) p(y | x), computed by enumerating the first token on a
 tiny model with a 32-token vocabulary. Two levels:
     * the verifier's math (``verify_sampling``), on N_PURE identical rows in one batched call;
-    * whole generations through ``SpecDecoder`` at B = 1, N_E2E of them (raise it once batched
-      generate lands: the same test then runs as many rows as wanted in one call).
+    * whole generations through ``SpecDecoder``, N_E2E of them, as batches of E2E_BATCH copies of
+      the prompt (every row samples independently from the one generator).
 Each compares by a chi-square test (bins with an expected count < 5 merged into one; the test passes
 when p-value > ALPHA) and a total-variation bound (TV_FACTOR times the TV expected from sampling
 noise alone). A deliberately wrong rule fails the same test (``test_wrong_rule_fails_...``).
@@ -33,7 +33,8 @@ from specdec.verifiers.sampling import acceptance_probability, residual, verify_
 
 V = 32  # vocabulary of the distribution tests: 32 * 32 joint bins
 N_PURE = 40_000  # samples per pure-function distribution test (one batched call)
-N_E2E = 400  # samples per end-to-end test at B = 1 (~25 ms each on this CPU); raise to 20_000 with batching
+N_E2E = 20_000  # samples per end-to-end test: whole generations
+E2E_BATCH = 2_000  # rows per generate call
 ALPHA = 1e-3  # chi-square significance: a correct rule fails a given seed with probability 1e-3
 TV_FACTOR = 3.0  # TV bound = this x the TV that sampling noise alone gives (normal approximation)
 PROMPT = torch.tensor([[1, 5, 7, 5, 7, 9]])
@@ -341,20 +342,26 @@ class FixedTreeDrafter(Drafter):
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens
+        self.rows = 1
 
-    def begin(self, prompt: Prompt) -> None: ...
+    def begin(self, prompt: Prompt) -> None:
+        self.rows = prompt.input_ids.shape[0]
 
     def accept(self, commit: Commit) -> None: ...
 
+    def select(self, rows: list[int]) -> None:
+        self.rows = len(rows)
+
     def propose(self, budget: int) -> DraftTree:
-        n = min(3, budget)
-        return DraftTree(torch.tensor([self.tokens[:n]]), torch.tensor([[-1, -1, 0][:n]]), torch.tensor([n]))
+        n, B = min(3, budget), self.rows
+        return DraftTree(torch.tensor([self.tokens[:n]]).expand(B, n), torch.tensor([[-1, -1, 0][:n]]).expand(B, n),
+                         torch.full((B,), n))
 
 
 @pytest.mark.parametrize("drafter", ["model", "lookup", "fixed-tree"])
 def test_generate_samples_target_distribution_end_to_end(models, drafter):
-    """SpecDecoder.generate(do_sample=True) at B = 1, N_E2E times: the first two new tokens follow
-    the target's joint distribution (temperature 0.8, HF's default top_k 50 >= V: off)."""
+    """SpecDecoder.generate(do_sample=True), N_E2E sequences in batches: the first two new tokens
+    follow the target's joint distribution (temperature 0.8, HF's default top_k 50 >= V: off)."""
     target = models["target"]
     params = SamplingParams.resolve(target, temperature=0.8)
     p1, p2 = tables(target, params)
@@ -364,12 +371,13 @@ def test_generate_samples_target_distribution_end_to_end(models, drafter):
     decoder = SpecDecoder(target, make[drafter](), config)
     g = torch.Generator().manual_seed(1)
     pairs, drafted = [], 0
-    for _ in range(N_E2E):
-        out = decoder.generate(PROMPT, max_new_tokens=4, do_sample=True, temperature=0.8, generator=g)
-        pairs.append(out.sequences[0, PROMPT.shape[1]: PROMPT.shape[1] + 2])
-        drafted += sum(s.num_drafted[0] for s in out.steps)
+    for _ in range(N_E2E // E2E_BATCH):
+        out = decoder.generate(PROMPT.expand(E2E_BATCH, -1), max_new_tokens=3, do_sample=True, temperature=0.8,
+                               generator=g)
+        pairs.append(out.sequences[:, PROMPT.shape[1]: PROMPT.shape[1] + 2])
+        drafted += sum(sum(s.num_drafted) for s in out.steps)
     assert drafted > 0
-    assert_matches(torch.stack(pairs), p1[:, None] * p2)
+    assert_matches(torch.cat(pairs), p1[:, None] * p2)
 
 
 # ------------------------------------------------------------------ determinism and bad input
