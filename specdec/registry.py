@@ -13,6 +13,7 @@ from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.suffix import SuffixDrafter
 
 DrafterFactory = Callable[[object], "Drafter | None"]
 
@@ -26,6 +27,11 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "eagle": lambda target: make_eagle(target),
     # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
     "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),
+    # a tree of what followed the longest matching suffix of the prompt and answer so far
+    "suffix": lambda target: SuffixDrafter(),
+    # the same, also searching the project's stored answers (data/eagle_answers.jsonl), indexed on
+    # first use (~2 s, ~150 MB for its 313k tokens)
+    "suffix-corpus": lambda target: SuffixDrafter.from_stored_answers(),
 }
 
 
