@@ -224,8 +224,10 @@ class SpyDrafter(SuffixDrafter):
 
 
 def _config(period):
-    # cost_aware off: the gate would otherwise depend on this machine's timings
-    return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(cost_aware=False))
+    # cost_aware off: the gate would otherwise depend on this machine's timings; skinny_rows 0: the
+    # kernels' routes are test_lossless's subject, here it is the drafter's trees (and it is faster)
+    return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(cost_aware=False),
+                             skinny_rows=0)
 
 
 def _tree_facts(tree, accepted):
@@ -244,7 +246,7 @@ def _tree_facts(tree, accepted):
 def test_generations_equal_hf_greedy_with_branching_trees_partly_accepted():
     facts = []
     runs = 0
-    for seed in range(10):
+    for seed in range(8):
         target = tiny_llama(seed, vocab=64 if seed % 2 else 128)
         V = target.config.vocab_size
         g = torch.Generator().manual_seed(500 + seed)
@@ -256,16 +258,17 @@ def test_generations_equal_hf_greedy_with_branching_trees_partly_accepted():
         random_ids = torch.randint(0, V, (1, 5 + 2 * seed), generator=g)
         # corpus: the target's own greedy answer to a related prompt (partly right) plus noise
         related = torch.cat([torch.randint(0, V, (1, 2), generator=g), repetitive[:, 2:]], dim=1)
-        corpus = [hf_greedy(target, related, 40)[0].tolist(), torch.randint(0, V, (60,), generator=g).tolist()]
-        for ids in (repetitive, random_ids):
-            ref = hf_greedy(target, ids, 40)
-            for with_corpus, period in ((False, 4), (True, 64)):
-                drafter = SpyDrafter.from_corpus(corpus) if with_corpus else SpyDrafter()
-                out = SpecDecoder(target, drafter, _config(period)).generate(ids, max_new_tokens=40, eos_token_id=None)
-                assert torch.equal(out.sequences, ref), f"seed {seed} corpus {with_corpus}"
-                facts += [_tree_facts(t, a) for t, a in drafter.log if a is not None]
-                runs += 1
-    assert runs == 40
+        corpus = [hf_greedy(target, related, 32)[0].tolist(), torch.randint(0, V, (60,), generator=g).tolist()]
+        cases = ((repetitive, False, 4), (repetitive, True, 64), (random_ids, True, 16))
+        refs = {}
+        for ids, with_corpus, period in cases:
+            ref = refs.setdefault(id(ids), hf_greedy(target, ids, 32))
+            drafter = SpyDrafter.from_corpus(corpus) if with_corpus else SpyDrafter()
+            out = SpecDecoder(target, drafter, _config(period)).generate(ids, max_new_tokens=32, eos_token_id=None)
+            assert torch.equal(out.sequences, ref), f"seed {seed} corpus {with_corpus} prompt {ids.shape[1]}"
+            facts += [_tree_facts(t, a) for t, a in drafter.log if a is not None]
+            runs += 1
+    assert runs == 24
     assert sum(f[0] for f in facts) >= 10, "too few trees with several branches"
     assert sum(f[1] for f in facts) >= 10, "too few drafts accepted in part"
     assert sum(f[2] for f in facts) >= 1, "no accepted path left the first branch"
