@@ -288,6 +288,19 @@ def read_token_jsonl(path: str | os.PathLike) -> list[CorpusDoc]:
     return docs
 
 
+def read_corpus(path: str | os.PathLike, tokenizer=None) -> list[CorpusDoc]:
+    """A ``.jsonl`` of token ids (``read_token_jsonl``) or, any other name, plain text, one document
+    per line (``read_text_corpus``, needs the target's tokenizer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"suffix corpus {path} not found")
+    if path.suffix == ".jsonl":
+        return read_token_jsonl(path)
+    if tokenizer is None:
+        raise ValueError(f"suffix corpus {path} is plain text: a tokenizer is needed to read it")
+    return read_text_corpus(path, tokenizer)
+
+
 def read_text_corpus(path: str | os.PathLike, tokenizer) -> list[CorpusDoc]:
     """Documents of a plain-text file, one per non-blank line, tokenized (no special tokens)."""
     with open(path, encoding="utf-8") as f:
@@ -391,14 +404,7 @@ class SuffixDrafter(Drafter):
                   config: SuffixConfig = SuffixConfig()) -> "SuffixDrafter":
         """Corpus from a ``.jsonl`` of token ids (``data/eagle_answers.jsonl``'s format) or, any other
         name, a plain-text file with one document per line (needs the target's tokenizer)."""
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"suffix corpus {path} not found")
-        if path.suffix == ".jsonl":
-            return cls(config, SuffixCorpus(read_token_jsonl(path)))
-        if tokenizer is None:
-            raise ValueError(f"suffix corpus {path} is plain text: a tokenizer is needed to read it")
-        return cls(config, SuffixCorpus(read_text_corpus(path, tokenizer)))
+        return cls(config, SuffixCorpus(read_corpus(path, tokenizer)))
 
     @classmethod
     def from_stored_answers(cls, config: SuffixConfig = SuffixConfig()) -> "SuffixDrafter":
@@ -414,6 +420,16 @@ class SuffixDrafter(Drafter):
         if self.corpus is None:
             self.corpus = SuffixCorpus()
         self.corpus.add(sequence, prompt_len)
+
+    def add_documents(self, docs: Iterable[CorpusDoc]) -> None:
+        """Add documents (``read_token_jsonl`` / ``read_text_corpus``) to the corpus, e.g. `--corpus FILE`."""
+        for doc in docs:
+            self.remember(doc.ids, doc.prompt_len)
+
+    def build_index(self) -> None:
+        """Index the corpus now (it is otherwise indexed at the first draft, ~6 us a token)."""
+        if self.corpus is not None:
+            self.corpus.index
 
     def exclude_questions(self, questions: Sequence[str], decode: Callable[[list[int]], str]) -> int:
         """Drop corpus conversations whose prompt contains one of ``questions`` (benchmarks must not
