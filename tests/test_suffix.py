@@ -96,7 +96,7 @@ def test_tree_grows_with_the_match_length():
     assert tree_limits(1, cfg) == TreeLimits(2, 2)
     assert tree_limits(4, cfg) == TreeLimits(8, 5)
     assert tree_limits(8, cfg) == TreeLimits(16, 9)
-    assert tree_limits(40, cfg) == TreeLimits(16, 10)
+    assert tree_limits(40, cfg) == TreeLimits(16, 16)
     assert tree_limits(1, SuffixConfig(min_match=2)) == TreeLimits(0, 0)
     assert [match_bucket(m) for m in (0, 1, 2, 3, 4, 7, 8, 15, 16, 99)] == [0, 1, 2, 3, 4, 4, 8, 8, 16, 16]
 
@@ -284,3 +284,30 @@ def test_remembered_answer_makes_the_second_ask_faster():
     assert torch.equal(second.sequences, first.sequences)
     assert torch.equal(first.sequences, hf_greedy(target, ids, 40))
     assert len(second.steps) <= 6 < len(first.steps)  # ~10 tokens per step from the remembered answer
+
+
+# --------------------------------------------------------------------------------------------------
+# replay on stored answers (no model)
+
+
+def test_accepted_along_follows_the_matching_branch():
+    from specdec.bench.replay import accepted_along
+
+    assert accepted_along([3, 4, 5], [-1, 0, -1], [3, 4, 9]) == 2
+    assert accepted_along([3, 4, 5, 6], [-1, 0, -1, 2], [5, 6, 7]) == 2  # the second branch
+    assert accepted_along([3, 4, 5], [-1, 0, -1], [9]) == 0
+    assert accepted_along([], [], [1, 2]) == 0
+
+
+def test_replay_of_a_remembered_answer_accepts_whole_trees():
+    from specdec.bench.replay import replay
+
+    prompt, answer = [1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    cold = replay(SuffixDrafter(), prompt, answer)
+    assert (cold.tokens, cold.steps, cold.nodes) == (10, 10, 0)  # nothing repeats: one token a step
+    warm = SuffixDrafter()
+    warm.remember(prompt + answer, len(prompt))
+    st = replay(warm, prompt, answer)
+    # prefill gives 7; "1 2 3 7" matches (4 tokens: 8 nodes, depth 5): 8-12 accepted + 13; then the
+    # rest (14, 15 + 16) in one more step
+    assert st.steps == 3 and st.tau == pytest.approx(10 / 3)
