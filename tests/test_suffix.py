@@ -256,13 +256,13 @@ def test_generations_equal_hf_greedy_with_branching_trees_partly_accepted():
         variant[0, -1] = (variant[0, -1] + 1) % V
         repetitive = torch.cat([base, variant, base, base[:, : 3 + seed % 3]], dim=1)
         random_ids = torch.randint(0, V, (1, 5 + 2 * seed), generator=g)
-        # corpus: the target's own greedy answer to a related prompt (partly right) plus noise
-        related = torch.cat([torch.randint(0, V, (1, 2), generator=g), repetitive[:, 2:]], dim=1)
-        corpus = [hf_greedy(target, related, 32)[0].tolist(), torch.randint(0, V, (60,), generator=g).tolist()]
+        refs = {id(ids): hf_greedy(target, ids, 32) for ids in (repetitive, random_ids)}
+        # corpus: the target's own answers with every sixth token changed (partly right), plus noise
+        corpus = [[(t + 1) % V if i % 6 == 5 else t for i, t in enumerate(ref[0].tolist())] for ref in refs.values()]
+        corpus.append(torch.randint(0, V, (60,), generator=g).tolist())
         cases = ((repetitive, False, 4), (repetitive, True, 64), (random_ids, True, 16))
-        refs = {}
         for ids, with_corpus, period in cases:
-            ref = refs.setdefault(id(ids), hf_greedy(target, ids, 32))
+            ref = refs[id(ids)]
             drafter = SpyDrafter.from_corpus(corpus) if with_corpus else SpyDrafter()
             out = SpecDecoder(target, drafter, _config(period)).generate(ids, max_new_tokens=32, eos_token_id=None)
             assert torch.equal(out.sequences, ref), f"seed {seed} corpus {with_corpus} prompt {ids.shape[1]}"
