@@ -311,3 +311,25 @@ def test_replay_of_a_remembered_answer_accepts_whole_trees():
     # prefill gives 7; "1 2 3 7" matches (4 tokens: 8 nodes, depth 5): 8-12 accepted + 13; then the
     # rest (14, 15 + 16) in one more step
     assert st.steps == 3 and st.tau == pytest.approx(10 / 3)
+
+
+def test_bench_repeat_pass_two_drafts_from_remembered_answers(target):
+    from specdec.bench.generation import Method, run_bench, specdec_method
+    from specdec.questions import Question
+
+    class Tok:  # characters as token ids, enough for run_bench
+        def __call__(self, text, return_tensors=None):
+            return {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])}
+
+        def apply_chat_template(self, messages, **kwargs):
+            return self(messages[0]["content"])
+
+    def plain(ids, n):
+        return hf_greedy(target, ids, n), None
+
+    questions = [Question(1, "writing", ("Tell me about gardens.",)), Question(2, "math", ("What is two and two?",))]
+    methods = [Method("hf", plain), specdec_method(target, "suffix", None)]
+    records = run_bench(target, Tok(), questions, methods, 24, None, passes=2, remember=True)
+    assert len(records) == 8 and all(r["identical"] for r in records)
+    steps = {(r["pass"], r["question_id"]): r["steps"] for r in records if r["method"] == "specdec:suffix"}
+    assert all(steps[(2, q)] < steps[(1, q)] for q in (1, 2))  # the second ask reuses the first answer
