@@ -1,7 +1,6 @@
 """The suffix drafter: its index against brute force, its trees by hand, whole generations against HF
 greedy decoding (trees with several branches, accepted in part)."""
 
-import json
 import random
 
 import pytest

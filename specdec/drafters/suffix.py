@@ -20,7 +20,10 @@ The index: a suffix automaton (Blumer et al. 1985; the DAWG) per text, built onl
     - the longest suffix of the text that occurred before is ``link[last]`` (O(1)); the longest
       suffix found in a *corpus* automaton is tracked by the usual matching walk, one step per
       committed token (amortised O(1)).
-Lookups are dict reads: a tree of 16 nodes costs ~50-100 us in pure Python.
+Pure Python, measured on the project's 2-core machine (loaded): ``extend`` ~1.3 us a token, both trees
+of a step (local and corpus, best first) ~60 us, the DraftTree tensors ~55 us, ``accept`` ~30 us.
+Memory: ~480 bytes a token (a dict of transitions per state): the project's 313k stored tokens take
+~150 MB and ~2 s to index, once per session.
 
 The tree: best first by estimated path probability. A child's probability is its count over the sum
 of its siblings' counts (the context's continuations), times its parent's; nodes are taken in
