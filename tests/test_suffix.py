@@ -332,3 +332,11 @@ def test_bench_repeat_pass_two_drafts_from_remembered_answers(target):
     assert len(records) == 8 and all(r["identical"] for r in records)
     steps = {(r["pass"], r["question_id"]): r["steps"] for r in records if r["method"] == "specdec:suffix"}
     assert all(steps[(2, q)] < steps[(1, q)] for q in (1, 2))  # the second ask reuses the first answer
+
+
+def test_suffix_corpus_without_stored_answers_says_so(monkeypatch, tmp_path):
+    import specdec.drafters.suffix as suffix
+
+    monkeypatch.setattr(suffix, "default_answers_path", lambda: tmp_path / "eagle_answers.jsonl")
+    with pytest.raises(FileNotFoundError, match="eagle_answers.jsonl not found: suffix-corpus needs"):
+        SuffixDrafter.from_stored_answers()
