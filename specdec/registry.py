@@ -14,6 +14,7 @@ from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+from specdec.drafters.suffix import SuffixDrafter
 
 DrafterFactory = Callable[[object], "Drafter | None"]
 
@@ -31,6 +32,11 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "streaming": lambda target: StreamingDrafter(target, budget=512),
     # ... or over the prompt rows its last 32 prompt queries attend to most, plus the window
     "snapkv": lambda target: SnapKVDrafter(target, budget=512),
+    # a tree of what followed the longest matching suffix of the prompt and answer so far
+    "suffix": lambda target: SuffixDrafter(),
+    # the same, also searching the project's stored answers (data/eagle_answers.jsonl), indexed on
+    # first use (~2 s, ~150 MB for its 313k tokens)
+    "suffix-corpus": lambda target: SuffixDrafter.from_stored_answers(),
 }
 
 

@@ -9,6 +9,7 @@ from specdec import SpecDecoder
 from specdec.drafters import LookupHybridDrafter, ModelDrafter, PromptLookupDrafter
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.early_exit import early_exit_model
+from specdec.drafters.suffix import SuffixDrafter
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.tree import DraftTree
 
@@ -19,6 +20,9 @@ IMPLEMENTATIONS = {
     "prompt-lookup": lambda: PromptLookupDrafter(),
     "early-exit": lambda: ModelDrafter(early_exit_model(TARGET, 1)),
     "lookup+model": lambda: LookupHybridDrafter(ModelDrafter(perturbed(TARGET, 0.2))),
+    "suffix": lambda: SuffixDrafter(),
+    "suffix+corpus": lambda: SuffixDrafter.from_corpus(
+        [hf_greedy(TARGET, _prompt().input_ids[:, 5:], 30)[0].tolist(), list(range(40))]),
 }
 
 

@@ -10,10 +10,18 @@ and speedup and tau are reported as before. Figures are ratios taken in this run
     median       the median over questions of HF time / method time (robust to outliers)
     tau          mean tokens per target forward (accepted drafts + 1), where the method reports it
 Per-question records are appended to ``--out``.jsonl as they finish.
+
+Sessions: each drafter is built once and reused for every question (``begin`` resets it, as in
+``specdec specbench``). A drafter with a corpus (``suffix-corpus``) first drops any stored answer to a
+benchmark question (``--suffix-exclude-questions``, on by default); ``--remember`` adds every answer
+of the session to the corpus of the drafters that can remember (outside the timed generation), and
+``--repeat 2`` asks the same questions twice in one session (remembering): the second pass's speedup
+is what a repeated workload gains. Records carry their ``pass`` (1-based).
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import platform
 import statistics
@@ -35,6 +43,7 @@ HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented default for prompt_lookup_num_to
 class Method:
     name: str
     run: object  # (ids [1, P], max_new_tokens) -> (sequences [1, P + n], steps or None)
+    remember: object = None  # (sequences [1, P + n], P) -> None: the drafter keeps the answer, if it can
 
 
 def hf_methods(model, eos, temperature: float = 0.0) -> list[Method]:
@@ -53,26 +62,62 @@ def hf_methods(model, eos, temperature: float = 0.0) -> list[Method]:
     return [Method("hf-generate", plain)] + ([Method("hf-prompt-lookup", lookup)] if not temperature else [])
 
 
-def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0) -> Method:
+def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0, prepare=None) -> Method:
+    """One drafter for the whole session (begin() resets it); ``prepare(drafter)`` runs once first."""
     sampling = sampling_kwargs(model, temperature)
+    drafter = make_drafter(drafter_name, model)
+    if prepare is not None and drafter is not None:
+        prepare(drafter)
+    decoder = SpecDecoder(model, drafter)
 
     def go(ids, n):
-        out = SpecDecoder(model, make_drafter(drafter_name, model)).generate(ids, max_new_tokens=n,
-                                                                            eos_token_id=eos, **sampling)
+        out = decoder.generate(ids, max_new_tokens=n, eos_token_id=eos, **sampling)
         return out.sequences, len(out.steps)
 
-    return Method(f"specdec:{drafter_name}", go)
+    remember = None
+    if hasattr(drafter, "remember"):  # corpus drafters (suffix): keep the session's answers
+        def remember(seq, prompt_len):
+            drafter.remember(seq[0].tolist(), prompt_len)
+
+    return Method(f"specdec:{drafter_name}", go, remember)
+
+
+def prepare_corpus_drafter(drafter, questions, tokenizer, exclude: bool, corpus_file: str | None,
+                           say=print) -> None:
+    """Before the session: drop stored answers to the benchmark's questions (matched on the decoded
+    prompt text), add ``--corpus FILE``, and index the corpus (so no timed generation pays for it)."""
+    if not hasattr(drafter, "exclude_questions"):
+        return
+    if corpus_file:
+        from specdec.drafters.suffix import read_corpus
+
+        drafter.add_documents(read_corpus(corpus_file, tokenizer))
+    if exclude:
+        turns = [t for q in questions for t in q.turns]
+        dropped = drafter.exclude_questions(turns, tokenizer.decode)
+        say(f"{type(drafter).__name__}: {dropped} corpus conversation(s) answering a benchmark question dropped")
+    drafter.build_index()
 
 
 def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens: int, log_path: Path | None,
-              progress=None, compare: bool = True) -> list[dict]:
-    """One record per (question, method): tokens, seconds, steps, identical-to-HF (None when not
-    ``compare``: sampled outputs differ by design)."""
+              progress=None, passes: int = 1, remember: bool = False, compare: bool = True) -> list[dict]:
+    """One record per (pass, question, method): tokens, seconds, steps, identical-to-HF (None when
+    not ``compare``: sampled outputs differ by design). With ``remember``, each answer goes to its
+    method's drafter after its timed run (``Method.remember``)."""
     records = []
     with torch.inference_mode():
         warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
         for m in methods:  # first calls pay one-off costs (allocator, kernels): not measured
             m.run(warm, 4)
+    for p in range(1, passes + 1):
+        records += _run_pass(p, tokenizer, questions, methods, max_new_tokens, log_path, progress, remember,
+                             compare)
+    return records
+
+
+def _run_pass(p, tokenizer, questions, methods, max_new_tokens, log_path, progress, remember,
+              compare) -> list[dict]:
+    records = []
     for qi, q in enumerate(questions):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
                                             return_tensors="pt", return_dict=True)["input_ids"]
@@ -83,10 +128,12 @@ def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens
             seq, steps = m.run(ids, max_new_tokens)
             dt = time.perf_counter() - t
             outs[m.name] = (seq, steps, dt)
+            if remember and m.remember is not None:
+                m.remember(seq, ids.shape[1])
         ref = outs[methods[0].name][0]
         for m in methods:
             seq, steps, dt = outs[m.name]
-            rec = {"question_id": q.question_id, "category": q.category, "method": m.name,
+            rec = {"pass": p, "question_id": q.question_id, "category": q.category, "method": m.name,
                    "new_tokens": seq.shape[1] - ids.shape[1], "seconds": dt, "steps": steps,
                    "identical": bool(torch.equal(seq, ref)) if compare else None}
             records.append(rec)
@@ -134,6 +181,16 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="none,prompt-lookup", help="comma-separated registry names")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF's prompt-lookup method")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="ask the questions this many times in one session, drafters remembering their answers "
+                        "(the repeated-use scenario; the summary reports each pass)")
+    p.add_argument("--remember", action="store_true",
+                   help="drafters that can (suffix) add each answer of the session to their corpus")
+    p.add_argument("--corpus", default=None,
+                   help="earlier generations for the suffix drafters: a .jsonl of token ids "
+                        "(data/eagle_answers.jsonl's format) or plain text, one document per line")
+    p.add_argument("--suffix-exclude-questions", action=argparse.BooleanOptionalAction, default=True,
+                   help="drop corpus conversations whose prompt holds a benchmark question (default: on)")
     p.add_argument("--out", default="results/bench", help="writes OUT.jsonl (records) and OUT.json (summary)")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, outputs compared token for token with HF's; > 0: every "
@@ -161,21 +218,33 @@ def run(args) -> int:
     methods = hf_methods(model, eos, args.temperature)
     if args.no_hf_lookup:
         methods = methods[:1]
-    methods += [specdec_method(model, d, eos, args.temperature) for d in args.drafters.split(",") if d]
+    if args.repeat < 1:
+        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
+
+    def prepare(drafter):
+        prepare_corpus_drafter(drafter, questions, tok, args.suffix_exclude_questions, args.corpus, console.print)
+
+    methods += [specdec_method(model, d, eos, args.temperature, prepare) for d in args.drafters.split(",") if d]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".jsonl")
     log.write_text("")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeRemainingColumn(), console=console) as bar:
-        task = bar.add_task("bench", total=len(questions))
+        task = bar.add_task("bench", total=len(questions) * args.repeat)
         records = run_bench(model, tok, questions, methods, args.max_new_tokens, log,
-                            progress=lambda: bar.advance(task), compare=not args.temperature)
-    summary = summarize(records, methods[0].name, task_of)
+                            progress=lambda: bar.advance(task), passes=args.repeat,
+                            remember=args.remember or args.repeat > 1, compare=not args.temperature)
+    summary = summarize([r for r in records if r["pass"] == 1], methods[0].name, task_of)
+    if args.repeat > 1:
+        summary["passes"] = {p: summarize([r for r in records if r["pass"] == p], methods[0].name, task_of)
+                             for p in range(1, args.repeat + 1)}
     summary["meta"] = {"model": loaded.name, "questions": args.questions or "shipped", "per_category":
                        args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                        "threads": torch.get_num_threads(),
-                       "torch": torch.__version__, "machine": platform.machine(),
+                       "torch": torch.__version__, "machine": platform.machine(), "repeat": args.repeat,
+                       "remember": args.remember or args.repeat > 1,
+                       "suffix_exclude_questions": args.suffix_exclude_questions, "corpus": args.corpus,
                        "date": time.strftime("%Y-%m-%d")}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     table = Table(title=f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, "
@@ -195,4 +264,17 @@ def run(args) -> int:
     for g, st in summary["by_task"].items():
         by_task.add_row(g, *(f"{st[n]['speedup']:.2f}x" for n in names))
     console.print(by_task)
+    if args.repeat > 1:
+        passes = Table(title="repeated use: the same questions again in one session (drafters remembering)")
+        passes.add_column("method")
+        for p in summary["passes"]:
+            passes.add_column(f"pass {p} speedup", justify="right")
+            passes.add_column(f"pass {p} tau", justify="right")
+        for n in names:
+            cells = []
+            for st in summary["passes"].values():
+                s = st["overall"][n]
+                cells += [f"{s['speedup']:.2f}x", "-" if s["tau"] is None else f"{s['tau']:.2f}"]
+            passes.add_row(n, *cells)
+        console.print(passes)
     return 0

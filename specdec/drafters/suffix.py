@@ -1,0 +1,525 @@
+"""Suffix drafting: a tree of what followed the longest matching suffix, in the text and a corpus.
+
+After SuffixDecoding (Oliaro et al., "SuffixDecoding: A Model-Free Approach to Speeding Up Large
+Language Model Inference", 2024; now in vLLM and ArcticInference). Free drafts, like prompt lookup,
+but (1) the match is the *longest* suffix of the text found anywhere, not a fixed n-gram, (2) the
+draft is a tree: every continuation that followed the matched context, ranked by how often it did,
+and (3) besides the row's own prompt and answer it searches a shared corpus of earlier outputs (the
+target's stored answers, the answers of this session: ``remember``).
+
+The index: a suffix automaton (Blumer et al. 1985; the DAWG) per text, built online.
+    - every substring of the text is a path from the root; a state is a set of substrings with the
+      same end positions, ``length`` its longest one, ``link`` the state of its longest suffix that
+      ends elsewhere too. At most 2n states and 3n transitions: memory linear in the text.
+    - ``extend(token)`` is amortised O(1) for the automaton, plus one ``count`` increment on each
+      state of the new end's suffix-link chain: every state on it but the new one is a suffix of
+      the text that occurred before, so the chain is at most (longest repeated suffix + 2) long --
+      a handful of states on ordinary text, more while the text repeats itself.
+    - ``count[v]`` = how often v's substrings occur (end positions). For a context s (state v) and
+      a token c, count[trans[v][c]] = how often s was followed by c: the frequencies of the tree.
+    - the longest suffix of the text that occurred before is ``link[last]`` (O(1)); the longest
+      suffix found in a *corpus* automaton is tracked by the usual matching walk, one step per
+      committed token (amortised O(1)).
+Pure Python, measured on the project's 2-core machine (loaded): ``extend`` ~1.3 us a token, both trees
+of a step (local and corpus, best first) ~60 us, the DraftTree tensors ~55 us, ``accept`` ~30 us.
+Memory: ~480 bytes a token (a dict of transitions per state): the project's 313k stored tokens take
+~150 MB and ~2 s to index, once per session.
+
+The tree: best first by estimated path probability. A child's probability is its count over the sum
+of its siblings' counts (the context's continuations), times its parent's; nodes are taken in
+decreasing probability while their probability is >= ``min_prob``, up to a size set by the match
+length (``tree_limits``: a 1-token match gets 2 nodes, 8 tokens or more the full 16). The sum of
+the path probabilities is the expected number of accepted tokens under these counts
+(``expected_accepted`` in specdec.tree's sense); the local tree and the corpus tree are both built
+and the one with the higher score (the corpus's times ``corpus_weight``) is proposed, as
+SuffixDecoding picks between its per-request and global trees.
+
+Budget: ``follows_controller = False``. The drafter sizes its own tree (by match length and
+probabilities); the decoder caps it at the tokens still wanted, and the controller's throughput
+gate decides per *draft class* whether drafting pays at all -- the class is (source, bucketed match
+length) (``match_bucket``), so 1-token matches that do not pay for their verify rows are gated off
+while long matches keep drafting. The controller's measured verify cost enters through that gate.
+
+Measured (tau = tokens per target forward, every draft verified, i.e. cost_aware off; 2026-11-23):
+    replay (``python -m specdec.bench.replay``) of 50 stored greedy answers held out of the corpus
+    (all conversations with their prompts left out): suffix 1.82, suffix + corpus 3.24, prompt
+    lookup 1.84 -- but these prompts are templated like the corpus's, so this is optimistic.
+    The default model on 6 Spec-Bench questions (one each of writing, coding, summarization, qa,
+    math_reasoning, rag; 128 tokens; the decoder and the replay agree to the digit): suffix + corpus
+    1.61 (1.29 / 1.52 / 1.61 / 1.83 / 2.13 / 1.52), suffix 1.36, prompt lookup 1.40, with 3.4, 1.5 and
+    5.0 drafted nodes per step. Larger trees (min_prob 0.02, 8 nodes per matched token, 32 nodes)
+    reach 1.72 at 7.4 nodes a step; mixing the local and corpus trees (probabilities weighted by
+    match length) instead of picking one gave +0.06 in both replays. Not adopted yet.
+
+    drafter = SuffixDrafter()                                   # `--drafter suffix`
+    drafter = SuffixDrafter.from_file("data/eagle_answers.jsonl")   # `suffix-corpus`
+    out = SpecDecoder(target, drafter).generate(ids)
+    drafter.remember(out.sequences[0].tolist())                  # later questions reuse it
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.tree import DraftTree
+
+SEPARATOR = -1  # between corpus documents: never drafted, never matched (no query holds it)
+
+
+@dataclass(frozen=True)
+class SuffixConfig:
+    max_nodes: int = 16  # a CPU verify over 17 rows costs ~1.7 plain steps: larger trees rarely pay
+    max_depth: int = 16  # deepest drafted token (replayed on stored answers: 16 beats 10 by ~0.1 tau)
+    min_match: int = 1  # shorter matches draft nothing; 1-token matches are gated per class anyway
+    nodes_per_match: int = 2  # tree size = this x match length (capped): a longer match, a bigger tree
+    min_prob: float = 0.1  # a node whose estimated path probability is below this is not drafted
+    corpus_weight: float = 1.0  # the corpus tree's score is multiplied by this against the local one
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 0 or self.max_depth < 0 or self.min_match < 1 or self.nodes_per_match < 1:
+            raise ValueError(f"need max_nodes, max_depth >= 0, min_match, nodes_per_match >= 1: {self}")
+        if not 0.0 <= self.min_prob <= 1.0 or self.corpus_weight < 0:
+            raise ValueError(f"need 0 <= min_prob <= 1 and corpus_weight >= 0: {self}")
+
+
+# --------------------------------------------------------------------------------------------------
+# The index
+
+
+class SuffixAutomaton:
+    """An online suffix automaton with occurrence counts (see the module docstring).
+
+    Worked example, text [a b a] (a=1, b=2): states 0 (root), 1 "a", 2 "ab"/"b", 3 "aba"/"ba";
+    link[3] = 1 ("a" ends at 0 and 2), so the longest earlier suffix is "a" (length 1), and
+    count[trans[1][2]] = 1: "a" was followed by "b" once.
+    """
+
+    __slots__ = ("trans", "link", "length", "count", "last")
+
+    def __init__(self, tokens: Iterable[int] = ()) -> None:
+        self.trans: list[dict[int, int]] = [{}]  # [S] token -> state
+        self.link: list[int] = [-1]  # [S] suffix link, -1 for the root
+        self.length: list[int] = [0]  # [S] longest substring of the state
+        self.count: list[int] = [0]  # [S] end positions of the state's substrings (occurrences)
+        self.last = 0  # the state of the whole text
+        for t in tokens:
+            self.extend(t)
+
+    def __len__(self) -> int:
+        """Tokens indexed (separators included)."""
+        return self.length[self.last]
+
+    @property
+    def num_states(self) -> int:
+        return len(self.length)
+
+    def _new_state(self, length: int, link: int, trans: dict[int, int], count: int) -> int:
+        self.trans.append(trans)
+        self.link.append(link)
+        self.length.append(length)
+        self.count.append(count)
+        return len(self.length) - 1
+
+    def extend(self, c: int) -> None:
+        trans, link, length = self.trans, self.link, self.length
+        cur = self._new_state(length[self.last] + 1, 0, {}, 0)
+        p = self.last
+        while p != -1 and c not in trans[p]:
+            trans[p][c] = cur
+            p = link[p]
+        if p != -1:
+            q = trans[p][c]
+            if length[p] + 1 == length[q]:
+                link[cur] = q
+            else:  # q holds longer strings than p.c: split off the short ones (same end positions)
+                clone = self._new_state(length[p] + 1, link[q], dict(trans[q]), self.count[q])
+                while p != -1 and trans[p].get(c) == q:
+                    trans[p][c] = clone
+                    p = link[p]
+                link[q] = link[cur] = clone
+        self.last = cur
+        v = cur  # the new end position is an occurrence of every suffix: the link chain up to the root
+        count = self.count
+        while v != -1:
+            count[v] += 1
+            v = link[v]
+
+    def longest_repeat(self) -> tuple[int, int]:
+        """(state, length) of the longest suffix of the text that also ends earlier (length 0: none)."""
+        v = self.link[self.last]
+        return (v, self.length[v]) if v > 0 else (0, 0)
+
+    def step(self, state: int, matched: int, c: int) -> tuple[int, int]:
+        """Matching walk: the longest suffix of (query + c) found in the text, given the one of query.
+
+        (state, matched) -> (state', matched'); shorten along links until c can follow.
+        """
+        trans, link = self.trans, self.link
+        while state > 0 and c not in trans[state]:
+            state = link[state]
+            matched = self.length[state]
+        nxt = trans[state].get(c)
+        if nxt is None:
+            return 0, 0
+        return nxt, matched + 1
+
+    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
+        """(state, length) of the longest suffix of ``tokens`` that occurs in the text."""
+        state, matched = 0, 0
+        for c in tokens:
+            state, matched = self.step(state, matched, c)
+        return state, matched
+
+    def children(self, state: int) -> list[tuple[int, int, int]]:
+        """(token, count, state) of each continuation of ``state``'s context, separators left out."""
+        count = self.count
+        return [(c, count[u], u) for c, u in self.trans[state].items() if c != SEPARATOR]
+
+
+# --------------------------------------------------------------------------------------------------
+# The math: tree size and best-first expansion as pure functions
+
+
+def match_bucket(matched: int) -> int:
+    """The draft class of a match length: 0, 1, 2, 3, then 4-7 -> 4, 8-15 -> 8, 16+ -> 16."""
+    if matched < 4:
+        return matched
+    return 16 if matched >= 16 else (8 if matched >= 8 else 4)
+
+
+@dataclass(frozen=True)
+class TreeLimits:
+    nodes: int  # most drafted nodes
+    depth: int  # deepest drafted token
+
+
+def tree_limits(matched: int, config: SuffixConfig) -> TreeLimits:
+    """Tree size from the match length: nodes_per_match x matched nodes, depth matched + 1, capped.
+
+    Example (defaults): matched 1 -> (2 nodes, depth 2); 4 -> (8, 5); 8 -> (16, 9); 40 -> (16, 16).
+    """
+    if matched < config.min_match:
+        return TreeLimits(0, 0)
+    return TreeLimits(min(config.max_nodes, config.nodes_per_match * matched), min(config.max_depth, matched + 1))
+
+
+def child_probs(counts: Sequence[int]) -> list[float]:
+    """Each continuation's share of its context's continuations: [3, 1] -> [0.75, 0.25]."""
+    total = sum(counts)
+    return [c / total for c in counts] if total else [0.0] * len(counts)
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """One row's tree before batching; parents index into tokens, -1 = the pending token."""
+
+    tokens: list[int]  # [N]
+    parents: list[int]  # [N]
+    probs: list[float]  # [N] estimated path probability of each node
+    matched: int  # length of the matched context
+    source: str  # "local" (the row's own text) or "corpus"
+
+    @property
+    def score(self) -> float:
+        """Expected accepted tokens if the counts were the truth: the sum of path probabilities."""
+        return sum(self.probs)
+
+
+def expand_tree(children: Callable[[object], list[tuple[int, int, object]]], root, limits: TreeLimits,
+                min_prob: float) -> tuple[list[int], list[int], list[float]]:
+    """Best-first tree over a continuation index: (tokens, parents, path probabilities).
+
+    ``children(key)`` -> [(token, count, child key)]. Nodes are taken in decreasing path probability
+    (ties: higher count, then lower token id, so the result is deterministic) while it is >=
+    ``min_prob``, the node count is below ``limits.nodes`` and the depth within ``limits.depth``.
+    A node is pushed only once its parent is placed, so parents precede children.
+
+    Example: root followed by 7 three times (then 8 twice) and by 9 once, limits (3 nodes, depth 2),
+    min_prob 0.2 -> 7 (p .75), then 8 under 7 (.75 x 1), then 9 (.25):
+    tokens [7, 8, 9], parents [-1, 0, -1].
+    """
+    tokens: list[int] = []
+    parents: list[int] = []
+    probs: list[float] = []
+    if limits.nodes <= 0 or limits.depth <= 0:
+        return tokens, parents, probs
+    heap: list = []
+
+    def push(key, parent: int, p_parent: float, depth: int) -> None:
+        kids = children(key)
+        shares = child_probs([n for _, n, _ in kids])
+        for (tok, n, child), share in zip(kids, shares):
+            p = p_parent * share
+            if p >= min_prob and p > 0:
+                heapq.heappush(heap, (-p, -n, tok, parent, depth, child))
+
+    push(root, -1, 1.0, 1)
+    while heap and len(tokens) < limits.nodes:
+        neg_p, _, tok, parent, depth, child = heapq.heappop(heap)
+        tokens.append(tok)
+        parents.append(parent)
+        probs.append(-neg_p)
+        if depth < limits.depth:
+            push(child, len(tokens) - 1, -neg_p, depth + 1)
+    return tokens, parents, probs
+
+
+# --------------------------------------------------------------------------------------------------
+# Corpus: earlier outputs, loaded lazily, shared by every row
+
+
+@dataclass(frozen=True)
+class CorpusDoc:
+    ids: tuple[int, ...]  # the whole conversation: prompt then answer
+    prompt_len: int  # tokens of the prompt (0: unknown / plain text)
+
+
+def read_token_jsonl(path: str | os.PathLike) -> list[CorpusDoc]:
+    """Documents of a JSONL file of token ids: {"ids": [...], "prompt_len": n (optional)} per line,
+    as ``data/eagle_answers.jsonl``; a malformed line is named ("FILE:LINE: ...")."""
+    docs = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+                ids = tuple(int(t) for t in obj["ids"])
+                p = int(obj.get("prompt_len", 0))
+                if not ids or any(t < 0 for t in ids) or not 0 <= p <= len(ids):
+                    raise ValueError(f"{len(ids)} ids, prompt_len {p}")
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}:{n}: not a token-id line ({e})") from None
+            docs.append(CorpusDoc(ids, p))
+    return docs
+
+
+def read_corpus(path: str | os.PathLike, tokenizer=None) -> list[CorpusDoc]:
+    """A ``.jsonl`` of token ids (``read_token_jsonl``) or, any other name, plain text, one document
+    per line (``read_text_corpus``, needs the target's tokenizer)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"suffix corpus {path} not found")
+    if path.suffix == ".jsonl":
+        return read_token_jsonl(path)
+    if tokenizer is None:
+        raise ValueError(f"suffix corpus {path} is plain text: a tokenizer is needed to read it")
+    return read_text_corpus(path, tokenizer)
+
+
+def read_text_corpus(path: str | os.PathLike, tokenizer) -> list[CorpusDoc]:
+    """Documents of a plain-text file, one per non-blank line, tokenized (no special tokens)."""
+    with open(path, encoding="utf-8") as f:
+        lines = [line.rstrip("\n") for line in f if line.strip()]
+    return [CorpusDoc(tuple(tokenizer(line, add_special_tokens=False)["input_ids"]), 0) for line in lines]
+
+
+def default_answers_path() -> Path:
+    """The project's stored answers of the default model (``data/eagle_answers.jsonl`` in the repo)."""
+    return Path(__file__).resolve().parents[2] / "data" / "eagle_answers.jsonl"
+
+
+def _normalize(text: str) -> str:
+    return " ".join(text.split())
+
+
+class SuffixCorpus:
+    """Token-id documents behind one suffix automaton, built on first use (so exclusions can be set
+    first) and grown by ``add`` without a rebuild."""
+
+    def __init__(self, docs: Iterable[CorpusDoc] = ()) -> None:
+        self.docs: list[CorpusDoc] = list(docs)
+        self._index: SuffixAutomaton | None = None
+        self.version = 0  # bumped whenever the index changes: rows re-match their text then
+
+    @property
+    def index(self) -> SuffixAutomaton:
+        if self._index is None:
+            index = SuffixAutomaton()
+            for doc in self.docs:
+                for t in doc.ids:
+                    index.extend(t)
+                index.extend(SEPARATOR)
+            self._index = index
+        return self._index
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(d.ids) for d in self.docs)
+
+    def add(self, ids: Sequence[int], prompt_len: int = 0) -> None:
+        doc = CorpusDoc(tuple(int(t) for t in ids), prompt_len)
+        self.docs.append(doc)
+        if self._index is not None:  # incremental: append to the built automaton
+            for t in doc.ids:
+                self._index.extend(t)
+            self._index.extend(SEPARATOR)
+        self.version += 1
+
+    def exclude_questions(self, questions: Sequence[str], decode: Callable[[list[int]], str]) -> int:
+        """Drop the documents whose prompt (decoded) contains one of ``questions`` (whitespace
+        normalised); a document without a prompt length is matched on its whole text. Returns how
+        many were dropped. Rebuilds the index if it was built."""
+        wanted = [q for q in (_normalize(q) for q in questions) if q]
+        keep = []
+        for doc in self.docs:
+            text = _normalize(decode(list(doc.ids[: doc.prompt_len or len(doc.ids)])))
+            if not any(q in text for q in wanted):
+                keep.append(doc)
+        dropped = len(self.docs) - len(keep)
+        if dropped:
+            self.docs = keep
+            self._index = None
+            self.version += 1
+        return dropped
+
+
+# --------------------------------------------------------------------------------------------------
+# The drafter
+
+
+class _Row:
+    """One sequence's state: its text, its own automaton, and its match in the corpus."""
+
+    __slots__ = ("text", "local", "corpus_state", "corpus_matched", "corpus_version")
+
+    def __init__(self, tokens: list[int]) -> None:
+        self.text = list(tokens)
+        self.local = SuffixAutomaton(tokens)
+        self.corpus_state, self.corpus_matched, self.corpus_version = 0, 0, -1
+
+
+class SuffixDrafter(Drafter):
+    follows_controller = False  # self-sized tree; the controller's gate (per match class) decides
+
+    def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: SuffixCorpus | None = None) -> None:
+        self.config = config
+        self.corpus = corpus
+        self.rows: list[_Row] = []
+        self._proposals: list[Proposal] | None = None  # this step's, computed by draft_class()
+
+    # ---- corpus ----------------------------------------------------------------------------------
+
+    @classmethod
+    def from_corpus(cls, sequences: Iterable[Sequence[int]], config: SuffixConfig = SuffixConfig()) -> "SuffixDrafter":
+        """A drafter whose corpus holds ``sequences`` (token ids, e.g. earlier outputs)."""
+        return cls(config, SuffixCorpus(CorpusDoc(tuple(int(t) for t in s), 0) for s in sequences))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike, tokenizer=None,
+                  config: SuffixConfig = SuffixConfig()) -> "SuffixDrafter":
+        """Corpus from a ``.jsonl`` of token ids (``data/eagle_answers.jsonl``'s format) or, any other
+        name, a plain-text file with one document per line (needs the target's tokenizer)."""
+        return cls(config, SuffixCorpus(read_corpus(path, tokenizer)))
+
+    @classmethod
+    def from_stored_answers(cls, config: SuffixConfig = SuffixConfig()) -> "SuffixDrafter":
+        """The project's stored answers of the default model as the corpus (registry ``suffix-corpus``)."""
+        path = default_answers_path()
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} not found: suffix-corpus needs the repository's data/ directory")
+        return cls.from_file(path, config=config)
+
+    def remember(self, sequence: Sequence[int], prompt_len: int = 0) -> None:
+        """Add a finished conversation (prompt + answer ids) to the corpus: later questions, and the
+        same question asked again, draft from it. Rows re-match the corpus at their next draft."""
+        if self.corpus is None:
+            self.corpus = SuffixCorpus()
+        self.corpus.add(sequence, prompt_len)
+
+    def add_documents(self, docs: Iterable[CorpusDoc]) -> None:
+        """Add documents (``read_token_jsonl`` / ``read_text_corpus``) to the corpus, e.g. `--corpus FILE`."""
+        for doc in docs:
+            self.remember(doc.ids, doc.prompt_len)
+
+    def build_index(self) -> None:
+        """Index the corpus now (it is otherwise indexed at the first draft, ~6 us a token)."""
+        if self.corpus is not None:
+            self.corpus.index
+
+    def exclude_questions(self, questions: Sequence[str], decode: Callable[[list[int]], str]) -> int:
+        """Drop corpus conversations whose prompt contains one of ``questions`` (benchmarks must not
+        draft from stored answers to their own questions). Returns how many were dropped."""
+        return 0 if self.corpus is None else self.corpus.exclude_questions(questions, decode)
+
+    # ---- the contract ----------------------------------------------------------------------------
+
+    def begin(self, prompt: Prompt) -> None:
+        ids, n = prompt.input_ids.tolist(), prompt.lengths.tolist()
+        self.rows = [_Row(row[:k]) for row, k in zip(ids, n)]
+        self._proposals = None
+
+    def select(self, rows: list[int]) -> None:
+        self.rows = [self.rows[b] for b in rows]
+        self._proposals = None
+
+    def accept(self, commit: Commit) -> None:
+        corpus = self.corpus.index if self.corpus is not None and self.corpus.docs else None
+        for b, row in enumerate(self.rows):
+            for t in commit.new_tokens(b):
+                row.text.append(t)
+                row.local.extend(t)
+                if corpus is not None and row.corpus_version == self.corpus.version:
+                    row.corpus_state, row.corpus_matched = corpus.step(row.corpus_state, row.corpus_matched, t)
+        self._proposals = None
+
+    def draft_class(self):
+        """("local" | "corpus", bucketed match length) of the best row's tree; ("none", 0) if empty."""
+        self._proposals = [self._propose_row(row) for row in self.rows]
+        best = max(self._proposals, key=lambda p: (len(p.tokens) > 0, p.matched), default=None)
+        if best is None or not best.tokens:
+            return ("none", 0)
+        return (best.source, match_bucket(best.matched))
+
+    def propose(self, budget: int) -> DraftTree:
+        proposals = self._proposals if self._proposals is not None else [self._propose_row(r) for r in self.rows]
+        self._proposals = None
+        trees = [_truncate(p, budget) for p in proposals]
+        B, N = len(trees), max((len(t) for t, _ in trees), default=0)
+        # Ragged rows: each row's nodes first, then padding (token 0, parent -1) up to the widest.
+        # Example, rows with 3 and 1 nodes: parents [[-1, 0, -1], [-1, -1, -1]], num_nodes [3, 1].
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.full((B, N), -1, dtype=torch.long)
+        for b, (tok, par) in enumerate(trees):
+            tokens[b, : len(tok)] = torch.tensor(tok, dtype=torch.long)
+            parents[b, : len(par)] = torch.tensor(par, dtype=torch.long)
+        num = torch.tensor([len(t) for t, _ in trees], dtype=torch.long)
+        return DraftTree(tokens, parents, num)
+
+    # ---- per row ---------------------------------------------------------------------------------
+
+    def _corpus_match(self, row: _Row) -> tuple[SuffixAutomaton | None, int, int]:
+        if self.corpus is None or not self.corpus.docs:
+            return None, 0, 0
+        index = self.corpus.index
+        if row.corpus_version != self.corpus.version:  # new corpus (or first use): match once, O(text)
+            row.corpus_state, row.corpus_matched = index.match(row.text)
+            row.corpus_version = self.corpus.version
+        return index, row.corpus_state, row.corpus_matched
+
+    def _propose_row(self, row: _Row) -> Proposal:
+        cfg = self.config
+        state, matched = row.local.longest_repeat()
+        tok, par, probs = expand_tree(row.local.children, state, tree_limits(matched, cfg), cfg.min_prob)
+        best = Proposal(tok, par, probs, matched, "local")
+        index, state, matched = self._corpus_match(row)
+        if index is not None:
+            tok, par, probs = expand_tree(index.children, state, tree_limits(matched, cfg), cfg.min_prob)
+            other = Proposal(tok, par, probs, matched, "corpus")
+            if cfg.corpus_weight * other.score > best.score:
+                best = other
+        return best
+
+
+def _truncate(p: Proposal, budget: int) -> tuple[list[int], list[int]]:
+    """The first ``budget`` nodes (best first, so parents stay in): the decoder's cap."""
+    k = max(0, min(budget, len(p.tokens)))
+    return p.tokens[:k], p.parents[:k]

@@ -1,0 +1,342 @@
+"""The suffix drafter: its index against brute force, its trees by hand, whole generations against HF
+greedy decoding (trees with several branches, accepted in part)."""
+
+import random
+
+import pytest
+import torch
+
+from conftest import hf_greedy, tiny_llama
+from specdec import SpecDecoder, SpecDecoderConfig
+from specdec.controller import DraftLengthConfig
+from specdec.drafters.base import Commit, Prompt
+from specdec.drafters.suffix import (SEPARATOR, CorpusDoc, SuffixAutomaton, SuffixConfig, SuffixCorpus,
+                                     SuffixDrafter, TreeLimits, child_probs, expand_tree, match_bucket,
+                                     read_text_corpus, read_token_jsonl, tree_limits)
+from specdec.kv.bmc import BMCConfig
+from specdec.registry import make_drafter
+
+
+def _occurrences(text, s):
+    return sum(1 for i in range(len(text) - len(s) + 1) if text[i: i + len(s)] == s)
+
+
+def _longest_earlier_suffix(text):
+    """Brute force: the longest suffix of text that also ends before its last token."""
+    return max((L for L in range(1, len(text)) if _occurrences(text[:-1], text[-L:])), default=0)
+
+
+def _prompt(*rows):
+    P = max(len(r) for r in rows)
+    ids = torch.tensor([list(r) + [0] * (P - len(r)) for r in rows])
+    return Prompt(ids, torch.tensor([len(r) for r in rows]))
+
+
+# --------------------------------------------------------------------------------------------------
+# the index
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_longest_repeat_and_counts_match_brute_force_after_each_append(seed):
+    rng = random.Random(seed)
+    for _ in range(40):
+        V = rng.choice([2, 3, 6])
+        text = [rng.randrange(V) for _ in range(rng.randrange(1, 30))]
+        sam = SuffixAutomaton()
+        for i, t in enumerate(text):
+            sam.extend(t)
+            cur = text[: i + 1]
+            state, matched = sam.longest_repeat()
+            assert matched == _longest_earlier_suffix(cur)
+            a = rng.randrange(len(cur))
+            s = cur[a: rng.randrange(a, len(cur)) + 1]
+            found, n = sam.match(s)
+            assert n == len(s) and sam.count[found] == _occurrences(cur, s)
+        assert sam.num_states <= max(2 * len(text), 2)  # linear in the text
+
+
+def test_children_count_what_followed_the_context():
+    sam = SuffixAutomaton([1, 2, 3, 1, 2, 3, 1, 2, 4, 1, 2])
+    state, n = sam.match([1, 2])
+    assert n == 2
+    assert sorted((t, c) for t, c, _ in sam.children(state)) == [(3, 2), (4, 1)]
+
+
+def test_corpus_match_is_the_longest_suffix_found_in_the_corpus():
+    rng = random.Random(3)
+    docs = [[rng.randrange(4) for _ in range(rng.randrange(3, 20))] for _ in range(6)]
+    corpus = SuffixCorpus(CorpusDoc(tuple(d), 0) for d in docs)
+    query = [rng.randrange(4) for _ in range(40)]
+    state, matched = 0, 0
+    for i, t in enumerate(query):
+        state, matched = corpus.index.step(state, matched, t)
+        cur = query[: i + 1]
+        brute = max((L for L in range(1, len(cur) + 1) if any(_occurrences(d, cur[-L:]) for d in docs)), default=0)
+        assert matched == brute  # separators keep matches inside one document
+    assert all(t != SEPARATOR for t, _, _ in corpus.index.children(state))
+
+
+def test_corpus_grows_without_rebuild():
+    corpus = SuffixCorpus([CorpusDoc((1, 2, 3), 0)])
+    index = corpus.index
+    corpus.add([1, 2, 4])
+    assert corpus.index is index and corpus.version == 1
+    state, n = index.match([1, 2])
+    assert n == 2 and sorted((t, c) for t, c, _ in index.children(state)) == [(3, 1), (4, 1)]
+
+
+# --------------------------------------------------------------------------------------------------
+# the math
+
+
+def test_tree_grows_with_the_match_length():
+    cfg = SuffixConfig()
+    assert tree_limits(0, cfg) == TreeLimits(0, 0)
+    assert tree_limits(1, cfg) == TreeLimits(2, 2)
+    assert tree_limits(4, cfg) == TreeLimits(8, 5)
+    assert tree_limits(8, cfg) == TreeLimits(16, 9)
+    assert tree_limits(40, cfg) == TreeLimits(16, 16)
+    assert tree_limits(1, SuffixConfig(min_match=2)) == TreeLimits(0, 0)
+    assert [match_bucket(m) for m in (0, 1, 2, 3, 4, 7, 8, 15, 16, 99)] == [0, 1, 2, 3, 4, 4, 8, 8, 16, 16]
+
+
+def test_child_probs_are_count_shares():
+    assert child_probs([3, 1]) == [0.75, 0.25]
+    assert child_probs([]) == []
+
+
+def test_expansion_is_best_first_and_stops_at_min_prob_and_depth():
+    # root -> 7 (x3) -> 8 (x2); root -> 9 (x1)
+    index = {"r": [(7, 3, "a"), (9, 1, "b")], "a": [(8, 2, "c")], "b": [], "c": [(5, 1, "d")], "d": []}
+    assert expand_tree(index.__getitem__, "r", TreeLimits(3, 2), 0.2) == ([7, 8, 9], [-1, 0, -1], [0.75, 0.75, 0.25])
+    assert expand_tree(index.__getitem__, "r", TreeLimits(9, 9), 0.5)[0] == [7, 8, 5]  # 9 (.25) is too unlikely
+    assert expand_tree(index.__getitem__, "r", TreeLimits(9, 1), 0.0)[0] == [7, 9]
+    assert expand_tree(index.__getitem__, "r", TreeLimits(0, 5), 0.0)[0] == []
+
+
+def test_branching_text_gives_the_expected_tree():
+    # after "9 1 2": 3 three times (then 4 twice, 7 once), 5 once (then 6); "1 2 3 4" is followed by 9
+    text = [9, 1, 2, 3, 4, 9, 1, 2, 3, 4, 9, 1, 2, 3, 7, 9, 1, 2, 5, 6, 9, 1, 2]
+    d = SuffixDrafter()
+    d.begin(_prompt(text))
+    assert d.draft_class() == ("local", 3)  # the match "9 1 2": 6 nodes, depth 4
+    tree = d.propose(16)
+    #  pending ── 3 (.75) ── 4 (.5) ── 9 (.5) ── 1 (.5)
+    #         └── 5 (.25) ── 6 (.25)          7 (.25, under 3) does not fit the 6 nodes
+    assert tree.tokens.tolist() == [[3, 4, 9, 1, 5, 6]]
+    assert tree.parents.tolist() == [[-1, 0, 1, 2, -1, 4]]
+    assert d.propose(2).tokens.tolist() == [[3, 4]]  # the decoder's cap keeps the best nodes
+
+
+def test_text_without_repeats_drafts_nothing():
+    d = SuffixDrafter()
+    d.begin(_prompt([1, 2, 3, 4]))
+    assert d.draft_class() == ("none", 0)
+    assert int(d.propose(8).num_nodes[0]) == 0
+
+
+def test_corpus_tree_is_used_where_the_text_has_no_match():
+    d = SuffixDrafter.from_corpus([[5, 6, 7, 8, 9], [5, 6, 7, 10]])
+    d.begin(_prompt([1, 2, 5, 6]))
+    assert d.draft_class() == ("corpus", 2)
+    tree = d.propose(8)
+    assert tree.tokens[0, :2].tolist() == [7, 8] and tree.parents[0, :2].tolist() == [-1, 0]
+    d.accept(Commit(torch.tensor([[7, 8]]), torch.tensor([2]), torch.tensor([1])))
+    assert d.draft_class() == ("corpus", 4)  # the match follows the committed tokens
+    assert d.propose(8).tokens[0].tolist() == [9]
+
+
+def test_ragged_batch_and_select():
+    d = SuffixDrafter()
+    d.begin(_prompt([1, 2, 3, 1, 2], [4, 5, 6]))  # row 1 has no repeat
+    tree = d.propose(8)
+    assert tree.num_nodes.tolist() == [3, 0] and tree.tokens.shape == (2, 3)  # "1 2": 4 nodes, depth 3
+    assert tree.tokens[0].tolist() == [3, 1, 2] and tree.parents[1].tolist() == [-1, -1, -1]  # padding
+    d.accept(Commit(torch.tensor([[3, 0], [4, 5]]), torch.tensor([1, 2]), torch.tensor([0, 1])))
+    d.select([1])  # row 0 finished
+    tree = d.propose(8)
+    assert tree.batch_size == 1 and tree.tokens[0].tolist() == [6, 4, 5]  # "4 5" was followed by "6 4 5"
+
+
+# --------------------------------------------------------------------------------------------------
+# corpus files
+
+
+def test_token_jsonl_reader_names_a_malformed_line(tmp_path):
+    f = tmp_path / "answers.jsonl"
+    f.write_text('{"conv": 0, "prompt_len": 1, "ids": [1, 2, 3]}\n\n{"ids": [4, 5]}\n{"ids": "x"}\n')
+    with pytest.raises(ValueError, match=r"answers.jsonl:4: not a token-id line"):
+        read_token_jsonl(f)
+    f.write_text('{"conv": 0, "prompt_len": 1, "ids": [1, 2, 3]}\n\n{"ids": [4, 5]}\n')
+    assert read_token_jsonl(f) == [CorpusDoc((1, 2, 3), 1), CorpusDoc((4, 5), 0)]
+    assert SuffixDrafter.from_file(f).corpus.num_tokens == 5
+
+
+def test_text_corpus_needs_a_tokenizer(tmp_path):
+    f = tmp_path / "earlier.txt"
+    f.write_text("a b\n\nb c a\n")
+
+    def tok(text, add_special_tokens=False):
+        return {"input_ids": [ord(w) for w in text.split()]}
+
+    assert read_text_corpus(f, tok) == [CorpusDoc((97, 98), 0), CorpusDoc((98, 99, 97), 0)]
+    with pytest.raises(ValueError, match="plain text: a tokenizer is needed"):
+        SuffixDrafter.from_file(f)
+    with pytest.raises(FileNotFoundError, match="not found"):
+        SuffixDrafter.from_file(tmp_path / "nope.jsonl")
+
+
+def test_exclude_questions_drops_their_conversations():
+    d = SuffixDrafter(corpus=SuffixCorpus([CorpusDoc((1, 2, 3, 9), 3), CorpusDoc((4, 5, 9), 2)]))
+    words = {1: "What", 2: "is  2+2?", 3: "\n", 4: "Name", 5: "a colour", 9: "answer"}
+    decode = lambda ids: " ".join(words[t] for t in ids)  # noqa: E731
+    assert d.exclude_questions(["What is 2+2?", "not in the corpus"], decode) == 1
+    assert [doc.ids for doc in d.corpus.docs] == [(4, 5, 9)]
+
+
+def test_registry_builds_suffix_drafters(target):
+    assert isinstance(make_drafter("suffix", target), SuffixDrafter)
+    d = make_drafter("suffix-corpus", target)  # the index is built on first use, not here
+    assert d.corpus is not None and len(d.corpus.docs) > 1000 and d.corpus._index is None
+
+
+# --------------------------------------------------------------------------------------------------
+# whole generations
+
+
+class SpyDrafter(SuffixDrafter):
+    """Records each proposed tree and the tokens committed after it."""
+
+    def begin(self, prompt):
+        super().begin(prompt)
+        self.log = []
+
+    def propose(self, budget):
+        tree = super().propose(budget)
+        self.log.append([tree, None])
+        return tree
+
+    def accept(self, commit):
+        if self.log and self.log[-1][1] is None:
+            self.log[-1][1] = commit.new_tokens(0)[:-1]  # the accepted drafts
+        super().accept(commit)
+
+
+def _config(period):
+    # cost_aware off: the gate would otherwise depend on this machine's timings; skinny_rows 0: the
+    # kernels' routes are test_lossless's subject, here it is the drafter's trees (and it is faster)
+    return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(cost_aware=False),
+                             skinny_rows=0)
+
+
+def _tree_facts(tree, accepted):
+    """(several branches, partly accepted, accepted off the first branch) of a batch-1 tree."""
+    n = int(tree.num_nodes[0])
+    parents, tokens = tree.parents[0, :n].tolist(), tree.tokens[0, :n].tolist()
+    branches = len(parents) != len(set(parents))
+    first = []  # the first-ranked chain: node 0, then each node's first child
+    node = -1
+    while node in parents:
+        node = parents.index(node)
+        first.append(tokens[node])
+    return branches, 0 < len(accepted) < n, bool(accepted) and accepted != first[: len(accepted)]
+
+
+def test_generations_equal_hf_greedy_with_branching_trees_partly_accepted():
+    facts = []
+    runs = 0
+    for seed in range(8):
+        target = tiny_llama(seed, vocab=64 if seed % 2 else 128)
+        V = target.config.vocab_size
+        g = torch.Generator().manual_seed(500 + seed)
+        base = torch.randint(0, V, (1, 6 + seed), generator=g)
+        # repetitive: a phrase repeated with variations, so contexts are followed by several tokens
+        variant = base.clone()
+        variant[0, -1] = (variant[0, -1] + 1) % V
+        repetitive = torch.cat([base, variant, base, base[:, : 3 + seed % 3]], dim=1)
+        random_ids = torch.randint(0, V, (1, 5 + 2 * seed), generator=g)
+        refs = {id(ids): hf_greedy(target, ids, 32) for ids in (repetitive, random_ids)}
+        # corpus: the target's own answers with every sixth token changed (partly right), plus noise
+        corpus = [[(t + 1) % V if i % 6 == 5 else t for i, t in enumerate(ref[0].tolist())] for ref in refs.values()]
+        corpus.append(torch.randint(0, V, (60,), generator=g).tolist())
+        cases = ((repetitive, False, 4), (repetitive, True, 64), (random_ids, True, 16))
+        for ids, with_corpus, period in cases:
+            ref = refs[id(ids)]
+            drafter = SpyDrafter.from_corpus(corpus) if with_corpus else SpyDrafter()
+            out = SpecDecoder(target, drafter, _config(period)).generate(ids, max_new_tokens=32, eos_token_id=None)
+            assert torch.equal(out.sequences, ref), f"seed {seed} corpus {with_corpus} prompt {ids.shape[1]}"
+            facts += [_tree_facts(t, a) for t, a in drafter.log if a is not None]
+            runs += 1
+    assert runs == 24
+    assert sum(f[0] for f in facts) >= 10, "too few trees with several branches"
+    assert sum(f[1] for f in facts) >= 10, "too few drafts accepted in part"
+    assert sum(f[2] for f in facts) >= 1, "no accepted path left the first branch"
+
+
+def test_remembered_answer_makes_the_second_ask_faster():
+    target = tiny_llama(3)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    drafter = SuffixDrafter()
+    first = SpecDecoder(target, drafter, _config(16)).generate(ids, max_new_tokens=40, eos_token_id=None)
+    drafter.remember(first.sequences[0].tolist(), prompt_len=12)
+    second = SpecDecoder(target, drafter, _config(16)).generate(ids, max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(second.sequences, first.sequences)
+    assert torch.equal(first.sequences, hf_greedy(target, ids, 40))
+    assert len(second.steps) <= 6 < len(first.steps)  # ~10 tokens per step from the remembered answer
+
+
+# --------------------------------------------------------------------------------------------------
+# replay on stored answers (no model)
+
+
+def test_accepted_along_follows_the_matching_branch():
+    from specdec.bench.replay import accepted_along
+
+    assert accepted_along([3, 4, 5], [-1, 0, -1], [3, 4, 9]) == 2
+    assert accepted_along([3, 4, 5, 6], [-1, 0, -1, 2], [5, 6, 7]) == 2  # the second branch
+    assert accepted_along([3, 4, 5], [-1, 0, -1], [9]) == 0
+    assert accepted_along([], [], [1, 2]) == 0
+
+
+def test_replay_of_a_remembered_answer_accepts_whole_trees():
+    from specdec.bench.replay import replay
+
+    prompt, answer = [1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    cold = replay(SuffixDrafter(), prompt, answer)
+    assert (cold.tokens, cold.steps, cold.nodes) == (10, 10, 0)  # nothing repeats: one token a step
+    warm = SuffixDrafter()
+    warm.remember(prompt + answer, len(prompt))
+    st = replay(warm, prompt, answer)
+    # prefill gives 7; "1 2 3 7" matches (4 tokens: 8 nodes, depth 5): 8-12 accepted + 13; then the
+    # rest (14, 15 + 16) in one more step
+    assert st.steps == 3 and st.tau == pytest.approx(10 / 3)
+
+
+def test_bench_repeat_pass_two_drafts_from_remembered_answers(target):
+    from specdec.bench.generation import Method, run_bench, specdec_method
+    from specdec.questions import Question
+
+    class Tok:  # characters as token ids, enough for run_bench
+        def __call__(self, text, return_tensors=None):
+            return {"input_ids": torch.tensor([[ord(c) % 128 for c in text]])}
+
+        def apply_chat_template(self, messages, **kwargs):
+            return self(messages[0]["content"])
+
+    def plain(ids, n):
+        return hf_greedy(target, ids, n), None
+
+    questions = [Question(1, "writing", ("Tell me about gardens.",)), Question(2, "math", ("What is two and two?",))]
+    methods = [Method("hf", plain), specdec_method(target, "suffix", None)]
+    records = run_bench(target, Tok(), questions, methods, 24, None, passes=2, remember=True)
+    assert len(records) == 8 and all(r["identical"] for r in records)
+    steps = {(r["pass"], r["question_id"]): r["steps"] for r in records if r["method"] == "specdec:suffix"}
+    assert all(steps[(2, q)] < steps[(1, q)] for q in (1, 2))  # the second ask reuses the first answer
+
+
+def test_suffix_corpus_without_stored_answers_says_so(monkeypatch, tmp_path):
+    import specdec.drafters.suffix as suffix
+
+    monkeypatch.setattr(suffix, "default_answers_path", lambda: tmp_path / "eagle_answers.jsonl")
+    with pytest.raises(FileNotFoundError, match="eagle_answers.jsonl not found: suffix-corpus needs"):
+        SuffixDrafter.from_stored_answers()
