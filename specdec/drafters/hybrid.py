@@ -63,8 +63,8 @@ class LookupHybridDrafter(Drafter):
         if self._use_lookup is None:
             self.draft_class()
         use = self._use_lookup
-        self.drafts["lookup"] += sum(use)
-        self.drafts["other"] += len(use) - sum(use)
+        self.drafts.update({"lookup": sum(use), "other": len(use) - sum(use)})
+        self.drafts += Counter()  # drop zero counts: the counter names only the sources used
         if all(use):
             return self.lookup.propose(budget)
         if not any(use):
