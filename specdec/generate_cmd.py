@@ -1,4 +1,5 @@
-"""`specdec generate`: one chat-templated generation, printing the text and what it cost."""
+"""`specdec generate`: chat-templated generation of one prompt (or a file of prompts, as one batch),
+printing the text and what it cost."""
 
 from __future__ import annotations
 
@@ -18,6 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
+    p.add_argument("--prompts-file", default=None,
+                   help="a file of prompts, one per line, generated together as one batch (each sequence "
+                        "stops on its own; the answers are printed in order)")
     add_sampling_arguments(p)
 
 
@@ -26,22 +30,39 @@ def run(args) -> int:
 
     console = Console()
     sampling = sampling_arguments(args)  # bad flags fail before the model loads
+    texts = [args.prompt] if args.prompts_file is None else _read_prompts(args.prompts_file)
     with console.status(f"loading {args.model} ..."):
         loaded = load_model(args.model)
     tok = loaded.tokenizer
     if args.no_chat_template or not getattr(tok, "chat_template", None):
-        ids = tok(args.prompt, return_tensors="pt")["input_ids"]
+        prompts = [tok(t, return_tensors="pt")["input_ids"][0] for t in texts]
     else:
-        ids = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
-                                      return_tensors="pt", return_dict=True)["input_ids"]
+        prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)["input_ids"][0] for t in texts]
+    ids = prompts[0][None] if len(prompts) == 1 else prompts
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model))
     with console.status("preparing specdec's CPU kernels ..."):
         kernels.prepare()  # a first-use build (~20 s) and the route self-check are not generation time
     t = time.perf_counter()
     out = decoder.generate(ids, max_new_tokens=args.max_new_tokens, **sampling)
     dt = time.perf_counter() - t
-    console.print(tok.decode(out.sequences[0, ids.shape[1]:], skip_special_tokens=True))
-    console.print(f"[dim]{loaded.name} | drafter {args.drafter} | {out.new_tokens} tokens in {dt:.2f} s = "
+    for b in range(len(prompts)):
+        if len(prompts) > 1:
+            console.rule(f"[bold]{b + 1}[/bold] {texts[b][:80]}")
+        console.print(tok.decode(out.generated(b), skip_special_tokens=True))
+    batch = f" | batch of {len(prompts)}" if len(prompts) > 1 else ""
+    console.print(f"[dim]{loaded.name} | drafter {args.drafter}{batch} | {out.new_tokens} tokens in {dt:.2f} s = "
                   f"{out.new_tokens / dt:.1f} tokens/s | mean accepted tokens {out.mean_accepted_tokens:.2f} "
                   f"per step ({len(out.steps)} target forwards)[/dim]")
     return 0
+
+
+def _read_prompts(path: str) -> list[str]:
+    try:
+        lines = [line.strip() for line in open(path, encoding="utf-8")]
+    except OSError as e:
+        raise FileNotFoundError(f"--prompts-file {path}: {e.strerror}") from None
+    prompts = [line for line in lines if line]
+    if not prompts:
+        raise ValueError(f"--prompts-file {path}: no prompts (one per line)")
+    return prompts

@@ -181,6 +181,11 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--drafters", default="none,prompt-lookup", help="comma-separated registry names")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF's prompt-lookup method")
+    p.add_argument("--batch-size", default=None,
+                   help="batched throughput instead: comma-separated batch sizes (e.g. 1,2,4,8,16); batched HF "
+                        "generate vs specdec per size, total tokens/s and first/last/mean finish times "
+                        "(specdec.bench.batch)")
+    p.add_argument("--repeats", type=int, default=2, help="with --batch-size: runs per method and size (medians)")
     p.add_argument("--repeat", type=int, default=1,
                    help="ask the questions this many times in one session, drafters remembering their answers "
                         "(the repeated-use scenario; the summary reports each pass)")
@@ -199,6 +204,10 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    if args.batch_size:
+        from specdec.bench import batch
+
+        return batch.run(args)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
     from rich.table import Table
