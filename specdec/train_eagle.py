@@ -35,6 +35,7 @@ from torch import nn
 
 from specdec.drafters.eagle import (EagleHead, EagleHeadConfig, _text_config, causal_bias, load_head,
                                     save_head)
+from specdec.jsonl import read_jsonl
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "eagle_prompts.txt"
 STATE_FORMAT = 1
@@ -81,7 +82,7 @@ def read_prompts(path: str | os.PathLike = PROMPTS_FILE) -> list[str]:
     """Instructions from a text file (one per line, '#' starts a comment) or, for instructions that
     span lines (a passage to summarize), a ``.jsonl`` file of {"prompt": "..."} lines."""
     if str(path).endswith(".jsonl"):
-        prompts = _read_jsonl(path, _prompt_of, 'a {"prompt": "..."}')
+        prompts = read_jsonl(path, _prompt_of, 'a {"prompt": "..."}')
         if not prompts:
             raise ValueError(f'no prompts in {path} (one {{"prompt": "..."}} object per line)')
         return prompts
@@ -97,21 +98,6 @@ def _prompt_of(obj) -> str:
     if not isinstance(p, str) or not p.strip():
         raise ValueError("empty or not a string")
     return p.strip()
-
-
-def _read_jsonl(path: str | os.PathLike, parse, what: str) -> list:
-    """``parse(obj)`` for each non-blank JSON line; a line that is not JSON or that ``parse`` refuses
-    (ValueError, KeyError, TypeError) is named: "FILE:LINE: not WHAT line (why)"."""
-    rows = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rows.append(parse(json.loads(line)))
-            except (ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}:{n}: not {what} line ({e})") from None
-    return rows
 
 
 def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
@@ -206,7 +192,7 @@ def save_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> int:
 
 def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
     """(conv, prompt_len, ids) per line of an answers file; a malformed line is named."""
-    return _read_jsonl(path, _answer_of, "an answer")
+    return read_jsonl(path, _answer_of, "an answer")
 
 
 def _answer_of(r) -> tuple[int, int, list[int]]:

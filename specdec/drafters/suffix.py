@@ -60,7 +60,6 @@ Measured (tau = tokens per target forward, every draft verified, i.e. cost_aware
 from __future__ import annotations
 
 import heapq
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,6 +68,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.jsonl import read_jsonl
 from specdec.tree import DraftTree
 
 SEPARATOR = -1  # between corpus documents: never drafted, never matched (no query holds it)
@@ -285,21 +285,14 @@ class CorpusDoc:
 def read_token_jsonl(path: str | os.PathLike) -> list[CorpusDoc]:
     """Documents of a JSONL file of token ids: {"ids": [...], "prompt_len": n (optional)} per line,
     as ``data/eagle_answers.jsonl``; a malformed line is named ("FILE:LINE: ...")."""
-    docs = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-                ids = tuple(int(t) for t in obj["ids"])
-                p = int(obj.get("prompt_len", 0))
-                if not ids or any(t < 0 for t in ids) or not 0 <= p <= len(ids):
-                    raise ValueError(f"{len(ids)} ids, prompt_len {p}")
-            except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise ValueError(f"{path}:{n}: not a token-id line ({e})") from None
-            docs.append(CorpusDoc(ids, p))
-    return docs
+    def parse(obj) -> CorpusDoc:
+        ids = tuple(int(t) for t in obj["ids"])
+        p = int(obj.get("prompt_len", 0))
+        if not ids or any(t < 0 for t in ids) or not 0 <= p <= len(ids):
+            raise ValueError(f"{len(ids)} ids, prompt_len {p}")
+        return CorpusDoc(ids, p)
+
+    return read_jsonl(path, parse, "a token-id")
 
 
 def read_corpus(path: str | os.PathLike, tokenizer=None) -> list[CorpusDoc]:

@@ -1,0 +1,21 @@
+"""JSON Lines files written by specdec and its users: one reader that names a bad line."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def read_jsonl(path: str | os.PathLike, parse, what: str) -> list:
+    """``parse(obj)`` for each non-blank JSON line; a line that is not JSON or that ``parse`` refuses
+    (ValueError, KeyError, TypeError, AttributeError) is named: "FILE:LINE: not WHAT line (why)"."""
+    rows = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rows.append(parse(json.loads(line)))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise ValueError(f"{path}:{n}: not {what} line ({e})") from None
+    return rows
