@@ -15,8 +15,10 @@ it is accepted, and only as much of it as the measured cost curve allows. Two ru
   fail, up to 8x) keeps alpha current (text changes: a summary starts quoting its source).
 
 Drafters that size their own drafts (EAGLE-2 trees rank nodes by draft score) skip the length rule
-and take ``gate``: draft while a drafting step's measured tokens per second (tokens it yields over
-its draft + verify seconds) beat a plain step's, else decode plainly and probe on the same schedule.
+and take ``gate``: draft while a drafting step's measured gain (tokens it yields per sequence over its
+draft + verify seconds, in units of a plain step of the same batch size) beats 1, else decode
+plainly and probe on the same schedule. The same measured gain also vetoes the length rule's
+prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
@@ -52,8 +54,8 @@ class DraftLengthConfig:
     cost_aware: bool = True  # draft only when expected gain beats the measured verify cost
     explore_every: int = 8  # while gated off, probe one token every n steps (backs off to 8n)
     decay: float = 0.8  # weight of the past in the running averages (alpha, verify times)
-    # the gate's tokens and seconds per drafting step: a long memory (~20 steps), because one step
-    # yields 1, 2 or 3 tokens and a short average near break-even would close the gate on noise
+    # the measured gain per drafting step: a long memory (~20 steps), because one step yields 1, 2
+    # or 3 tokens and a short average near break-even would close the gate on noise
     gate_decay: float = 0.95
     shrink: str = "one"  # after a step with no whole draft accepted: "one" token, or "bass" (see bass_shrink)
 
@@ -72,12 +74,13 @@ def bass_shrink(length: int, consecutive: int) -> int:
 class _ClassState:
     """What the controller has learned about one draft class."""
 
-    __slots__ = ("alpha", "length", "skipped", "interval", "tokens", "seconds", "shrinks")
+    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         self.alpha: float | None = None  # per-token acceptance rate, None until measured
-        self.tokens: float | None = None  # running mean tokens a drafting step yields (tau)
-        self.seconds: float | None = None  # running mean draft + verify seconds of a drafting step
+        # running mean measured gain of a drafting step over a plain step of the same batch: tokens per
+        # sequence it yields over its draft + verify seconds in plain-step units; None until measured
+        self.gain: float | None = None
         self.length = config.initial  # BASS draft length
         self.skipped = 0  # steps gated off since the last draft
         self.interval = config.explore_every  # steps between probes; doubles while probes fail
@@ -154,20 +157,26 @@ class DraftLengthController:
         if 1 not in self.step_time:
             return 0  # time one plain step first: every cost below is relative to it
         k = self.best_length(st.length, key)
-        if k > 0:
+        if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
             return k
         return 1 if self._probe(st) else 0  # a one-token probe: the cheapest way to re-measure alpha
+
+    @staticmethod
+    def _pays(st: _ClassState) -> bool:
+        """The measured gain of this class's drafting steps (not the model's prediction) beats plain
+        decoding, or is not measured yet. It is the last word: at batch B the prediction counts every
+        row as drafting, while rows with nothing to draft pay for the others' verify rows."""
+        return st.gain is None or st.gain > 1.001
 
     def gate(self, key: Hashable = None) -> bool:
         """Draft at all this step? For drafters that size their own drafts (see the module doc)."""
         st = self.state(key)
         if not self.config.cost_aware:
             return True
-        t1 = self.step_time.get(1)
-        if t1 is None:
+        if self.step_time.get(1) is None:
             return False  # time a plain step first
-        if st.tokens is None or st.tokens / st.seconds > 1.001 / t1:
+        if self._pays(st):
             st.interval = self.config.explore_every
             return True
         return self._probe(st)
@@ -196,12 +205,14 @@ class DraftLengthController:
             per_token = draft_time / max(num_drafted)
             self.draft_time = c.decay * self.draft_time + (1 - c.decay) * per_token
         st.skipped = 0
-        if verify_time is not None and draft_time is not None:
-            yielded = 1 + max(num_accepted)
-            spent = verify_time + draft_time
+        t1 = self.step_time.get(1)
+        if verify_time is not None and draft_time is not None and t1:
+            # per sequence: tokens this step yielded over its seconds in units of a plain step (which
+            # yields 1 token per sequence); at B = 1: (1 + accepted) / ((verify + draft) / t1)
+            per_row = sum(1 + a for a in num_accepted) / len(num_accepted)
+            gain = per_row / ((verify_time + draft_time) / t1)
             g = c.gate_decay
-            st.tokens = yielded if st.tokens is None else g * st.tokens + (1 - g) * yielded
-            st.seconds = spent if st.seconds is None else g * st.seconds + (1 - g) * spent
+            st.gain = gain if st.gain is None else g * st.gain + (1 - g) * gain
         # alpha: accepted tokens over tokens the target judged (a rejection ends the judging)
         hits = sum(num_accepted)
         trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)

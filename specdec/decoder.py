@@ -49,7 +49,9 @@ class SpecDecoderConfig:
     # Batches: attention over ragged lengths by padding to the longest (pad), per sequence (split),
     # or chosen per step (auto): split once padding would be more than `split_waste` of the work
     attention: str = "auto"
-    split_waste: float = 0.5  # docs/benchmarks.md "PAD vs SPLIT": where SPLIT starts to win on CPU
+    # docs/benchmarks.md "PAD vs SPLIT" (this project's 2-core CPU): at 25% padded columns PAD won a
+    # 1-row step by 9% (SPLIT won 4-row blocks by 7%), at 47% SPLIT won both (7%, 35%), at 71%+ by 1.4-8x
+    split_waste: float = 0.3
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -327,7 +329,7 @@ class SpecDecoder:
 
     def _split(self, cache: BMCCache, q: int) -> bool:
         """SPLIT attention this step? auto: when PAD's padded columns would be over split_waste of them.
-        Example: lengths [200, 4000], q 4: PAD 8008 columns, 4208 needed -> waste 0.47 -> PAD."""
+        Example: lengths [200, 4000], q 4: PAD 8008 columns, 4208 needed -> waste 0.47 -> SPLIT."""
         mode = self.config.attention
         if cache.batch_size == 1 or mode == "pad":
             return False

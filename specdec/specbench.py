@@ -51,6 +51,9 @@ class SpecBenchConfig:
     max_new_tokens: int = 1024  # Spec-Bench's setting
     warmup_tokens: int = 8  # one untimed short generation per method first (allocator, first calls)
     temperature: float = 0.0  # > 0: every method samples (HF's other defaults, e.g. top_k 50); 0: greedy
+    # > 1: throughput mode: questions answered batch_size at a time, turn by turn (HF: one batched
+    # generate with left padding); each answer's wall_time is its share, by tokens, of its batch's time
+    batch_size: int = 1
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,87 @@ def specdec_answerer(model, drafter_name: str, eos: list[int], temperature: floa
         return TurnResult(out.sequences[0, ids.shape[1]:].tolist(), dt, lengths)
 
     return answer
+
+
+BatchAnswerer = Callable[[list[torch.Tensor], int], list[TurnResult]]  # ([P_b] each, max_new) -> per row
+
+
+def hf_batch_answerer(model, eos: list[int], pad: int, temperature: float = 0.0) -> BatchAnswerer:
+    sampling = sampling_kwargs(model, temperature)
+
+    def answer(prompts: list[torch.Tensor], max_new_tokens: int) -> list[TurnResult]:
+        P = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), P), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for b, p in enumerate(prompts):  # left padding, as HF wants for batched generation
+            ids[b, P - len(p):], mask[b, P - len(p):] = p, 1
+        t = time.perf_counter()
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
+                             pad_token_id=pad, **sampling)
+        dt = time.perf_counter() - t
+        rows = []
+        for row in out[:, P:].tolist():
+            n = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
+            rows.append(row[:n])
+        return _shares(rows, dt, [[1] * len(r) for r in rows])
+
+    return answer
+
+
+def specdec_batch_answerer(model, drafter_name: str, eos: list[int], temperature: float = 0.0) -> BatchAnswerer:
+    decoder = SpecDecoder(model, make_drafter(drafter_name, model))
+    sampling = sampling_kwargs(model, temperature)
+
+    def answer(prompts: list[torch.Tensor], max_new_tokens: int) -> list[TurnResult]:
+        lengths: list[list[int]] = [[] for _ in prompts]  # per sequence: what each of its steps added
+
+        def on_step(ev):
+            lengths[ev.sequence].append(len(ev.tokens))
+
+        t = time.perf_counter()
+        out = decoder.generate(prompts, max_new_tokens=max_new_tokens, eos_token_id=eos, callback=on_step,
+                               **sampling)
+        dt = time.perf_counter() - t
+        return _shares([out.generated(b).tolist() for b in range(len(prompts))], dt, lengths)
+
+    return answer
+
+
+def _shares(rows: list[list[int]], seconds: float, accept_lengths: list[list[int]]) -> list[TurnResult]:
+    """A batch's answers, each with its share of the batch's seconds by tokens (so per-question
+    tokens/s is the batch's throughput)."""
+    total = max(1, sum(len(r) for r in rows))
+    return [TurnResult(r, seconds * len(r) / total, a) for r, a in zip(rows, accept_lengths)]
+
+
+def answer_batch(tokenizer, questions: list[Question], answer: BatchAnswerer, max_new_tokens: int,
+                 context_window: int | None) -> list[dict]:
+    """``answer_question`` for several questions at once: turn t of every question that has one is
+    answered in one batch, after that question's own earlier answers."""
+    messages: list[list[dict]] = [[] for _ in questions]
+    choices = [{"index": 0, "turns": [], "new_tokens": [], "wall_time": [], "decoding_steps": [],
+                "accept_lengths": [], "token_ids": []} for _ in questions]
+    for t in range(max(len(q.turns) for q in questions)):
+        live = [i for i, q in enumerate(questions) if t < len(q.turns)]
+        ids = []
+        for i in live:
+            messages[i].append({"role": "user", "content": questions[i].turns[t]})
+            ids.append(chat_input_ids(tokenizer, messages[i])[0])
+        room = max_new_tokens if context_window is None else min(max_new_tokens, context_window - max(map(len, ids)))
+        if room < 1:
+            raise ValueError(f"questions {[questions[i].question_id for i in live]}: a conversation leaves no "
+                             f"room in the model's context window of {context_window} tokens")
+        for i, res in zip(live, answer(ids, room)):
+            text = tokenizer.decode(res.token_ids, skip_special_tokens=True).strip()
+            messages[i].append({"role": "assistant", "content": text})
+            c = choices[i]
+            c["turns"].append(text)
+            c["new_tokens"].append(len(res.token_ids))
+            c["wall_time"].append(res.wall_time)
+            c["decoding_steps"].append(len(res.accept_lengths))
+            c["accept_lengths"].extend(res.accept_lengths)
+            c["token_ids"].append(res.token_ids)
+    return choices
 
 
 # ---------------------------------------------------------------- one question, as a conversation
@@ -232,7 +316,8 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
     answer_dir.mkdir(parents=True, exist_ok=True)
     _check_run_settings(config.out_dir, {"model": model_name, "dtype": str(model.dtype),
                                          "max_new_tokens": config.max_new_tokens,
-                                         **({"temperature": config.temperature} if config.temperature else {})})
+                                         **({"temperature": config.temperature} if config.temperature else {}),
+                                         **({"batch_size": config.batch_size} if config.batch_size > 1 else {})})
     files = {m: AnswerFile(answer_dir / f"{_file_name(model_name)}-{_file_name(m)}.jsonl") for m in methods}
     for m, f in files.items():
         for q in questions:
@@ -255,6 +340,9 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
     cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     context_window = getattr(cfg, "max_position_embeddings", None)
 
+    if config.batch_size > 1:
+        return _answer_all_batched(model, tokenizer, model_name, questions, config, files, todo, total, eos, pad,
+                                   context_window, progress)
     with torch.inference_mode():
         if config.warmup_tokens > 0:  # first calls pay one-off costs; not measured
             warm = chat_input_ids(tokenizer, [{"role": "user", "content": "Hello!"}])
@@ -273,6 +361,40 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
                                  "answer_id": uuid.uuid4().hex[:22], "model_id": f"{model_name}-{m}",
                                  "choices": [choice], "tstamp": time.time()})
                 written += 1
+        if progress is not None:
+            progress("done", total, written)
+    return files
+
+
+def _answer_all_batched(model, tokenizer, model_name, questions, config, files, todo, total, eos, pad,
+                        context_window, progress) -> dict[str, AnswerFile]:
+    """Throughput mode: the questions still to answer, batch_size at a time, methods rotating per batch;
+    each batch's answers are written as soon as it is done (a crash loses at most one batch)."""
+    methods = [BASELINE, *config.drafters]
+    answerers = {BASELINE: hf_batch_answerer(model, eos, pad, config.temperature)}
+    answerers.update({d: specdec_batch_answerer(model, d, eos, config.temperature) for d in config.drafters})
+    B = config.batch_size
+    with torch.inference_mode():
+        if config.warmup_tokens > 0:
+            warm = chat_input_ids(tokenizer, [{"role": "user", "content": "Hello!"}])[0]
+            for m in methods:
+                answerers[m]([warm, warm[1:]], config.warmup_tokens)
+        written = 0
+        for k in range(0, len(todo), B):
+            chunk = [q for _, q in todo[k : k + B]]
+            order = methods[(k // B) % len(methods):] + methods[: (k // B) % len(methods)]
+            for m in order:
+                qs = [q for q in chunk if q.question_id not in files[m].records]
+                if not qs:
+                    continue
+                if progress is not None:
+                    progress(f"batch of {len(qs)} from q{qs[0].question_id} · {m}", total, written)
+                for q, choice in zip(qs, answer_batch(tokenizer, qs, answerers[m], config.max_new_tokens,
+                                                      context_window)):
+                    files[m].append({"question_id": q.question_id, "category": q.category,
+                                     "answer_id": uuid.uuid4().hex[:22], "model_id": f"{model_name}-{m}",
+                                     "choices": [choice], "tstamp": time.time(), "batch_size": len(qs)})
+                    written += 1
         if progress is not None:
             progress("done", total, written)
     return files
@@ -414,6 +536,9 @@ def add_arguments(p) -> None:
                    help="0 (default): greedy, answers compared token for token with HF's; > 0: every "
                         "method samples (HF generate with do_sample=True and HF's other defaults, "
                         "e.g. top_k 50), answers not compared; tau and speedup still reported")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="> 1: throughput mode, questions answered this many at a time (HF: batched generate, "
+                        "left padding); answers keep Spec-Bench's format, one line per question")
 
 
 def run(args) -> int:
@@ -435,7 +560,10 @@ def run(args) -> int:
     loaded = load_model(args.model, dtype=DTYPES[args.dtype])
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; Spec-Bench needs one with a chat template")
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     config = SpecBenchConfig(out_dir=Path(args.out), drafters=tuple(args.drafter or ("prompt-lookup",)),
-                             max_new_tokens=args.max_new_tokens, temperature=args.temperature)
+                             max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             batch_size=args.batch_size)
     evaluate(loaded.model, loaded.tokenizer, loaded.name, questions, config)
     return 0

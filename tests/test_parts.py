@@ -207,3 +207,19 @@ def test_gate_for_self_sized_drafts_follows_measured_throughput():
     for _ in range(10):
         c.update([5], [2], verify_time=1.2, draft_time=0.3)  # 3 tokens per 1.5 s
     assert c.gate() and c.gate()
+
+
+def test_at_a_batch_measured_gain_vetoes_the_prediction():
+    """Batch of 4, one row drafts 3 tokens and gets them all (alpha = 1: the model predicts a win),
+    but the step costs 2x a plain one and the other rows yield 1 token each: 1.75 tokens per row in
+    2 plain steps' time loses, so drafting stops (a probe every few steps)."""
+    c = _cost_aware(explore_every=3)
+    c.set_batch(4)
+    c.update([0] * 4, [0] * 4, verify_time=1.0)
+    k = c.budget()
+    assert k > 0
+    c.update([3, 0, 0, 0], [3, 0, 0, 0], verify_time=2.0, draft_time=0.0)
+    assert c.alpha == 1.0 and c.best_length(3) > 0  # the prediction alone would draft
+    assert [c.budget() for _ in range(3)] == [0, 0, 1]  # measured: it does not pay; probes
+    c.set_batch(1)  # another batch size has its own step times: a plain step is timed first
+    assert c.budget() == 0

@@ -248,3 +248,25 @@ def test_speedup_chart_from_summaries(tiny, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     with pytest.raises(ValueError, match="not a summary"):
         read_speedups(tmp_path / "run" / "run.json")
+
+
+def test_throughput_mode_answers_each_question_as_batch_one_does(tiny, tmp_path):
+    """--batch-size 3: questions go 3 at a time, turn by turn (a second turn after the question's own
+    first answer); answers keep Spec-Bench's format and equal the one-at-a-time answers token for token."""
+    model, tok = tiny
+    qs = [Question(q["question_id"], q["category"], tuple(q["turns"])) for q in QUESTIONS]
+    runs = {}
+    for B in (1, 3):
+        cfg = SpecBenchConfig(out_dir=tmp_path / f"b{B}", drafters=("prompt-lookup",), max_new_tokens=MAX_NEW,
+                              warmup_tokens=2, batch_size=B)
+        summary = evaluate(model, tok, "tiny", qs, cfg, Console(file=io.StringIO(), width=160))
+        runs[B] = {p.stem: _lines(p) for p in sorted((tmp_path / f"b{B}" / "model_answer").glob("*.jsonl"))}
+    assert summary["methods"]["prompt-lookup"]["overall"]["questions"] == 4
+    for name in ("tiny-baseline", "tiny-prompt-lookup"):
+        assert [r["question_id"] for r in runs[3][name]] == [11, 12, 13, 14]
+        assert [r["batch_size"] for r in runs[3][name]] == [3, 3, 3, 1]
+        for one, many in zip(runs[1][name], runs[3][name]):
+            c1, c3 = one["choices"][0], many["choices"][0]
+            assert c3["token_ids"] == c1["token_ids"], (name, one["question_id"])
+            assert len(c3["accept_lengths"]) == sum(c3["decoding_steps"])
+            assert sum(c3["accept_lengths"]) == sum(c3["new_tokens"])
