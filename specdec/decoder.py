@@ -37,6 +37,7 @@ from specdec.verifiers.sampling import verify_sampling
 from specdec.verifiers.tree import Verification, verify_greedy
 
 ATTENTION = ("pad", "split", "auto")
+PREFILL_TOKENS = 4096  # prompt tokens per prefill forward (prompts of one length go together up to this)
 
 
 @dataclass(frozen=True)
@@ -270,7 +271,11 @@ class SpecDecoder:
             groups.setdefault(len(p), []).append(b)
         logits: list[torch.Tensor | None] = [None] * B
         hidden: list[torch.Tensor | None] = [None] * B
-        for rows in groups.values():
+        # at most PREFILL_TOKENS per forward: its DynamicCache is a transient second copy of those rows'
+        # K/V (16 x 2k-token prompts in one forward peaked at 1.3x HF's RSS)
+        chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
+                  for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
+        for rows in chunks:
             pre = prefill(self.target, torch.stack([prompts[b] for b in rows]), want_hidden)
             for g, b in enumerate(rows):
                 cache.load_prefill(b, [(k[g], v[g]) for k, v in pre.layers], capacity=P)

@@ -10,6 +10,14 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 
+def shared_file(rel: str):
+    """A file of the steering repo's shared/ data: beside this clone (as CI lays it out), else /work/shared."""
+    from pathlib import Path
+
+    beside = Path(__file__).resolve().parents[2] / "shared" / rel
+    return beside if beside.exists() else Path("/work/shared") / rel
+
+
 def tiny_llama(seed: int = 0, vocab: int = 128, layers: int = 2, max_pos: int = 512,
                dtype=torch.float64) -> LlamaForCausalLM:
     """A randomly initialised Llama-style model; float64 so greedy argmax has no float ties."""

@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
+from conftest import shared_file
 from specdec.questions import (TASK_OF_CATEGORY, TASKS, Question, default_questions_path, load_questions,
                                select_questions, task_of)
 
-SPEC_BENCH = Path("/work/shared/specbench/question.jsonl")
+SPEC_BENCH = shared_file("specbench/question.jsonl")
 
 
 def _write(tmp_path, lines) -> Path:

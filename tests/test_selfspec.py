@@ -248,9 +248,9 @@ def test_drafter_without_the_targets_store_is_named():
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", ["streaming", "snapkv"])
 def test_book_prompt_on_the_default_model_equals_hf_greedy(real, name):
-    from pathlib import Path
+    from conftest import shared_file
 
-    books = Path("/work/shared/longctx/books.jsonl")
+    books = shared_file("longctx/books.jsonl")
     if not books.exists():
         pytest.skip("book excerpts unavailable")
     text = json.loads(books.read_text().splitlines()[0])["text"]

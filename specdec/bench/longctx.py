@@ -36,7 +36,10 @@ import torch
 
 from specdec import cost_model
 
-BOOKS = Path("/work/shared/longctx/books.jsonl")
+# the steering repo's shared/ data beside the clone (run from the repo root: ../shared), else /work/shared
+BOOKS = next((p for p in (Path.cwd().parent / "shared" / "longctx" / "books.jsonl",
+                          Path("/work/shared/longctx/books.jsonl")) if p.exists()),
+             Path("../shared/longctx/books.jsonl"))
 INSTRUCTIONS = {"continue": "Continue the story.", "summary": "Summarize the passage above."}
 
 
