@@ -14,8 +14,8 @@ the drafter: compaction, so no later forward computes it).
 
 Invariant between steps: the target's BMC store holds every committed token of each live sequence
 but the last one, the *pending* token, which opens the next verify block (row 0), followed by the
-draft tree's nodes. The prefill runs each prompt alone on the causal fast path (as HF does) and
-gives the first token.
+draft tree's nodes. The prefill runs the prompts on the causal fast path, as HF does (prompts of one
+length together, in forwards of at most PREFILL_TOKENS tokens), and gives the first token.
 """
 
 from __future__ import annotations
@@ -232,11 +232,11 @@ class SpecDecoder:
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         steps: list[StepStats] = []
-        # 0. prefill: each prompt alone on the causal fast path, its K/V copied into its store rows
+        # 0. prefill on the causal fast path (prompts of one length together), K/V copied into store rows
         t0 = time.perf_counter()
         ver, commit = self._prefill(cache, prompts, judge)
         stats = StepStats([0] * B, [0] * B, 0.0, time.perf_counter() - t0, list(range(B)))
-        live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback, first=True)
+        live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
         pending = ver.next_token[live, None].to(device)  # [B', 1]
         while batch.rows:
             # 1. draft: never more than the tokens some sequence still wants after its bonus token
@@ -344,7 +344,7 @@ class SpecDecoder:
         return 1 - sum(n + q for n in cache.lengths) / padded > self.config.split_waste
 
     def _finish_step(self, batch: _Batch, cache: BMCCache, commit: Commit, stats: StepStats,
-                     steps: list[StepStats], streamer, callback, first: bool = False) -> list[int]:
+                     steps: list[StepStats], streamer, callback) -> list[int]:
         """Record the step, stream it, let the drafter learn, drop finished rows; the live rows."""
         steps.append(stats)
         before = len(batch.new[batch.rows[0]])
