@@ -35,6 +35,7 @@ from typing import Callable
 
 import torch
 
+from specdec.bench.batch import left_padded, until_eos
 from specdec.decoder import SpecDecoder
 from specdec.questions import TASKS, Question, load_questions, select_questions, task_of
 from specdec.registry import DRAFTERS, make_drafter
@@ -102,19 +103,12 @@ def hf_batch_answerer(model, eos: list[int], pad: int, temperature: float = 0.0)
     sampling = sampling_kwargs(model, temperature)
 
     def answer(prompts: list[torch.Tensor], max_new_tokens: int) -> list[TurnResult]:
-        P = max(len(p) for p in prompts)
-        ids = torch.full((len(prompts), P), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for b, p in enumerate(prompts):  # left padding, as HF wants for batched generation
-            ids[b, P - len(p):], mask[b, P - len(p):] = p, 1
+        ids, mask = left_padded(prompts, pad)
         t = time.perf_counter()
         out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, eos_token_id=eos,
                              pad_token_id=pad, **sampling)
         dt = time.perf_counter() - t
-        rows = []
-        for row in out[:, P:].tolist():
-            n = next((i + 1 for i, tok in enumerate(row) if tok in eos), len(row))
-            rows.append(row[:n])
+        rows = [until_eos(row, eos) for row in out[:, ids.shape[1]:].tolist()]
         return _shares(rows, dt, [[1] * len(r) for r in rows])
 
     return answer

@@ -48,22 +48,30 @@ def _chat_ids(tokenizer, text: str) -> torch.Tensor:
                                          return_tensors="pt", return_dict=True)["input_ids"][0]
 
 
-def run_hf(model, prompts: list[torch.Tensor], max_new: int, eos: list[int], pad: int) -> dict:
+def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """ids and attention_mask [B, P] with each prompt right-aligned: HF's batched-generation layout."""
     P = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), P), pad, dtype=torch.long)
-    mask = torch.zeros(len(prompts), P, dtype=torch.long)
+    mask = torch.zeros_like(ids)
     for b, p in enumerate(prompts):
         ids[b, P - len(p):], mask[b, P - len(p):] = p, 1
+    return ids, mask
+
+
+def until_eos(row: list[int], eos) -> list[int]:
+    """A generated row up to and including its first EOS (HF pads after it)."""
+    return row[: next((i + 1 for i, t in enumerate(row) if t in eos), len(row))]
+
+
+def run_hf(model, prompts: list[torch.Tensor], max_new: int, eos: list[int], pad: int) -> dict:
+    ids, mask = left_padded(prompts, pad)
+    P = ids.shape[1]
     t0 = time.perf_counter()
     clock = _FinishClock(set(eos), t0)
     out = model.generate(ids, attention_mask=mask, max_new_tokens=max_new, do_sample=False, eos_token_id=eos,
                          pad_token_id=pad, logits_processor=LogitsProcessorList([clock]))
     total = time.perf_counter() - t0
-    new = out[:, P:]
-    lengths = []
-    for row in new.tolist():
-        n = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
-        lengths.append(n)
+    lengths = [len(until_eos(row, eos)) for row in out[:, P:].tolist()]
     finish = [clock.done.get(b, total) for b in range(len(prompts))]
     return {"seconds": total, "tokens": sum(lengths), "finish": finish, "rows": None}
 
