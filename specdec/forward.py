@@ -9,8 +9,14 @@ BASS (Qian et al., 2024):
            layers still batched. Costs B small attention calls per layer instead of one.
 
 Worked example: lengths [200, 4000], Q = 4. PAD attends 2 x 4004 columns (3800 of row 0's hidden);
-SPLIT attends 204 + 4004. SPLIT is registered with transformers' ``AttentionInterface`` and calls
-HF's own SDPA function on each row's slice, so the math is HF's.
+SPLIT attends 204 + 4004.
+
+Both run through ``grouped_attention`` (registered with transformers' ``AttentionInterface``), not
+HF's SDPA function: for a block of Q > 1 rows with a mask, HF copies every K/V head once per query
+head sharing it (``repeat_kv``; 3x for the default model's 9 query / 3 KV heads): at 7k tokens
+that copy was ~1 GB per step and made a 2-row verify cost 2.2x a 1-row step. Grouping the queries
+instead ([B, 9, Q, D] -> [B, 3, 3Q, D], the mask repeated to match) reads the store's K/V in place,
+as HF itself does for Q = 1.
 """
 
 from __future__ import annotations
@@ -24,21 +30,56 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from specdec.kv.bmc import BMCCache
 
-SPLIT = "specdec_split"  # the attention implementation name SPLIT runs under
+PAD, SPLIT = "specdec_pad", "specdec_split"  # the attention implementation names the blocks run under
 _split_ends: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("specdec_split_ends", default=None)
+# the mask repeated for grouped queries, made by the forward's first layer and reused by the others
+_grouped_masks: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdec_grouped_masks", default=None)
+
+
+def grouped_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """SDPA with grouped-query attention by grouping queries, never copying K/V.
+
+    query [B, Hq, Q, D], key/value [B, Hkv, L, D] (a view of the store), attention_mask [B, 1, Q, L]
+    additive. Query head h uses KV head h // n (n = Hq / Hkv, HF's ``repeat_kv`` order), so the n heads
+    of a group become n x Q query rows of their KV head: row r * Q + i is head r's query i, and the
+    mask is repeated n times along the rows. Returns [B, Q, Hq, D], as HF's SDPA function does.
+    Example: Hq 9, Hkv 3, Q 4 -> query [B, 3, 12, D] against K/V [B, 3, L, D], mask [B, 1, 12, L].
+    """
+    B, Hq, Q, D = query.shape
+    n = Hq // key.shape[1]
+    if (attention_mask is None or n == 1 or module.training or kwargs.get("sliding_window")
+            or kwargs.get("position_bias") is not None):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    query = query.reshape(B, Hq // n, n * Q, D)
+    if Q > 1:  # a [B, 1, 1, L] mask broadcasts over the grouped rows as it is
+        cached = _grouped_masks.get()
+        # by storage, not id(): SPLIT's per-row slices are new objects whose ids get reused
+        key_ = (attention_mask.data_ptr(), attention_mask.shape, attention_mask.stride(), n)
+        if cached is not None and key_ in cached:
+            attention_mask = cached[key_]
+        else:
+            repeated = attention_mask.repeat(1, 1, n, 1)
+            if cached is not None:
+                cached[key_] = repeated
+            attention_mask = repeated
+    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask,
+                                                           scale=scaling)
+    return out.view(B, Hq, Q, D).transpose(1, 2).contiguous(), None
 
 
 def _split_attention(module, query, key, value, attention_mask, **kwargs):
-    """HF's SDPA per batch row over that row's own columns. query [B, Hq, Q, D], key/value
+    """``grouped_attention`` per batch row over that row's own columns. query [B, Hq, Q, D], key/value
     [B, Hkv, L, D] (the store's view), attention_mask [B, 1, Q, L]; row b attends columns [0, ends[b])."""
     ends = _split_ends.get()
     assert ends is not None and len(ends) == query.shape[0], "SPLIT attention outside forward_block"
-    outs = [sdpa_attention_forward(module, query[b : b + 1], key[b : b + 1, :, :e], value[b : b + 1, :, :e],
-                                   attention_mask[b : b + 1, :, :, :e], **kwargs)[0]
+    outs = [grouped_attention(module, query[b : b + 1], key[b : b + 1, :, :e], value[b : b + 1, :, :e],
+                              attention_mask[b : b + 1, :, :, :e], **kwargs)[0]
             for b, e in enumerate(ends)]
     return torch.cat(outs), None  # [B, Q, Hq, D], as HF's SDPA returns it
 
 
+AttentionInterface.register(PAD, grouped_attention)
 AttentionInterface.register(SPLIT, _split_attention)
 
 
@@ -60,13 +101,15 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
         inputs = cache.prepare_chain(input_ids.shape[1])
     else:
         inputs = cache.prepare(block_mask, depth)
-    if split and cache.batch_size > 1:
-        # every attention layer reads the implementation from the shared config at call time
-        q = input_ids.shape[1]
-        token = _split_ends.set([n + q for n in cache.lengths])
-        config = model.config
-        saved = config._attn_implementation
-        config._attn_implementation = SPLIT
+    # every attention layer reads the implementation from the shared config at call time
+    config = model.config
+    saved = config._attn_implementation
+    split = split and cache.batch_size > 1
+    ours = split or saved == "sdpa"  # other implementations (flash, flex) are left as the user chose
+    if ours:
+        ends = _split_ends.set([n + input_ids.shape[1] for n in cache.lengths] if split else None)
+        masks = _grouped_masks.set({})
+        config._attn_implementation = SPLIT if split else PAD
     try:
         out = model(
             input_ids=input_ids.to(model.device),
@@ -77,9 +120,10 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
             output_hidden_states=want_hidden,
         )
     finally:
-        if split and cache.batch_size > 1:
+        if ours:
             config._attn_implementation = saved
-            _split_ends.reset(token)
+            _split_ends.reset(ends)
+            _grouped_masks.reset(masks)
     hidden = out.hidden_states[-1] if want_hidden else None  # HF applies the final norm already
     return BlockOutput(out.logits, hidden)
 
