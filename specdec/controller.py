@@ -53,6 +53,9 @@ class DraftLengthConfig:
     adaptive: bool = True  # False: always ask for `initial`
     cost_aware: bool = True  # draft only when expected gain beats the measured verify cost
     explore_every: int = 8  # while gated off, probe one token every n steps (backs off to 8n)
+    # ...and never more often than keeps probes' extra verify cost under this share of the run: at
+    # batch 8 a one-token probe verifies 16 rows, ~2.2x a plain step, so probes come every >= 60 steps
+    probe_share: float = 0.02
     decay: float = 0.8  # weight of the past in the running averages (alpha, verify times)
     # the measured gain per drafting step: a long memory (~20 steps), because one step yields 1, 2
     # or 3 tokens and a short average near break-even would close the gate on noise
@@ -95,11 +98,23 @@ class DraftLengthController:
         self.classes: dict[Hashable, _ClassState] = {}
         self._step_times: dict[int, dict[int, float]] = {1: {}}  # batch size -> (q -> seconds)
         self.step_time: dict[int, float] = self._step_times[1]  # the live batch's: q -> mean verify seconds
+        self.batch_size = 1
         self.draft_time: float = 0.0  # running mean seconds the drafter takes per drafted token
 
     def set_batch(self, batch_size: int) -> None:
         """The live batch size changed (sequences finished): verify costs are that batch's own."""
         self.step_time = self._step_times.setdefault(batch_size, {})
+        self.batch_size = batch_size
+
+    def probe_cost(self) -> float:
+        """A one-token probe's verify time over a plain step's, minus 1, at the live batch, or at the
+        nearest batch size where both were timed (a batch that just lost a row costs about the same);
+        0 before any were timed. Example: t(q=2) = 2.2 s, t(q=1) = 1 s at batch 8 -> 1.2."""
+        timed = [b for b, t in self._step_times.items() if 1 in t and 2 in t]
+        if not timed:
+            return 0.0
+        t = self._step_times[min(timed, key=lambda b: (abs(math.log(b / self.batch_size)), -b))]
+        return max(0.0, t[2] / t[1] - 1.0)
 
     def state(self, key: Hashable = None) -> _ClassState:
         if key not in self.classes:
@@ -156,6 +171,8 @@ class DraftLengthController:
             return st.length
         if 1 not in self.step_time:
             return 0  # time one plain step first: every cost below is relative to it
+        if st.alpha is None and self.batch_size > 1:
+            return 1  # a new class at a batch: a one-token probe first (B x 4 verify rows cost 4x a step)
         k = self.best_length(st.length, key)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
@@ -182,9 +199,11 @@ class DraftLengthController:
         return self._probe(st)
 
     def _probe(self, st: _ClassState) -> bool:
-        """While drafting is off: True once every ``interval`` steps, the interval doubling (to 8x)."""
+        """While drafting is off: True once every ``interval`` steps, the interval doubling (to 8x), and
+        never more often than ``probe_share`` allows at the live batch's measured cost of a probe."""
         st.skipped += 1
-        if st.skipped < st.interval:
+        spacing = math.ceil(self.probe_cost() / self.config.probe_share - 1e-9)
+        if st.skipped < max(st.interval, spacing):
             return False
         st.skipped = 0
         st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off

@@ -10,7 +10,7 @@ import torch
 from specdec import models
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Prompt
-from specdec.drafters.prompt_lookup import PromptLookupConfig, PromptLookupDrafter, find_continuation
+from specdec.drafters.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter, find_continuation
 from specdec.tree import DraftTree
 from specdec.verifiers.tree import verify_greedy
 
@@ -51,6 +51,26 @@ def test_ragged_chain_padding_is_never_accepted():
 ])
 def test_find_continuation(seq, n, k, expect):
     assert find_continuation(np.array(seq), n, k).tolist() == expect
+    assert NgramIndex(seq, 1, 3).continuation(n, k) == expect
+
+
+def test_ngram_index_matches_the_scan_as_the_text_grows():
+    """2,000 random texts over small alphabets (many repeats), grown in random chunks: after every
+    chunk the index's continuation equals the full scan's for every n and draft length."""
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        alphabet, length = int(rng.integers(2, 6)), int(rng.integers(1, 40))
+        text = rng.integers(0, alphabet, size=length).tolist()
+        cut = int(rng.integers(0, length + 1))
+        index = NgramIndex(text[:cut], 1, 3)
+        while cut < length:
+            step = int(rng.integers(1, 4))
+            index.extend(text[cut : cut + step])
+            cut = min(length, cut + step)
+            seq = np.array(text[:cut])
+            for n in (1, 2, 3):
+                k = int(rng.integers(1, 6))
+                assert index.continuation(n, k) == find_continuation(seq, n, k).tolist(), (text[:cut], n, k)
 
 
 def test_controller_follows_bass_heuristic():
@@ -223,3 +243,26 @@ def test_at_a_batch_measured_gain_vetoes_the_prediction():
     assert [c.budget() for _ in range(3)] == [0, 0, 1]  # measured: it does not pay; probes
     c.set_batch(1)  # another batch size has its own step times: a plain step is timed first
     assert c.budget() == 0
+
+
+def test_probes_are_spaced_by_what_a_probe_costs_at_the_batch():
+    """At batch 8 a one-token probe verifies 16 rows: measured at 2.2x a plain step, probes may cost
+    at most probe_share = 2% of the run, so they come every ceil(1.2 / 0.02) = 60 steps, not every 3."""
+    c = _cost_aware(explore_every=3)
+    c.set_batch(8)
+    c.update([0] * 8, [0] * 8, verify_time=1.0)
+    c.update([1] * 8, [0] * 8, verify_time=2.2, draft_time=0.0)  # a probe that won nothing
+    budgets = [c.budget() for _ in range(130)]
+    assert [i for i, b in enumerate(budgets) if b] == [59, 119]
+    c.set_batch(7)  # a row finished: batch 7 has no timings yet; batch 8's probe cost stands in
+    assert c.probe_cost() == pytest.approx(1.2)
+    assert not any(c.budget() for _ in range(50))
+
+
+def test_a_new_draft_class_at_a_batch_starts_with_a_one_token_probe():
+    c = _cost_aware()
+    c.update([0], [0], verify_time=1.0)
+    assert c.budget(key=3) == 4  # batch 1: the whole initial length (a 5-row verify costs ~a step)
+    c.set_batch(8)
+    c.update([0] * 8, [0] * 8, verify_time=1.0)
+    assert c.budget(key=2) == 1  # batch 8: 8 x 5 rows would cost ~4 steps before alpha is known
