@@ -9,6 +9,7 @@ import torch
 
 from specdec import models
 from specdec.controller import DraftLengthConfig, DraftLengthController
+from specdec.decoder import SpecDecoder
 from specdec.drafters.base import Prompt
 from specdec.drafters.prompt_lookup import NgramIndex, PromptLookupConfig, PromptLookupDrafter, find_continuation
 from specdec.tree import DraftTree
@@ -170,6 +171,24 @@ def test_cost_gate_picks_the_cheapest_length_that_pays():
     assert c.best_length(7) == 3
     c.draft_time = 1.0  # a drafter as slow as the target: no length pays
     assert c.best_length(7) == 0
+
+
+def test_verify_cost_in_decoder_times_each_block_and_stays_exact(target):
+    """The in-place curve: a fixed draft of q - 1 junk tokens per row (chain and star) times whole
+    decoder steps, and the output is still the target's own (every junk token is rejected)."""
+    from specdec.bench import verify_cost
+
+    lines = []
+    for tree in (False, True):
+        med = verify_cost.measure_in_decoder(target, context=12, sizes=(1, 3), repeats=1, batch=2, steps=3,
+                                             tree=tree, profile_top=2, say=lines.append)
+        assert set(med) == {1, 3} and all(t > 0 for t in med.values())
+    assert len(lines) == 4 and all(line.startswith("q = ") for line in lines)
+    prompt = torch.randint(3, target.config.vocab_size, (12,), generator=torch.Generator().manual_seed(1))
+    ref = SpecDecoder(target).generate(prompt, max_new_tokens=8, eos_token_id=[-1]).generated(0)
+    out = SpecDecoder(target, verify_cost.FixedDraft(3, tree=True)).generate(prompt, max_new_tokens=8,
+                                                                            eos_token_id=[-1])
+    assert out.generated(0).tolist() == ref.tolist()
 
 
 def test_verify_cost_bench_measures_every_method_and_size(target):

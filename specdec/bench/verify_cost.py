@@ -10,6 +10,12 @@ same curve at run time). Methods, each over the same context of ``--context`` to
                 SpecDecoder runs on CPU): the "after" of the curve, the three above its "before"
 
 Methods and block sizes alternate inside each repeat; figures are medians over repeats.
+
+``--in-decoder`` measures the same curve in place: ``SpecDecoder.generate`` on a batch of ``--batch``
+prompts of ``--context`` tokens with a drafter that proposes a fixed draft of q - 1 tokens per row
+every step (a chain, or with ``--tree`` a star: every node a child of the pending token, the general
+mask path), so each step's verify time is everything a real step pays besides drafting: the mask,
+the forward, the lm_head, the verification and the commit. ``--profile`` adds the top ops per step.
 """
 
 from __future__ import annotations
@@ -25,9 +31,11 @@ import torch
 from transformers import DynamicCache
 
 from specdec import kernels
+from specdec.controller import DraftLengthConfig
+from specdec.drafters.base import Drafter
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache
-from specdec.tree import chain_mask
+from specdec.tree import DraftTree, chain_mask
 
 SIZES = (1, 2, 4, 8, 16, 32)
 METHODS = ("hf", "bmc-chain", "bmc-tree", "skinny-chain", "skinny-tree")
@@ -88,6 +96,69 @@ def measure(model, context: int = 200, sizes=SIZES, repeats: int = 20) -> dict:
     return {m: {q: statistics.median(ts) for q, ts in per.items()} for m, per in times.items()}
 
 
+class FixedDraft(Drafter):
+    """Proposes the same q - 1 tokens for every row at every step (a chain or a star): a drafter whose
+    only effect is the verify block's size, for timing it inside the decoder."""
+
+    follows_controller = False
+
+    def __init__(self, nodes: int, tree: bool = False, token: int = 17) -> None:
+        self.nodes, self.tree, self.token, self.rows = nodes, tree, token, 0
+
+    def begin(self, prompt) -> None:
+        self.rows = len(prompt.lengths)
+
+    def propose(self, budget: int) -> DraftTree:
+        n = min(self.nodes, budget)
+        tokens = torch.full((self.rows, n), self.token, dtype=torch.long)
+        if not self.tree:
+            return DraftTree.chain(tokens)
+        parents = torch.full((self.rows, n), -1, dtype=torch.long)
+        return DraftTree(tokens, parents, torch.full((self.rows,), n, dtype=torch.long))
+
+    def accept(self, commit) -> None:
+        pass
+
+    def select(self, rows: list[int]) -> None:
+        self.rows = len(rows)
+
+
+@torch.inference_mode()
+def measure_in_decoder(model, context: int = 200, sizes=SIZES, repeats: int = 3, batch: int = 1,
+                       steps: int = 16, tree: bool = False, profile_top: int = 0, say=print) -> dict:
+    """Median verify seconds of a decoder step with q - 1 drafted tokens per row, per q (sizes
+    alternate within each repeat); with profile_top, the ops that take the most time per step."""
+    from specdec.decoder import SpecDecoder, SpecDecoderConfig
+
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(100, model.config.vocab_size - 1, (context,), generator=g) for _ in range(batch)]
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False, adaptive=False))
+    decoders = {q: SpecDecoder(model, FixedDraft(q - 1, tree) if q > 1 else None, config) for q in sizes}
+    times: dict[int, list[float]] = {q: [] for q in sizes}
+    for r in range(repeats + 1):  # the first round warms up
+        for q in (sizes if r % 2 == 0 else sizes[::-1]):
+            out = decoders[q].generate(prompts, max_new_tokens=steps * q, eos_token_id=[-1])
+            if r:
+                times[q].extend(s.verify_time for s in out.steps[2:])  # past the prefill and first step
+    if profile_top:
+        from torch.profiler import ProfilerActivity, profile
+
+        for q in sizes:
+            prof, started = profile(activities=[ProfilerActivity.CPU]), []
+
+            def start(_event):
+                if not started:  # after the prefill: only decode steps are profiled
+                    prof.start()
+                    started.append(True)
+
+            out = decoders[q].generate(prompts, max_new_tokens=steps * q, eos_token_id=[-1], callback=start)
+            prof.stop()
+            n = len(out.steps) - 1
+            top = sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:profile_top]
+            say(f"q = {q}: " + ", ".join(f"{e.key} {e.self_cpu_time_total / 1e3 / n:.1f} ms" for e in top))
+    return {q: statistics.median(ts) for q, ts in times.items()}
+
+
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
     p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
@@ -97,6 +168,11 @@ def add_arguments(p) -> None:
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--kernel", default=None, choices=["native", "avx2", "off"],
                    help="kernel variant (SPECDEC_KERNEL): avx2 builds the 8-float shape even on AVX-512")
+    p.add_argument("--in-decoder", action="store_true",
+                   help="time whole decoder steps with q - 1 drafted tokens per row (the curve in place)")
+    p.add_argument("--batch", type=int, default=1, help="--in-decoder: sequences per batch")
+    p.add_argument("--tree", action="store_true", help="--in-decoder: a star-shaped tree (general mask path)")
+    p.add_argument("--profile", type=int, default=0, metavar="N", help="--in-decoder: print the top N ops per step")
 
 
 def run(args) -> int:
@@ -118,6 +194,8 @@ def run(args) -> int:
     model = load_model(args.model).model.eval()
     kernels.prepare()
     routes = kernels.routes()
+    if args.in_decoder:
+        return _run_in_decoder(model, args, sizes)
     med = measure(model, args.context, sizes, args.repeats)
     table = Table(title=f"target forward over q tokens, {args.context}-token context, "
                         f"{torch.get_num_threads()} threads (median of {args.repeats}; ratio = time over "
@@ -138,4 +216,30 @@ def run(args) -> int:
         Path(args.out).write_text(json.dumps({"context": args.context, "threads": torch.get_num_threads(),
                                               "repeats": args.repeats, "kernel": kernels.variant(),
                                               "routes": routes, "seconds": med}, indent=1))
+    return 0
+
+
+def _run_in_decoder(model, args, sizes) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(width=200)
+    repeats = min(args.repeats, 5)  # each repeat is a whole generation per size
+    med = measure_in_decoder(model, args.context, sizes, repeats, args.batch, tree=args.tree,
+                             profile_top=args.profile, say=console.print)
+    shape = "star tree" if args.tree else "chain"
+    table = Table(title=f"decoder step with q - 1 drafted tokens ({shape}) per row, batch {args.batch}, "
+                        f"{args.context}-token context, {torch.get_num_threads()} threads (median over "
+                        f"{repeats} runs; ratio = over the q = 1 step)")
+    for col in ("q", "rows", "verify ms", "ratio"):
+        table.add_column(col, justify="right")
+    base = med[sizes[0]] if sizes[0] == 1 else None
+    for q in sizes:
+        table.add_row(str(q), str(q * args.batch), f"{med[q] * 1e3:.1f}", "-" if base is None else f"{med[q] / base:.2f}x")
+    console.print(table)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps({"in_decoder": True, "context": args.context, "batch": args.batch,
+                                              "tree": args.tree, "threads": torch.get_num_threads(),
+                                              "routes": kernels.routes(), "seconds": med}, indent=1))
     return 0
