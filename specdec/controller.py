@@ -20,6 +20,10 @@ draft + verify seconds, in units of a plain step of the same batch size) beats 1
 plainly and probe on the same schedule. The same measured gain also vetoes the length rule's
 prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
+When the gate is open, ``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance
+per depth and sibling rank measured on the trees verified so far, the node budget with the most
+expected tokens per second given the verify times of this batch size (more nodes where a verify is
+cheap relative to a step, fewer where it is not).
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
 are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
@@ -41,7 +45,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Hashable
 
-from specdec import cost_model
+from specdec import cost_model, sequoia
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,8 @@ class DraftLengthConfig:
     # or 3 tokens and a short average near break-even would close the gate on noise
     gate_decay: float = 0.95
     shrink: str = "one"  # after a step with no whole draft accepted: "one" token, or "bass" (see bass_shrink)
+    tree_decay: float = 0.98  # trees: weight of the past per observed tree in the depth x rank acceptance
+    retree_every: int = 16  # trees: re-run Sequoia's program after this many observed trees
 
     @classmethod
     def bass(cls, **overrides) -> "DraftLengthConfig":
@@ -77,7 +83,7 @@ def bass_shrink(length: int, consecutive: int) -> int:
 class _ClassState:
     """What the controller has learned about one draft class."""
 
-    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks")
+    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks", "positions", "values")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         self.alpha: float | None = None  # per-token acceptance rate, None until measured
@@ -88,6 +94,10 @@ class _ClassState:
         self.skipped = 0  # steps gated off since the last draft
         self.interval = config.explore_every  # steps between probes; doubles while probes fail
         self.shrinks = 0  # consecutive steps the length shrank (BASS's schedule cuts more each time)
+        # trees: acceptance per depth and sibling rank, and Sequoia's best value per node budget
+        # (recomputed every ``retree_every`` observed trees)
+        self.positions = sequoia.PositionalAcceptance(decay=config.tree_decay)
+        self.values: list[float] | None = None
 
 
 class DraftLengthController:
@@ -197,6 +207,27 @@ class DraftLengthController:
             st.interval = self.config.explore_every
             return True
         return self._probe(st)
+
+    def tree_budget(self, cap: int, key: Hashable = None) -> int:
+        """Nodes a tree drafter may propose next (0 = do not draft): the gate, then the Sequoia budget
+        in [1, cap] from the measured acceptance per depth and rank (``cap`` until a tree was seen)."""
+        if cap <= 0 or not self.gate(key):
+            return 0
+        st = self.state(key)
+        if not self.config.cost_aware or st.positions.observed == 0 or 1 not in self.step_time:
+            return cap
+        if st.values is None or st.positions.observed % self.config.retree_every == 0:
+            st.values = sequoia.best_trees(st.positions.table(), 32)[0]
+        t1 = self.step_time[1]
+        n = sequoia.best_budget(st.values[: cap + 1], lambda q: self.cost_ratio(q) * t1,
+                                lambda k: k * self.draft_time)
+        return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
+
+    def observe_tree(self, parents: list[list[int]], accepted: list[list[int]], key: Hashable = None) -> None:
+        """After verifying a tree: each row's real nodes' parents and its accepted path (node indices)."""
+        pos = self.state(key).positions
+        for par, acc in zip(parents, accepted):
+            pos.observe(par, [a for a in acc if a >= 0])
 
     def _probe(self, st: _ClassState) -> bool:
         """While drafting is off: True once every ``interval`` steps, the interval doubling (to 8x), and

@@ -30,6 +30,7 @@ from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block, prefill
+from specdec.kv import period
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths
@@ -42,7 +43,10 @@ PREFILL_TOKENS = 4096  # prompt tokens per prefill forward (prompts of one lengt
 
 @dataclass(frozen=True)
 class SpecDecoderConfig:
-    bmc: BMCConfig = BMCConfig(period=64)  # T for the target's store
+    bmc: BMCConfig = BMCConfig(period=64)  # T for the target's store (its first T if adaptive_period)
+    # T chosen at every reallocation from the rows held and still wanted, by costs calibrated on the
+    # machine (specdec.kv.period: grows with the sequence, padding capped at 1/8 of the rows)
+    adaptive_period: bool = True
     draft_length: DraftLengthConfig = DraftLengthConfig()
     # CPU: linear layers over blocks of <= this many rows take specdec.kernels' routes (MKL's
     # skinny GEMM for 1-4 rows, the packed kernel for 5-16); 0 keeps torch's default path everywhere
@@ -229,6 +233,10 @@ class SpecDecoder:
         batch = _Batch(B, max_new_tokens, eos)
         controller = DraftLengthController(self.config.draft_length)
         cache = BMCCache.for_model(self.target, B, self.config.bmc)
+        if self.config.adaptive_period:
+            model = _period_model(self.target)
+            cache.period_policy = lambda held: model.period(held + batch.wanted(), held)
+            cache.set_period(cache.period_policy(max(len(p) for p in prompts)))
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
         steps: list[StepStats] = []
@@ -251,6 +259,9 @@ class SpecDecoder:
                               list(batch.rows), split)
             # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
             controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key)
+            if any(stats.num_drafted) and not self.drafter.follows_controller:
+                controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
+                                        ver.accepted.tolist(), key)
             live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
             controller.set_batch(len(live))
             pending = ver.next_token[live, None].to(device)
@@ -301,8 +312,8 @@ class SpecDecoder:
         key = self.drafter.draft_class()
         if self.drafter.follows_controller:
             budget = min(controller.budget(key), wanted)
-        else:  # the drafter sizes its own tree; the controller only says whether drafting pays
-            budget = wanted if controller.gate(key) else 0
+        else:  # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
+            budget = controller.tree_budget(wanted, key)
         return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size))
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):
@@ -442,3 +453,11 @@ def _pad_id(pad_token_id, eos_token_id, target) -> int:
         return int(gen.pad_token_id)
     eos = sorted(_eos_set(eos_token_id, target))
     return eos[0] if eos else 0
+
+
+def _period_model(target):
+    """The BMC period model for the target's attention shape (calibrated once per process)."""
+    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return period.machine_model(kv_heads, head_dim, target.dtype)

@@ -148,7 +148,8 @@ def _run_case(world, i: int) -> None:
     drafter = _drafter(kind, target, drafter_model, [refs[p] for p in picks], i)
     k = rng.randint(1, 6)
     config = SpecDecoderConfig(
-        bmc=BMCConfig(rng.choice([1, 2, 3, 5, 8, 64])), attention=rng.choice(["pad", "split", "auto"]),
+        bmc=BMCConfig(rng.choice([1, 2, 3, 5, 8, 64])), adaptive_period=rng.random() < 0.2,
+        attention=rng.choice(["pad", "split", "auto"]),
         draft_length=DraftLengthConfig(initial=k, maximum=max(k, 8), adaptive=rng.random() < 0.5, cost_aware=False))
     layout = rng.choice(["list", "left", "right"])
     seqs = [torch.tensor(prompts[p]) for p in picks]
@@ -164,7 +165,8 @@ def _run_case(world, i: int) -> None:
         out = SpecDecoder(target, drafter, config).generate(ids, attention_mask=mask, max_new_tokens=max_new,
                                                            eos_token_id=eos)
         assert torch.equal(out.sequences[:, :P], ids), f"case {i}: the input rows are kept as given"
-    where = f"case {i}: B={B} {kind} T={config.bmc.period} {config.attention} {layout} max_new={max_new} eos={eos}"
+    T = "auto" if config.adaptive_period else config.bmc.period
+    where = f"case {i}: B={B} {kind} T={T} {config.attention} {layout} max_new={max_new} eos={eos}"
     for b, p in enumerate(picks):
         assert out.generated(b).tolist() == _expected(refs[p], max_new, eos), f"{where}, sequence {b}"
     assert out.sequences.shape[1] == P + max(out.num_new)

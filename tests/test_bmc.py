@@ -117,3 +117,49 @@ def test_rollback_refuses_to_grow():
 def test_bad_period_is_an_error():
     with pytest.raises(ValueError, match="period T must be >= 1"):
         BMCConfig(0)
+
+
+def test_period_chosen_at_each_reallocation_keeps_logits_exact():
+    """A policy that picks a new T at every reallocation (as the decoder's period model does): the
+    logits still match a DynamicCache run, and each growth rounds up to the T chosen then."""
+    model = tiny_llama(4, dtype=torch.float32)
+    ids = torch.randint(0, 128, (1, 90))
+    ref_cache = DynamicCache(config=model.config)
+    bmc = BMCCache.for_model(model, 1, BMCConfig(3))
+    periods = iter([5, 2, 16, 7, 1, 32, 4, 9, 64, 3] * 4)
+    chosen = []
+    bmc.period_policy = lambda held: chosen.append((held, next(periods))) or chosen[-1][1]
+    pos = 0
+    for q in [9, 1, 3, 1, 7, 1, 11, 2, 13, 5, 1, 17, 4, 6]:
+        block = ids[:, pos : pos + q]
+        with torch.no_grad():
+            ref = model(block, past_key_values=ref_cache, use_cache=True).logits
+        before = bmc.capacity
+        ours = _chain_forward(model, bmc, block).logits
+        if bmc.capacity != before:
+            held, T = chosen[-1]
+            assert held == pos and bmc.capacity == math.ceil((pos + q) / T) * T
+        bmc.commit([list(range(q))])
+        torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
+        pos += q
+    assert len(chosen) >= 8
+
+
+def test_period_model_grows_t_with_the_sequence_and_caps_padding():
+    from specdec.kv.period import PeriodCosts, PeriodModel, optimal_period
+
+    costs = PeriodCosts(copy=2e-6, pad=1e-6)
+    # the worked example: sqrt(2 x 512 x 2304 x 2) = 2172 -> 2048, capped at 2048 / 8 = 256
+    assert optimal_period(512, 2048, costs) == 256
+    assert optimal_period(512, 2048, costs, pad_share=1.0) == 2048
+    # few rows still to come: the copies they cause are cheap, T falls below the cap
+    assert optimal_period(8, 8192, costs) == 512 < optimal_period(512, 8192, costs) == 1024
+    # dear copies ask for a bigger T, dear padding for a smaller one (cap lifted to see it)
+    big = optimal_period(64, 1024, PeriodCosts(copy=8e-6, pad=1e-6), pad_share=1.0)
+    small = optimal_period(64, 1024, PeriodCosts(copy=1e-6, pad=8e-6), pad_share=1.0)
+    assert big == 1024 and small == 128
+    model = PeriodModel(costs)
+    ts = [model.period(n + 1024, n) for n in (100, 1000, 2000, 4000, 8000, 16000)]
+    assert ts == sorted(ts) and ts[0] == 64 and ts[-1] == 1024  # never below 64; grows with the length
+    with pytest.raises(ValueError, match="costs"):
+        optimal_period(1, 1, PeriodCosts(copy=0.0, pad=1.0))

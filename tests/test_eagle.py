@@ -20,7 +20,7 @@ from specdec.tree import node_depths, path_to
 
 def _decoder_config(period: int, nodes: int) -> SpecDecoderConfig:
     # a fixed node budget: the BASS controller's "all accepted" never happens with a bushy tree
-    return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(
+    return SpecDecoderConfig(bmc=BMCConfig(period), adaptive_period=False, draft_length=DraftLengthConfig(
         initial=nodes, maximum=nodes, adaptive=False, cost_aware=False))
 
 
@@ -247,7 +247,8 @@ def test_eagle_with_prompt_lookup_is_lossless_and_uses_both(seed):
     for period in (1, 64):
         eagle = EagleDrafter(target, head, EagleConfig(total_tokens=6, depth=3, top_k=2, bmc=BMCConfig(period)))
         drafter = LookupHybridDrafter(eagle, config=HybridConfig(min_ngram=1))
-        config = SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(cost_aware=False))
+        config = SpecDecoderConfig(bmc=BMCConfig(period), adaptive_period=False,
+                                   draft_length=DraftLengthConfig(cost_aware=False))
         out = SpecDecoder(target, drafter, config).generate(ids, max_new_tokens=40, eos_token_id=None)
         assert torch.equal(out.sequences, ref), f"seed {seed} T {period}"
         assert drafter.drafts["lookup"] > 0 and drafter.drafts["other"] > 0, drafter.drafts

@@ -30,7 +30,7 @@ class RandomDrafter(Drafter):
 
 
 def _config(period: int, k: int = 4, adaptive: bool = False) -> SpecDecoderConfig:
-    return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(
+    return SpecDecoderConfig(bmc=BMCConfig(period), adaptive_period=False, draft_length=DraftLengthConfig(
         initial=k, maximum=max(k, 10), adaptive=adaptive, cost_aware=False))
 
 

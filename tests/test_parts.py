@@ -285,3 +285,54 @@ def test_a_new_draft_class_at_a_batch_starts_with_a_one_token_probe():
     c.set_batch(8)
     c.update([0] * 8, [0] * 8, verify_time=1.0)
     assert c.budget(key=2) == 1  # batch 8: 8 x 5 rows would cost ~4 steps before alpha is known
+
+
+def test_bass_schedule_on_a_scripted_acceptance_trace():
+    """BASS as published: l0 = 7, +2 after a step where some sequence took its whole draft, else cut
+    ceil(l / 10) plus one per consecutive cut, never below the step's best accepted count; cap 32."""
+    c = DraftLengthController(DraftLengthConfig.bass())
+    trace = [([7, 7], [7, 2]), ([9, 9], [9, 0]), ([11, 11], [3, 1]), ([9, 9], [2, 0]), ([7, 7], [6, 6]),
+             ([6, 6], [6, 1])]
+    lengths = [c.budget()]
+    for drafted, accepted in trace:
+        c.update(drafted, accepted)
+        lengths.append(c.budget())
+    # 11 -> 11 - 2 = 9; 9 -> 9 - (1 + 1) = 7; 7 -> 7 - (1 + 2) = 4, floored at the 6 accepted
+    assert lengths == [7, 9, 11, 9, 7, 6, 8]
+    for _ in range(20):
+        c.update([c.budget()], [c.budget()])
+    assert c.budget() == 32
+
+
+def _tree_controller(step_times: dict[int, float]) -> DraftLengthController:
+    c = _cost_aware()
+    for q, t in sorted(step_times.items()):
+        c.update([q - 1], [0], verify_time=t, draft_time=0.0 if q > 1 else None)
+    c.state().gain = None  # the calibration steps above accepted nothing; forget their measured gain
+    return c
+
+
+def test_tree_budget_follows_measured_acceptance_and_verify_cost():
+    """Sequoia's budget from measured acceptance (the first chain accepted 3, 8, 6, 8 deep in turn; the
+    second never): a verify that costs a step up to 17 rows takes every node that adds value (8); one
+    that costs 30% more per row stops at 6, before the nodes accepted only half the time."""
+    wide = [-1, 0, 1, 2, 3, 4, 5, 6, -1, 0, 1, 2, 3, 4, 5, 6]  # two chains of 8: ranks 0 and 1 at depth 1
+    cheap = _tree_controller({1: 1.0, **{q: 1.0 for q in range(2, 18)}})
+    dear = _tree_controller({1: 1.0, **{q: 1.0 + 0.3 * (q - 1) for q in range(2, 18)}})
+    for c in (cheap, dear):
+        assert c.tree_budget(16) == 16  # no tree seen yet: the drafter's own size
+        for i in range(40):
+            c.observe_tree([wide], [list(range([3, 8, 6, 8][i % 4]))])  # the first chain, 3-8 deep
+        c.update([16], [5], verify_time=c.step_time[17], draft_time=0.0)
+    big, small = cheap.tree_budget(16), dear.tree_budget(16)
+    assert (big, small) == (8, 6)
+    assert cheap.tree_budget(4) <= 4  # never past the cap (the tokens still wanted)
+
+
+def test_period_sweep_times_every_period_and_the_models_choice():
+    from specdec.bench.period import sweep
+
+    rows = sweep([96], [2], periods=(8, 32), n=24, rows=3, repeats=1)
+    (row,) = rows
+    assert row["best"] in (8, 32) and row["model"] in row["us_per_token"] and row["model"] >= 64
+    assert row["model_vs_best"] > 0 and set(row["us_per_token"]) == {8, 32, row["model"]}

@@ -225,7 +225,7 @@ class SpyDrafter(SuffixDrafter):
 def _config(period):
     # cost_aware off: the gate would otherwise depend on this machine's timings; skinny_rows 0: the
     # kernels' routes are test_lossless's subject, here it is the drafter's trees (and it is faster)
-    return SpecDecoderConfig(bmc=BMCConfig(period), draft_length=DraftLengthConfig(cost_aware=False),
+    return SpecDecoderConfig(bmc=BMCConfig(period), adaptive_period=False, draft_length=DraftLengthConfig(cost_aware=False),
                              skinny_rows=0)
 
 

@@ -122,7 +122,10 @@ class BMCLayer(CacheLayerMixin):
         return self.keys[:, :, : plan.end], self.values[:, :, : plan.end]
 
     def _grow(self, needed: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        T = self.store.config.period
+        store = self.store
+        if self.layer_idx == 0 and store.period_policy is not None:  # layer 0 grows first: it sets T
+            store.set_period(store.period_policy(store.max_length))
+        T = store.period
         new_cap = math.ceil(needed / T) * T
         keep = self.store.max_length  # rows worth copying: everything past is padding
         B, H, _, Dk = k.shape
@@ -191,6 +194,10 @@ class BMCCache(Cache):
         self.device = torch.device(device)
         self.lengths: list[int] = [0] * batch_size  # committed rows per batch row (host copy: no syncs)
         self.num_allocations = 0  # reallocations so far (counted once for all layers)
+        self.period = config.period  # T now (``set_period``); starts at the config's
+        # asked at every reallocation with the rows held, returns T for it (specdec.kv.period: T grows
+        # with the sequence); None keeps T fixed
+        self.period_policy = None
         self._plan: _WritePlan | None = None
         super().__init__(layers=[BMCLayer(self, i) for i in range(num_layers)])
 
@@ -198,6 +205,12 @@ class BMCCache(Cache):
     def for_model(cls, model, batch_size: int, config: BMCConfig = BMCConfig()) -> "BMCCache":
         cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         return cls(cfg.num_hidden_layers, batch_size, config, model.dtype, model.device)
+
+    def set_period(self, period: int) -> None:
+        """Grow by ``period`` rows from the next reallocation on (rows held stay where they are)."""
+        if period < 1:
+            raise ValueError(f"BMC period T must be >= 1, got {period}")
+        self.period = int(period)
 
     @property
     def batch_size(self) -> int:
@@ -282,7 +295,7 @@ class BMCCache(Cache):
         per layer (keys, values) [H, P, D]; the row's length becomes P. ``capacity`` sizes the buffers
         when they are made (the longest prompt of the batch, rounded up to a multiple of T)."""
         assert len(layers) == len(self.layers), f"{len(layers)} layers of K/V for a {len(self.layers)}-layer store"
-        capacity = math.ceil(capacity / self.config.period) * self.config.period
+        capacity = math.ceil(capacity / self.period) * self.period
         for layer, (k, v) in zip(self.layers, layers):
             layer.load_prefix(b, k, v, capacity)
         self.lengths[b] = layers[0][0].shape[1]

@@ -194,7 +194,7 @@ class CompressedCache(BMCCache):
         """Make every layer hold at least ``needed`` slots, keeping the slots in use (BMC growth)."""
         if needed <= self.capacity:
             return
-        T = self.config.period
+        T = self.period
         cap = math.ceil(needed / T) * T
         keep = self.max_length if self.capacity else 0
         for dst, src in zip(self.layers, source.layers):
