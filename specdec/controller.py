@@ -20,7 +20,8 @@ draft + verify seconds, in units of a plain step of the same batch size) beats 1
 plainly and probe on the same schedule. The same measured gain also vetoes the length rule's
 prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
-When the gate is open, ``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance
+With several sources (``drafters.auto``) ``choose`` first picks the class with the best measured
+gain among those that can draft now. When the gate is open, ``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance
 per depth and sibling rank measured on the trees verified so far, the node budget with the most
 expected tokens per second given the verify times of this batch size (more nodes where a verify is
 cheap relative to a step, fewer where it is not).
@@ -67,6 +68,7 @@ class DraftLengthConfig:
     shrink: str = "one"  # after a step with no whole draft accepted: "one" token, or "bass" (see bass_shrink)
     tree_decay: float = 0.98  # trees: weight of the past per observed tree in the depth x rank acceptance
     retree_every: int = 16  # trees: re-run Sequoia's program after this many observed trees
+    revisit_every: int = 64  # several sources: a candidate passed over this many steps gets a turn
 
     @classmethod
     def bass(cls, **overrides) -> "DraftLengthConfig":
@@ -83,7 +85,7 @@ def bass_shrink(length: int, consecutive: int) -> int:
 class _ClassState:
     """What the controller has learned about one draft class."""
 
-    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks", "positions", "values")
+    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks", "positions", "values", "idle")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         self.alpha: float | None = None  # per-token acceptance rate, None until measured
@@ -98,6 +100,7 @@ class _ClassState:
         # (recomputed every ``retree_every`` observed trees)
         self.positions = sequoia.PositionalAcceptance(decay=config.tree_decay)
         self.values: list[float] | None = None
+        self.idle = 0  # steps this class was a candidate (``choose``) and another was picked
 
 
 class DraftLengthController:
@@ -207,6 +210,23 @@ class DraftLengthController:
             st.interval = self.config.explore_every
             return True
         return self._probe(st)
+
+    def choose(self, keys: list[Hashable]) -> Hashable | None:
+        """Which of several sources' draft classes to draft in this step (``drafters.auto``): one not
+        measured yet first, then one passed over ``revisit_every`` times (its gain may be stale), else
+        the one with the highest measured gain (tokens per sequence per plain-step time). None when
+        no source has anything to draft. The chosen class's own gate or budget then still decides
+        whether and how much it drafts, so the best source below plain decoding drafts nothing.
+        Example: gains {"lookup": 1.4, "eagle": 1.1} -> "lookup"; after 64 such steps, "eagle" once."""
+        if not keys:
+            return None
+        states = {k: self.state(k) for k in keys}
+        fresh = [k for k, st in states.items() if st.gain is None and st.alpha is None]
+        due = [k for k, st in states.items() if st.idle >= self.config.revisit_every]
+        pick = (fresh or due or [max(keys, key=lambda k: states[k].gain or 0.0)])[0]
+        for k, st in states.items():
+            st.idle = 0 if k == pick else st.idle + 1
+        return pick
 
     def tree_budget(self, cap: int, key: Hashable = None) -> int:
         """Nodes a tree drafter may propose next (0 = do not draft): the gate, then the Sequoia budget

@@ -309,7 +309,14 @@ class SpecDecoder:
         """The draft class and the tree for this step (an empty tree when drafting does not pay)."""
         if self.drafter is None or wanted <= 0:
             return None, DraftTree.empty(batch_size)
-        key = self.drafter.draft_class()
+        options = self.drafter.candidates()
+        if options is None:
+            key = self.drafter.draft_class()
+        else:  # several sources: the one measured fastest (or due a probe); none with anything to draft
+            key = controller.choose(options)
+            if key is None:
+                return None, DraftTree.empty(batch_size)
+            self.drafter.use(key)
         if self.drafter.follows_controller:
             budget = min(controller.budget(key), wanted)
         else:  # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.base import Drafter
 from specdec.drafters.eagle import make_eagle
 from specdec.drafters.early_exit import early_exit_model
@@ -17,6 +18,19 @@ from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter
 
 DrafterFactory = Callable[[object], "Drafter | None"]
+
+
+def make_auto(target) -> AutoDrafter:
+    """Prompt lookup, suffix, EAGLE (if a head fits the target) and StreamingLLM self-speculation
+    (prompts of >= 2,048 tokens, 4x its KV budget); the controller picks per step (drafters.auto)."""
+    sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()}
+    try:
+        sources["eagle"] = make_eagle(target)
+    except ValueError:
+        pass  # no head for this target: the model-free sources only
+    sources["streaming"] = StreamingDrafter(target, budget=512)
+    return AutoDrafter(sources, min_prompt={"streaming": 4 * 512})
+
 
 DRAFTERS: dict[str, DrafterFactory] = {
     "none": lambda target: None,  # autoregressive on the BMC store: what BMC alone gives
@@ -37,6 +51,9 @@ DRAFTERS: dict[str, DrafterFactory] = {
     # the same, also searching the project's stored answers (data/eagle_answers.jsonl), indexed on
     # first use (~2 s, ~150 MB for its 313k tokens)
     "suffix-corpus": lambda target: SuffixDrafter.from_stored_answers(),
+    # all of the above that fit (lookup, suffix, EAGLE, streaming at long prompts): the controller
+    # uses the one whose drafting steps have been fastest, switching as that changes
+    "auto": make_auto,
 }
 
 

@@ -4,6 +4,7 @@
     propose(budget)   guess up to ``budget`` tokens after the committed text, as a DraftTree
     accept(commit)    learn what was committed this step (accepted drafts + the target's token)
     select(rows)      batches only: keep these batch rows (finished sequences leave the batch)
+    candidates(), use(key)   several sources only: the controller picks this step's (drafters.auto)
 
 The decoder owns the committed text; a drafter mirrors what it needs of it. A drafter whose
 vocabulary differs from the target's sets ``vocab_size`` so the decoder can refuse it up front.
@@ -62,6 +63,14 @@ class Drafter(ABC):
         """A key for the controller's acceptance statistics of the next draft (any hashable; None =
         one class for all). Prompt lookup returns the length of the n-gram it will copy after."""
         return None
+
+    def candidates(self) -> list | None:
+        """A drafter over several sources (``drafters.auto``): the draft classes it could draft in
+        next, for the controller to pick one of (``use``); None (the default): one source."""
+        return None
+
+    def use(self, key) -> None:
+        """Draft the next step in class ``key``, one of ``candidates()``."""
 
     def torch_modules(self) -> list:
         """The nn.Modules the drafter runs, for the decoder's CPU kernel routing (specdec.kernels)."""

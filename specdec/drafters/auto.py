@@ -1,0 +1,91 @@
+"""Several drafters, one used per step: the one the controller measures as fastest here and now.
+
+MagicDec picks its drafter from a cost model; the hybrid (``drafters.hybrid``) picks per row by a
+fixed rule (copy after an n-gram match, else guess). ``AutoDrafter`` leaves the choice to what is
+measured: before each step every source names the draft class it would draft in (prompt lookup: the
+n-gram length it matched; suffix: its match bucket; EAGLE, self-speculation: one class), sources with
+nothing to draft drop out, and the decoder's controller (``DraftLengthController.choose``) picks the
+class whose drafting steps have yielded the most tokens per second so far (per sequence, in plain-step
+units, at the live batch size). A class not measured yet is tried first; one not chosen for a while
+gets a probe turn, as the text changes. After the choice the usual per-class rules size the draft
+(length or tree budget) or turn drafting off when even the best source does not beat plain decoding.
+
+Every source sees every commit, so a source not used stays in step (EAGLE's head feeds the skipped
+pairs at its next draft, in one forward; self-speculation copies the committed rows into its
+compressed cache). A source can ask for a minimum prompt length (``min_prompt``): self-speculation
+only pays once the prompt is several times its KV budget, and below that it is not even started.
+
+    drafter = AutoDrafter({"lookup": PromptLookupDrafter(), "eagle": EagleDrafter.default(target)})
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Hashable
+
+from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.tree import DraftTree
+
+
+class AutoDrafter(Drafter):
+    def __init__(self, sources: dict[str, Drafter], min_prompt: dict[str, int] | None = None) -> None:
+        if not sources:
+            raise ValueError("AutoDrafter needs at least one source drafter")
+        vocabs = {d.vocab_size for d in sources.values()} - {None}
+        if len(vocabs) > 1:
+            raise ValueError(f"AutoDrafter's sources disagree on the vocabulary size: {sorted(vocabs)}")
+        self.sources = sources
+        self.min_prompt = dict(min_prompt or {})
+        self.vocab_size = vocabs.pop() if vocabs else None
+        self.needs_hidden_states = any(d.needs_hidden_states for d in sources.values())
+        self.active: list[str] = list(sources)  # the sources started for this generation
+        self._chosen: str | None = None  # this step's source, set by use()
+        self._key: Hashable = None  # and its draft class
+        self.drafts = Counter()  # steps drafted per source: what a run relied on
+
+    @property
+    def follows_controller(self) -> bool:
+        return self.sources[self._chosen].follows_controller if self._chosen else True
+
+    @property
+    def supports_batch(self) -> bool:
+        return all(d.supports_batch for d in self.sources.values())
+
+    def torch_modules(self) -> list:
+        return [m for d in self.sources.values() for m in d.torch_modules()]
+
+    def candidates(self) -> list[Hashable]:
+        """(source, its draft class) for every started source with something to draft."""
+        out = []
+        for name in self.active:
+            cls = self.sources[name].draft_class()
+            if cls not in (0, ("none", 0)):  # lookup without a match, suffix without a tree
+                out.append((name, cls))
+        return out
+
+    def use(self, key: Hashable) -> None:
+        self._chosen, self._key = key[0], key
+
+    def draft_class(self):
+        return self._key if self._chosen is not None else None
+
+    def begin(self, prompt: Prompt) -> None:
+        shortest = int(prompt.lengths.min())
+        self.active = [n for n in self.sources if shortest >= self.min_prompt.get(n, 0)]
+        for name in self.active:
+            self.sources[name].begin(prompt)
+        self._chosen = None
+
+    def propose(self, budget: int) -> DraftTree:
+        assert self._chosen is not None, "the decoder picks a source (use) before propose"
+        self.drafts[self._chosen] += 1
+        return self.sources[self._chosen].propose(budget)
+
+    def accept(self, commit: Commit) -> None:
+        for name in self.active:
+            self.sources[name].accept(commit)
+        self._chosen = None
+
+    def select(self, rows: list[int]) -> None:
+        for name in self.active:
+            self.sources[name].select(rows)

@@ -1,0 +1,78 @@
+"""`--drafter auto`: several sources, the controller picks one per step; exact whatever it picks."""
+
+import pytest
+import torch
+
+from conftest import hf_greedy, perturbed, tiny_llama
+from specdec import SpecDecoder, SpecDecoderConfig
+from specdec.controller import DraftLengthConfig, DraftLengthController
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.drafters.auto import AutoDrafter
+from specdec.drafters.self_spec import StreamingDrafter
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.registry import make_drafter
+
+
+def test_choose_on_scripted_gains():
+    """Untried classes first, then the best measured gain, a passed-over class revisited on schedule."""
+    c = DraftLengthController(DraftLengthConfig(revisit_every=4))
+    assert c.choose([]) is None
+    keys = [("lookup", 3), ("eagle", None)]
+    assert c.choose(keys) == ("lookup", 3)  # neither measured: the first
+    c.update([0], [0], verify_time=1.0)
+    c.update([3], [3], verify_time=1.1, draft_time=0.0, key=("lookup", 3))  # 4 tokens in 1.1 steps
+    assert c.choose(keys) == ("eagle", None)  # eagle not measured yet: tried next
+    c.update([6], [1], verify_time=1.3, draft_time=0.2, key=("eagle", None))  # 2 tokens in 1.5 steps
+    picks = [c.choose(keys) for _ in range(10)]
+    assert picks == [("lookup", 3)] * 4 + [("eagle", None)] + [("lookup", 3)] * 4 + [("eagle", None)]
+    # the measured gains turn: eagle wins from then on (lookup revisited every 4 steps)
+    for _ in range(30):
+        c.update([3], [0], verify_time=1.1, draft_time=0.0, key=("lookup", 3))
+        c.update([6], [4], verify_time=1.3, draft_time=0.2, key=("eagle", None))
+    picks = [c.choose(keys) for _ in range(5)]
+    assert picks.count(("eagle", None)) == 4
+    assert c.choose([("lookup", 2)]) == ("lookup", 2)  # a class never seen is tried
+
+
+def _sources(target, seed):
+    return {"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter(),
+            "model": ModelDrafter(perturbed(target, 0.3, seed=seed)),
+            "streaming": StreamingDrafter(target, budget=24, sink=2)}
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_equals_hf_greedy_and_tries_every_source(seed):
+    target = tiny_llama(seed)
+    g = torch.Generator().manual_seed(300 + seed)
+    base = torch.randint(0, 128, (1, 40), generator=g)
+    ids = torch.cat([base, base[:, :30]], dim=1)  # repetitive: lookup and suffix find matches
+    ref = hf_greedy(target, ids, 40)
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(revisit_every=3 + seed))
+    drafter = AutoDrafter(_sources(target, seed), min_prompt={"streaming": 48})
+    out = SpecDecoder(target, drafter, config).generate(ids, max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(out.sequences, ref), f"seed {seed}: {dict(drafter.drafts)}"
+    assert set(drafter.drafts) == {"lookup", "suffix", "model", "streaming"}
+
+
+def test_auto_in_a_ragged_batch_and_below_a_sources_min_prompt():
+    target = tiny_llama(7)
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(0, 128, (n,), generator=g) for n in (12, 30, 21)]
+    prompts = [torch.cat([p, p[: len(p) // 2]]) for p in prompts]
+    drafter = AutoDrafter(_sources(target, 7), min_prompt={"streaming": 1000})
+    out = SpecDecoder(target, drafter).generate(prompts, max_new_tokens=24, eos_token_id=None)
+    for b, p in enumerate(prompts):
+        assert out.generated(b).tolist() == hf_greedy(target, p[None], 24)[0, len(p):].tolist()
+    assert drafter.active == ["lookup", "suffix", "model"]  # streaming not started: prompts too short
+    assert "streaming" not in drafter.drafts
+
+
+def test_auto_refuses_sources_of_different_vocabularies():
+    small = tiny_llama(0, vocab=64)
+    with pytest.raises(ValueError, match="vocabulary"):
+        AutoDrafter({"a": ModelDrafter(small), "b": ModelDrafter(tiny_llama(0))})
+
+
+def test_auto_is_registered_without_an_eagle_head_for_the_target(target):
+    drafter = make_drafter("auto", target)  # the packaged head is for SmolLM2: skipped here
+    assert isinstance(drafter, AutoDrafter) and "eagle" not in drafter.sources
