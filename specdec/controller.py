@@ -69,6 +69,7 @@ class DraftLengthConfig:
     tree_decay: float = 0.98  # trees: weight of the past per observed tree in the depth x rank acceptance
     retree_every: int = 16  # trees: re-run Sequoia's program after this many observed trees
     revisit_every: int = 64  # several sources: a candidate passed over this many steps gets a turn
+    tree_nodes: int = 0  # > 0 with cost_aware off: a fixed tree budget (a sweep's fixed setting)
 
     @classmethod
     def bass(cls, **overrides) -> "DraftLengthConfig":
@@ -234,7 +235,9 @@ class DraftLengthController:
         if cap <= 0 or not self.gate(key):
             return 0
         st = self.state(key)
-        if not self.config.cost_aware or st.positions.observed == 0 or 1 not in self.step_time:
+        if not self.config.cost_aware:
+            return min(cap, self.config.tree_nodes) if self.config.tree_nodes else cap
+        if st.positions.observed == 0 or 1 not in self.step_time:
             return cap
         if st.values is None or st.positions.observed % self.config.retree_every == 0:
             st.values = sequoia.best_trees(st.positions.table(), 32)[0]

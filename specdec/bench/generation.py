@@ -32,7 +32,8 @@ from pathlib import Path
 import torch
 
 from specdec import kernels
-from specdec.decoder import SpecDecoder
+from specdec.controller import DraftLengthConfig
+from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.registry import make_drafter
 from specdec.sampling import sampling_kwargs
 
@@ -62,13 +63,29 @@ def hf_methods(model, eos, temperature: float = 0.0) -> list[Method]:
     return [Method("hf-generate", plain)] + ([Method("hf-prompt-lookup", lookup)] if not temperature else [])
 
 
+def fixed_setting(setting: str) -> SpecDecoderConfig:
+    """A drafter name's ``@`` suffix as a decoder config without the controller: ``k=N`` drafts N
+    tokens every step (chains), ``n=N`` N tree nodes every step (tree drafters); no gate, no adaptation.
+    Example: "k=3" -> DraftLengthConfig(initial=3, maximum=3, adaptive=False, cost_aware=False)."""
+    name, _, value = setting.partition("=")
+    if name not in ("k", "n") or not value.isdigit() or int(value) < 1:
+        raise ValueError(f"unknown fixed setting @{setting}: use @k=N (chain length) or @n=N (tree nodes)")
+    n = int(value)
+    lengths = DraftLengthConfig(initial=n, minimum=1, maximum=n, adaptive=False, cost_aware=False,
+                                tree_nodes=n if name == "n" else 0)
+    return SpecDecoderConfig(draft_length=lengths)
+
+
 def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0, prepare=None) -> Method:
-    """One drafter for the whole session (begin() resets it); ``prepare(drafter)`` runs once first."""
+    """One drafter for the whole session (begin() resets it); ``prepare(drafter)`` runs once first.
+    ``name@k=N`` / ``name@n=N``: a fixed setting instead of the controller (``fixed_setting``)."""
     sampling = sampling_kwargs(model, temperature)
-    drafter = make_drafter(drafter_name, model)
+    name, _, setting = drafter_name.partition("@")
+    config = fixed_setting(setting) if setting else SpecDecoderConfig()
+    drafter = make_drafter(name, model)
     if prepare is not None and drafter is not None:
         prepare(drafter)
-    decoder = SpecDecoder(model, drafter)
+    decoder = SpecDecoder(model, drafter, config)
 
     def go(ids, n):
         out = decoder.generate(ids, max_new_tokens=n, eos_token_id=eos, **sampling)
