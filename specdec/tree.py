@@ -77,10 +77,9 @@ def pick_rows(use_a: list[bool], a: DraftTree, b: DraftTree) -> DraftTree:
     """Row b of the result is row b of ``a`` where use_a[b], else of ``b`` (each row keeps its own
     node count); the narrower tree is padded. Example: a = [[5, 6]] chain, b = [[7]] -> use_a
     [False] gives [[7, 0]] with parents [[-1, 0]] (the padding slot's parent is never read) and
-    num_nodes [1]."""
+    num_nodes [1]. Trees carrying draft distributions (sampling) keep them; a deterministic tree's
+    rows become one-hot at its tokens (what ``probs=None`` means)."""
     assert a.batch_size == b.batch_size == len(use_a), "pick_rows: trees and choices disagree on B"
-    if a.probs is not None or b.probs is not None:
-        raise NotImplementedError("pick_rows: trees carrying draft distributions (sampling) are not mixed yet")
     N = max(a.width, b.width)
 
     def widen(t: DraftTree, x: torch.Tensor, fill: int) -> torch.Tensor:
@@ -93,7 +92,19 @@ def pick_rows(use_a: list[bool], a: DraftTree, b: DraftTree) -> DraftTree:
     tokens = torch.where(pick, widen(a, a.tokens, 0), widen(b, b.tokens.to(a.tokens.device), 0))
     parents = torch.where(pick, widen(a, a.parents, -1), widen(b, b.parents.to(a.tokens.device), -1))
     num = torch.where(pick[:, 0], a.num_nodes, b.num_nodes.to(a.num_nodes.device))
-    return DraftTree(tokens, parents, num)
+    probs = None
+    if a.probs is not None or b.probs is not None:  # sampling: a deterministic tree's q is one-hot
+        V = (a.probs if a.probs is not None else b.probs).shape[-1]
+
+        def dist(t: DraftTree) -> torch.Tensor:  # [B, N, V]
+            q = t.probs if t.probs is not None else torch.nn.functional.one_hot(t.tokens.cpu(), V).to(torch.float64)
+            out = torch.zeros(t.batch_size, N, V, dtype=q.dtype)
+            out[:, : t.width] = q.cpu()
+            return out
+
+        qa, qb = dist(a), dist(b)
+        probs = torch.where(pick.cpu()[:, :, None], qa, qb.to(qa.dtype))
+    return DraftTree(tokens, parents, num, probs)
 
 
 def node_depths(parents: torch.Tensor) -> torch.Tensor:

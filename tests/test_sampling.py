@@ -21,12 +21,13 @@ import torch
 from transformers import GenerationConfig
 
 import specdec.verifiers.sampling as vs
-from conftest import perturbed, tiny_llama
+from conftest import hf_greedy, perturbed, tiny_llama
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.self_spec import StreamingDrafter
 from specdec.sampling import SamplingParams, logits_processors, target_probs
 from specdec.tree import DraftTree
 from specdec.verifiers.sampling import acceptance_probability, residual, verify_sampling
@@ -358,7 +359,7 @@ class FixedTreeDrafter(Drafter):
                          torch.full((B,), n))
 
 
-@pytest.mark.parametrize("drafter", ["model", "lookup", "fixed-tree"])
+@pytest.mark.parametrize("drafter", ["model", "lookup", "fixed-tree", "streaming"])
 def test_generate_samples_target_distribution_end_to_end(models, drafter):
     """SpecDecoder.generate(do_sample=True), N_E2E sequences in batches: the first two new tokens
     follow the target's joint distribution (temperature 0.8, HF's default top_k 50 >= V: off)."""
@@ -366,7 +367,9 @@ def test_generate_samples_target_distribution_end_to_end(models, drafter):
     params = SamplingParams.resolve(target, temperature=0.8)
     p1, p2 = tables(target, params)
     make = {"model": lambda: ModelDrafter(models["good"]), "lookup": PromptLookupDrafter,
-            "fixed-tree": lambda: FixedTreeDrafter(top(p1[None], 2)[0].tolist() + [int(p2[int(p1.argmax())].argmax())])}
+            "fixed-tree": lambda: FixedTreeDrafter(top(p1[None], 2)[0].tolist() + [int(p2[int(p1.argmax())].argmax())]),
+            # the target over a 3-row compressed cache (1 sink + the last 2): samples its own chain
+            "streaming": lambda: StreamingDrafter(target, budget=3, sink=1, overshoot=1)}
     config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
     decoder = SpecDecoder(target, make[drafter](), config)
     g = torch.Generator().manual_seed(1)
@@ -406,3 +409,80 @@ def test_bad_sampling_arguments_fail_with_one_line_naming_them(models, kwargs, n
     with pytest.raises(ValueError, match=name) as err:
         SpecDecoder(models["target"]).generate(PROMPT, max_new_tokens=2, do_sample=True, **kwargs)
     assert "\n" not in str(err.value)
+
+
+# ------------------------------------------------------------------ EAGLE trees drawn by sampling
+
+def _eagle(target, draft_vocab=None, config=None):
+    from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+
+    torch.manual_seed(11)
+    head = EagleHead(target, draft_vocab=draft_vocab)
+    return EagleDrafter(target, head, config or EagleConfig(total_tokens=6, depth=3, top_k=3))
+
+
+def _eagle_pairs(target, drafter, n: int = N_E2E, seed: int = 1):
+    """The first two new tokens of n sampled generations (temperature 0.8), and the draft counts."""
+    decoder = SpecDecoder(target, drafter, SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False)))
+    g = torch.Generator().manual_seed(seed)
+    pairs, drafted, accepted = [], 0, 0
+    for _ in range(n // E2E_BATCH):
+        out = decoder.generate(PROMPT.expand(E2E_BATCH, -1), max_new_tokens=3, do_sample=True, temperature=0.8,
+                               generator=g)
+        pairs.append(out.sequences[:, PROMPT.shape[1]: PROMPT.shape[1] + 2])
+        drafted += sum(sum(s.num_drafted) for s in out.steps)
+        accepted += sum(sum(s.num_accepted) for s in out.steps)
+    return torch.cat(pairs), drafted, accepted
+
+
+@pytest.mark.parametrize("vocab", ["full", "reduced"])
+def test_eagle_sampled_trees_follow_the_target_distribution(models, vocab):
+    """EAGLE drafts by sampling children without replacement from its head's processed distribution
+    and hands q over; whole generations match the target's joint distribution of two tokens. The
+    reduced vocabulary (even ids only) gives q zeros where p is not."""
+    from specdec.drafters.hybrid import LookupHybridDrafter
+
+    target = models["target"]
+    p1, p2 = tables(target, SamplingParams.resolve(target, temperature=0.8))
+    draft_vocab = None if vocab == "full" else torch.arange(0, V, 2)
+    for drafter in (_eagle(target, draft_vocab), LookupHybridDrafter(_eagle(target, draft_vocab))):
+        pairs, drafted, accepted = _eagle_pairs(target, drafter)
+        assert 0 < accepted < drafted  # trees drafted, partly accepted
+        assert_matches(pairs, p1[:, None] * p2)
+
+
+@pytest.mark.parametrize("wrong", ["sharpened_q", "no_sibling_prefix"])
+def test_eagle_with_a_wrong_q_fails_the_distribution_test(models, monkeypatch, wrong):
+    """Trees whose q is not the distribution the children were drawn from (squared and renormalised),
+    or whose later-drawn child is kept without the earlier ones (the verifier's without-replacement
+    q is then wrong): the same test must reject them, so it can fail. (A one-hot q would not be
+    wrong: verifying a drafted token as deterministic is lossless whatever drew it.)"""
+    from specdec.drafters.eagle import EagleDrafter
+
+    target = models["target"]
+    real = EagleDrafter._children
+
+    def children(self, hidden, k):
+        score, idx, q = real(self, hidden, k)
+        if q is not None and wrong == "no_sibling_prefix":  # each child scored by its own log q
+            score = q.log().gather(-1, idx.cpu()).to(score)
+        if q is not None and wrong == "sharpened_q":
+            q = q**2 / (q**2).sum(-1, keepdim=True)
+        return score, idx, q
+
+    monkeypatch.setattr(EagleDrafter, "_children", children)
+    p1, p2 = tables(target, SamplingParams.resolve(target, temperature=0.8))
+    pairs, _, _ = _eagle_pairs(target, _eagle(target))
+    with pytest.raises(AssertionError):
+        assert_matches(pairs, p1[:, None] * p2)
+
+
+def test_eagle_sampling_is_seeded_and_greedy_trees_are_unchanged(models):
+    target = models["target"]
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))
+    decoder = SpecDecoder(target, _eagle(target), config)
+    runs = [decoder.generate(PROMPT, max_new_tokens=12, do_sample=True, top_p=0.9, seed=s).sequences
+            for s in (3, 3, 4)]
+    assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
+    greedy = decoder.generate(PROMPT, max_new_tokens=12, eos_token_id=None).sequences
+    assert torch.equal(greedy, hf_greedy(target, PROMPT, 12))

@@ -59,6 +59,7 @@ from torch import nn
 from specdec import kernels
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, chain_mask
 
 HEAD_FORMAT = 1  # bump when eagle_head.json / the tensor names change
@@ -223,6 +224,8 @@ class EagleDrafter(Drafter):
         self._toks: list[list[int]] = []  # per row: their tokens
         self._root: torch.Tensor | None = None  # [B, D] head output at each row's last stored pair
         self._has_root: torch.Tensor | None = None  # [B] bool: the row has stored at least one pair
+        self.sampling: SamplingParams | None = None  # from the prompt: None = greedy top-k trees
+        self.generator: torch.Generator | None = None
 
     def torch_modules(self) -> list:
         return [self.head]
@@ -231,6 +234,7 @@ class EagleDrafter(Drafter):
 
     def begin(self, prompt: Prompt) -> None:
         B, P = prompt.input_ids.shape
+        self.sampling, self.generator = prompt.sampling, prompt.generator
         p = self.head.fc.weight
         self.cache = BMCCache(1, B, self.config.bmc, p.dtype, p.device)
         self._root = None
@@ -300,6 +304,36 @@ class EagleDrafter(Drafter):
         logits = self.head.logits(hidden)
         return torch.log_softmax(logits.to(torch.promote_types(logits.dtype, torch.float32)), dim=-1)
 
+    def _children(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """k children of each fed node: hidden [B, F, D] -> (scores [B, F, k], draft ids [B, F, k],
+        q [B, F, M] float64 or None).
+
+        Greedy: the k most likely tokens, scored by log-prob. Sampling: k tokens drawn *without
+        replacement* from the head's distribution processed as the target's is (temperature, top-k,
+        top-p: specdec.sampling), in draw order, by the Gumbel-top-k trick (Kool et al. 2019: the
+        order of log q + Gumbel noise is a sequential draw without replacement); q is handed to the
+        verifier. A child's score is its log q, capped by its earlier-drawn siblings' (a running
+        minimum), so the tree's top-scored nodes take a node's children as a prefix of its draws,
+        which is what the verifier's without-replacement rule assumes. Draws past the tokens with
+        q > 0 (top-k / top-p cut the rest) score -inf and never enter the tree.
+        Example, k = 2: q = [.5, .3, .2, 0], noise orders the draws 2, 0 -> ids [2, 0], scores
+        [log .2, min(log .5, log .2)] = [log .2, log .2].
+        """
+        if self.sampling is None:
+            lp = self._log_probs(hidden)
+            score, idx = lp.topk(min(k, lp.shape[-1]), dim=-1)
+            return score, idx, None
+        logits = self.head.logits(hidden)  # [B, F, M]
+        q = target_probs(logits.cpu(), self.sampling)  # [B, F, M] float64
+        logq = q.log()
+        u = torch.rand(q.shape, dtype=torch.float64, generator=self.generator).clamp_(min=1e-300)
+        keys = logq - (-u.log()).log()  # log q + Gumbel(0, 1); -inf where q = 0
+        kk = min(k, q.shape[-1])
+        top, idx = keys.topk(kk, dim=-1)  # [B, F, kk] draw order
+        score = logq.gather(-1, idx).masked_fill(top == float("-inf"), float("-inf")).cummin(dim=-1).values
+        dev = hidden.device
+        return score.to(device=dev, dtype=torch.float32), idx.to(dev), q
+
     def _grow_tree(self, n_nodes: int) -> DraftTree:
         """EAGLE-2 expansion and reranking. Shapes: B rows, k = top_k, T fed tree rows so far.
 
@@ -316,9 +350,12 @@ class EagleDrafter(Drafter):
         stable = list(cache.lengths)  # pairs per row; tree rows go after them and are dropped at the end
         S = torch.tensor(stable, device=dev)
 
-        logp = self._log_probs(self._root)  # [B, M]
-        k1 = min(k, logp.shape[-1])
-        score, idx = logp.topk(k1, dim=-1)  # [B, k1]
+        score, idx, q_root = self._children(self._root[:, None], k)  # [B, 1, k1]
+        score, idx = score[:, 0], idx[:, 0]  # [B, k1]
+        k1 = idx.shape[1]
+        # sampling: q of every fed node (row 0 the root's), and per pool node the row it was drawn from
+        dists = [q_root] if q_root is not None else None  # [B, F, M] each
+        pool_dist = [torch.zeros(B, k1, dtype=torch.long)]
         pool_tok, pool_score = [self.head.to_target_ids(idx)], [score]
         pool_parent = [torch.full((B, k1), -1, dtype=torch.long, device=dev)]
         n_pool = k1
@@ -340,9 +377,12 @@ class EagleDrafter(Drafter):
             pos = (S - 1 + level)[:, None].expand(B, F)
             h = self.head(front_feat, front_tok, pos, bias, cache)  # [B, F, D]
             cache.commit([list(range(F))] * B)  # keep in place (no copy) for the deeper levels
-            lp = self._log_probs(h)  # [B, F, M]
-            kc = min(k, lp.shape[-1])
-            child_lp, child_idx = lp.topk(kc, dim=-1)  # [B, F, kc]
+            child_lp, child_idx, q = self._children(h, k)  # [B, F, kc]
+            kc = child_idx.shape[-1]
+            if dists is not None:
+                first = sum(d.shape[1] for d in dists)  # dist row of this level's first fed node
+                pool_dist.append((first + torch.arange(F))[None, :, None].expand(B, F, kc).reshape(B, F * kc))
+                dists.append(q)
             cu = front_score[:, :, None] + child_lp  # [B, F, kc] cumulative log-prob
             pool_tok.append(self.head.to_target_ids(child_idx).reshape(B, F * kc))
             pool_score.append(cu.reshape(B, F * kc))
@@ -366,13 +406,27 @@ class EagleDrafter(Drafter):
         N = min(n_nodes, n_pool)
         # stable sort: on equal scores the earlier pool entry (a parent before its child) wins
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :N]
-        chosen = torch.sort(order, dim=1).values  # [B, N] pool order: parents precede children
+        # -inf scores (sampling: draws past the tokens with q > 0) are not nodes; real ones first, then
+        # pool order, so parents precede children and a row's padding comes last
+        real = scores.gather(1, order) > float("-inf")  # [B, N] a prefix of each row (order is by score)
+        chosen = torch.sort(order + (~real) * n_pool, dim=1).values % n_pool  # [B, N]
         slot_of = torch.full((B, n_pool), -1, dtype=torch.long, device=dev)
         slot_of.scatter_(1, chosen, torch.arange(N, device=dev).expand(B, N))
         par_pool = parents.gather(1, chosen)  # [B, N]
         par = torch.where(par_pool < 0, -1, slot_of.gather(1, par_pool.clamp(min=0)))
-        assert bool(((par_pool < 0) | (par >= 0)).all()), "EAGLE tree lost a parent"
-        return DraftTree(tokens.gather(1, chosen).cpu(), par.cpu(), torch.full((B,), N, dtype=torch.long))
+        par = torch.where(real, par, -1)
+        assert bool(((par_pool < 0) | (par >= 0) | ~real).all()), "EAGLE tree lost a parent"
+        probs = None
+        if dists is not None:  # node i's row: the distribution it was drawn from, over the target vocab
+            rows = torch.cat(pool_dist, 1).gather(1, chosen.cpu())  # [B, N]
+            q = torch.cat(dists, 1)  # [B, R, M]
+            q = q.gather(1, rows[:, :, None].expand(B, N, q.shape[-1]))  # [B, N, M]
+            if self.head.draft_vocab is not None:
+                full = torch.zeros(B, N, self.vocab_size, dtype=q.dtype)
+                probs = full.index_copy_(2, self.head.draft_vocab.cpu(), q)
+            else:
+                probs = q
+        return DraftTree(tokens.gather(1, chosen).cpu(), par.cpu(), real.sum(1).cpu(), probs)
 
 
 # ---------------------------------------------------------------------------------------- files

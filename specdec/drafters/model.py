@@ -89,13 +89,7 @@ class ModelDrafter(Drafter):
         return DraftTree.chain(torch.stack(drafts, dim=1).cpu(), probs=q)
 
     def _pick(self, logits: torch.Tensor, probs: list) -> torch.Tensor:
-        """The next drafted token per row from logits [B, V]: argmax, or a sample from the processed
-        distribution (appended to ``probs``, on the CPU where the verifier reads it)."""
-        if self.sampling is None:
-            return logits.argmax(-1)
-        q = target_probs(logits[:, None].cpu(), self.sampling)[:, 0]  # [B, V] float64
-        probs.append(q)
-        return torch.multinomial(q, 1, generator=self.generator)[:, 0].to(logits.device)
+        return pick_token(logits, probs, self.sampling, self.generator)
 
     def select(self, rows: list[int]) -> None:
         self.history.select(rows)
@@ -114,3 +108,15 @@ class ModelDrafter(Drafter):
             pending = self.cache.lengths[b] - self._fed[b] - self._drafted
             keep.append(self._fed[b] + pending + min(n_acc, self._drafted))
         self.cache.rollback(keep)
+
+
+def pick_token(logits: torch.Tensor, probs: list, sampling: SamplingParams | None,
+               generator: torch.Generator | None) -> torch.Tensor:
+    """A chain drafter's next token per row from logits [B, V]: argmax (greedy), or a sample from the
+    distribution processed as the target's is, which is appended to ``probs`` (on the CPU, where the
+    verifier reads q)."""
+    if sampling is None:
+        return logits.argmax(-1)
+    q = target_probs(logits[:, None].cpu(), sampling)[:, 0]  # [B, V] float64
+    probs.append(q)
+    return torch.multinomial(q, 1, generator=generator)[:, 0].to(logits.device)

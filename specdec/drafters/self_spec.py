@@ -5,7 +5,8 @@
 
 Each step the draft is the target's own forward, one token at a time, against a ``CompressedCache``
 of ``budget`` rows per KV head (plus up to ``overshoot`` rows between compactions, and the step's
-draft rows): a greedy chain of K tokens. At long contexts a decode step is bound by reading the KV
+draft rows): a chain of K tokens, greedy, or sampled from its distribution processed as the
+target's when the decoder samples (q handed to the verifier). At long contexts a decode step is bound by reading the KV
 cache, so reading a few hundred rows instead of thousands makes the draft cheap, and being the
 target it is accepted often.
 
@@ -31,8 +32,10 @@ import torch
 from transformers import AttentionInterface
 
 from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.model import pick_token
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache
+from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
                                    streaming_keep)
 from specdec.tree import DraftTree
@@ -52,6 +55,8 @@ class SelfSpecDrafter(Drafter):
         self._synced: list[int] = []  # per row: target rows already copied (= target.lengths after accept)
         self._pending: torch.Tensor | None = None  # [B, 1] the last committed token, not in any store yet
         self._before_propose: list[int] | None = None  # draft slots in use before the last propose
+        self.sampling: SamplingParams | None = None
+        self.generator: torch.Generator | None = None
 
     # torch_modules() stays []: the draft runs the target's own modules, which the decoder routes.
 
@@ -64,6 +69,7 @@ class SelfSpecDrafter(Drafter):
         if not isinstance(prompt.cache, BMCCache):
             raise ValueError(f"{type(self).__name__} needs the target's KV store (Prompt.cache) from the decoder")
         self.source = prompt.cache
+        self.sampling, self.generator = prompt.sampling, prompt.generator  # None: greedy chains
         lengths = prompt.lengths.tolist()
         budget = self.cache_config.budget
         if any(n <= budget for n in lengths):
@@ -84,13 +90,13 @@ class SelfSpecDrafter(Drafter):
             return DraftTree.empty(B)
         self._before_propose = list(self.cache.lengths)
         ids = self._pending  # [B, 1]
-        drafts = []
+        drafts, probs = [], []  # probs: q [B, V] per drafted token when sampling
         for _ in range(budget):  # feed pending, d1, ..., d(K-1); d(K) is never fed
             out = forward_block(self.target, self.cache, ids, None, None)
             self.cache.commit([[0]] * B)
-            ids = out.logits[:, -1].argmax(-1, keepdim=True)  # [B, 1]
+            ids = pick_token(out.logits[:, -1], probs, self.sampling, self.generator)[:, None]  # [B, 1]
             drafts.append(ids)
-        return DraftTree.chain(torch.cat(drafts, dim=1).cpu())
+        return DraftTree.chain(torch.cat(drafts, dim=1).cpu(), probs=torch.stack(probs, 1) if probs else None)
 
     def accept(self, commit: Commit) -> None:
         last = (commit.num_new - 1).clamp(min=0)
