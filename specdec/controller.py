@@ -6,9 +6,12 @@ it is accepted, and only as much of it as the measured cost curve allows. Two ru
 
 - BASS (Qian et al., 2024) sets the length K: grow by ``step_up`` after a step where some sequence
   accepted the whole draft, otherwise shrink by one, never below the best count accepted then.
-- Cost-aware gating (``cost_aware``) picks how much of K to use, if any. It keeps an estimate of
+- Cost-aware gating (``cost_aware``) picks the length itself, up to ``maximum``, if any, once the
+  class's acceptance is measured (its first draft takes BASS's initial length; capped by BASS's K,
+  which shrinks after every miss, the gate could not use 6-row verifies that cost what 2 rows
+  do: prompt lookup then ran 6% behind a fixed 5-token draft). It keeps an estimate of
   the per-token acceptance rate alpha and of the verify time per block size q = 1 + k, both
-  measured, and of the drafter's seconds per token d; it drafts the k <= K with the most expected
+  measured, and of the drafter's seconds per token d; it drafts the k <= maximum with the most expected
   tokens per unit of time, (1 + alpha + ... + alpha^k) / ((t(1 + k) + k d) / t(1)), or nothing
   when no k beats plain decoding.
   While drafting is off, a one-token probe every ``explore_every`` steps (doubling while probes
@@ -21,10 +24,10 @@ plainly and probe on the same schedule. The same measured gain also vetoes the l
 prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
 With several sources (``drafters.auto``) ``choose`` first picks the class with the best measured
-gain among those that can draft now. When the gate is open, ``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance
-per depth and sibling rank measured on the trees verified so far, the node budget with the most
-expected tokens per second given the verify times of this batch size (more nodes where a verify is
-cheap relative to a step, fewer where it is not).
+gain among those that can draft now. When the gate is open, ``tree_budget`` sizes the tree
+(Sequoia, specdec.sequoia): from the acceptance per depth and sibling rank measured on the trees
+verified so far, the node budget with the most expected tokens per second given the verify times
+of this batch size (more nodes where a verify is cheap relative to a step, fewer where it is not).
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
 are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
@@ -187,7 +190,8 @@ class DraftLengthController:
             return 0  # time one plain step first: every cost below is relative to it
         if st.alpha is None and self.batch_size > 1:
             return 1  # a new class at a batch: a one-token probe first (B x 4 verify rows cost 4x a step)
-        k = self.best_length(st.length, key)
+        # the cost model's length up to maximum once alpha is measured (BASS's first length before)
+        k = self.best_length(st.length if st.alpha is None else self.config.maximum, key)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
             return k

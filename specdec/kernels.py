@@ -136,13 +136,14 @@ def fastest_routes(seconds: dict[str, list[float]]) -> tuple[str, ...]:
     return tuple(min(order, key=lambda r: seconds[r][m]) for m in range(n))
 
 
-def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 5) -> tuple[str, ...]:
+def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 7) -> tuple[str, ...]:
     """Time the three routes for every block size on this machine, once per process; keep the fastest.
 
     The weights are 4 random [N, K] matrices (N, K = ``features``, the default model's MLP: 3.5 MB
     each, 14 MB together, so they stream from memory or L3 like a model's layers, not from L1/L2),
     cycled so no call finds its weight cached by the previous one; rounds alternate the routes, and
-    each keeps its median. ~0.5 s. A route that is slower than torch's own for a size is never used
+    each keeps its fastest round (noise only ever adds time: a median let one busy moment at process
+    start send 1-row steps down F.linear for a whole benchmark run). ~0.7 s. A route that is slower than torch's own for a size is never used
     for it: that is the guard against a kernel shape that suits another CPU (see the module doc).
     """
     global _routes
@@ -158,7 +159,7 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 5) -> tuple
         for w in ws:
             packed(w)
         fns["packed"] = _packed_linear
-    medians: dict[str, list[float]] = {r: [] for r in fns}
+    best: dict[str, list[float]] = {r: [] for r in fns}
     with torch.inference_mode():
         for m in range(1, MAX_ROWS + 1):
             x = torch.randn(m, features[1], generator=g)
@@ -170,8 +171,8 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 5) -> tuple
                         fn(x, w)
                     times[r].append(time.perf_counter() - t)
             for r in fns:
-                medians[r].append(sorted(times[r])[rounds // 2])
-    _routes = fastest_routes(medians)
+                best[r].append(min(times[r]))
+    _routes = fastest_routes(best)
     log.info("specdec kernels: routes per block size 1..%d: %s", MAX_ROWS, _routes)
     return _routes
 

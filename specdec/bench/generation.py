@@ -267,7 +267,7 @@ def run(args) -> int:
                              for p in range(1, args.repeat + 1)}
     summary["meta"] = {"model": loaded.name, "questions": args.questions or "shipped", "per_category":
                        args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                       "threads": torch.get_num_threads(),
+                       "threads": torch.get_num_threads(), "kernel_routes": list(kernels.routes()),
                        "torch": torch.__version__, "machine": platform.machine(), "repeat": args.repeat,
                        "remember": args.remember or args.repeat > 1,
                        "suffix_exclude_questions": args.suffix_exclude_questions, "corpus": args.corpus,
