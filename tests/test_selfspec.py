@@ -135,6 +135,41 @@ def test_a_full_budget_draft_is_the_target_and_is_always_accepted():
     assert drafted and all(s.num_accepted == s.num_drafted for s in drafted)
 
 
+@pytest.mark.parametrize("kind", list(DRAFTERS))
+def test_ragged_rows_draft_what_each_row_drafts_alone(kind):
+    """Rows of different lengths (so different slot counts and position shifts) each draft from
+    their own true positions: the batch proposes what each row proposes alone. (Ragged chains once
+    took their positions shifted twice: on book prompts at batch 8 the drafts were accepted ~10%.)"""
+    prompts = [_ids(11, 50), _ids(12, 71), _ids(13, 12)]  # the last fits the budget of 16 whole
+    lengths = [p.shape[1] for p in prompts]
+    batch = torch.zeros(3, max(lengths), dtype=torch.long)
+    for i, p in enumerate(prompts):  # left-aligned rows; the store reads each row's own length
+        batch[i, : lengths[i]] = p[0]
+    source = BMCCache.for_model(TARGET, 3)
+    for i, p in enumerate(prompts):
+        single = _prefilled(TARGET, p)
+        source.load_prefill(i, [(layer.keys[0, :, : lengths[i]], layer.values[0, :, : lengths[i]])
+                                for layer in single.layers], capacity=max(lengths))
+    pending = Commit(torch.tensor([[9], [5], [7]]), torch.ones(3, dtype=torch.long), torch.zeros(3, dtype=torch.long))
+    together = DRAFTERS[kind](16)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the short row is copied whole: said, and meant here
+        together.begin(Prompt(batch, torch.tensor(lengths), cache=source))
+    together.accept(pending)
+    assert together.cache.lengths == [16, 16, 12] and together.cache.shift == [34, 55, 0]  # ragged slots
+    chain = together.cache.prepare_chain(2).position_ids
+    assert chain.tolist() == [[n, n + 1] for n in lengths]  # each row at its true next position
+    drafts = together.propose(4).tokens
+    for i, p in enumerate(prompts):
+        alone = DRAFTERS[kind](16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            alone.begin(Prompt(p, torch.tensor([lengths[i]]), cache=_prefilled(TARGET, p)))
+        alone.accept(Commit(pending.tokens[i : i + 1], torch.ones(1, dtype=torch.long),
+                            torch.zeros(1, dtype=torch.long)))
+        assert torch.equal(drafts[i], alone.propose(4).tokens[0]), f"row {i}"
+
+
 def _match_rows(draft: torch.Tensor, target: torch.Tensor) -> list[int]:
     """draft [n, D], target [T, D]: the target row each draft row equals exactly (asserts one exists)."""
     eq = (draft[:, None, :] == target[None, :, :]).all(-1)  # [n, T]
@@ -286,6 +321,64 @@ def test_bench_figures_from_steps_and_the_cost_models_prediction():
     assert fig["t_plain"] == pytest.approx(0.1) and fig["decode_seconds"] == pytest.approx(1.1)
     assert predicted_speedup(fig, t_target=0.1) == pytest.approx(omega(3, 0.8) * 0.1 / (0.3 + 0.2))
     assert predicted_speedup(step_figures(steps[:1] + steps[3:]), 0.1) == 1.0  # never drafted
+
+
+def test_bench_figures_at_a_batch_count_every_row_and_the_longest_draft():
+    from specdec.bench.longctx import step_figures
+    from specdec.decoder import StepStats
+
+    steps = [StepStats([0, 0], [0, 0], 0.0, 9.0),  # the prefill
+             StepStats([3, 1], [3, 0], 0.3, 0.4),  # row 0 all accepted, row 1 rejected its one draft
+             StepStats([0, 2], [0, 1], 0.2, 0.4),  # only row 1 drafted
+             StepStats([0, 0], [0, 0], 0.0, 0.2)]  # a plain step
+    fig = step_figures(steps)
+    assert fig["drafting_steps"] == 2 and fig["plain_steps"] == 1
+    assert fig["gamma"] == pytest.approx(5 / 2)  # draft forwards: 3 (row 0's chain), then 2
+    assert fig["t_draft"] == pytest.approx(0.5 / 5)
+    assert fig["accept_rate"] == pytest.approx(4 / 6)
+    assert fig["alpha"] == pytest.approx(4 / (3 + 1 + 2))  # trials: 3 (no rejection), 0 + 1, 1 + 1
+
+
+class _CharTokenizer:
+    """Characters as tokens; the chat template wraps the text in two marker tokens."""
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [ord(c) for c in text]}
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, add_generation_prompt, return_tensors, return_dict):
+        return {"input_ids": torch.tensor([[1] + [ord(c) for c in messages[0]["content"]] + [2]])}
+
+
+def test_bench_longctx_batches_group_consecutive_books():
+    from specdec.bench.longctx import build_prompts
+
+    books = [{"id": f"b{i}", "text": chr(97 + i) * 50} for i in range(5)]
+    prompts = build_prompts(_CharTokenizer(), books, [10, 20], ["continue"], batch=2)
+    assert [p.key for p in prompts] == ["B2:b0+b1/10/continue", "B2:b0+b1/20/continue",
+                                        "B2:b2+b3/10/continue", "B2:b2+b3/20/continue"]  # b4 has no partner
+    first = prompts[0].rows
+    assert len(first) == 2 and first[0][1:11].tolist() == [97] * 10 and first[1][1:11].tolist() == [98] * 10
+    single = build_prompts(_CharTokenizer(), books[:1], [10], ["summary"])
+    assert single[0].key == "b0/10/summary"
+    assert single[0].input_ids.shape == (1, 1 + 10 + len("\n\nSummarize the passage above.") + 1)
+    with pytest.raises(ValueError, match="--batch-size 8 needs at least 8 books"):
+        build_prompts(_CharTokenizer(), books, [10], ["continue"], batch=8)
+    with pytest.raises(ValueError, match="fewer than --lengths 60"):
+        build_prompts(_CharTokenizer(), books, [60], ["continue"])
+
+
+def test_bench_longctx_methods_expand_budgets_and_keep_fixed_settings():
+    from specdec.bench.longctx import MethodSpec, make_methods
+
+    methods = make_methods(["hf-generate", "none", "streaming", "streaming@k=3", "auto", "prompt-lookup@k=4"],
+                           [256, 512])
+    assert [m.name for m in methods] == ["hf-generate", "none", "streaming@256", "streaming@512",
+                                         "streaming@256@k=3", "streaming@512@k=3", "auto", "prompt-lookup@k=4"]
+    assert methods[4] == MethodSpec("streaming@256@k=3", "streaming", 256, "k=3")
+    assert methods[-1] == MethodSpec("prompt-lookup@k=4", "prompt-lookup", None, "k=4")
 
 
 def test_bench_longctx_names_bad_lengths_before_loading_a_model(capsys):

@@ -7,14 +7,21 @@ greedily, in an order rotated from prompt to prompt so machine noise hits all al
 output is compared token for token with HF generate's. Methods: HF ``generate``, specdec plain
 decoding (``none``), ``streaming`` and ``snapkv`` at each ``--budgets`` size, ``prompt-lookup``.
 
+``--batch-size B`` (MagicDec's regime: a batch's KV reads outgrow its weight reads): a prompt is then
+B excerpts of one length, B different books, run as one batch (HF ``generate`` with left padding,
+specdec with a list of prompts); rows are compared with HF's batched rows, tokens/s counts every row.
+
 Per record (one prompt, one method), appended to ``--out``.jsonl as it finishes (a rerun skips the
 records already there):
-    tokens_per_s, ttft     end to end; TTFT = HF generate with max_new_tokens=1, or specdec's
-                           first step (prefill + the drafter's setup)
-    accept_rate            drafted tokens accepted / drafted; gamma = mean drafted per drafting step
+    tokens_per_s, ttft     end to end (all rows); TTFT = until the first new token of the run (HF:
+                           its first logits processor call; specdec: its first step, prefill + the
+                           drafter's setup)
+    accept_rate            drafted tokens accepted / drafted; gamma = mean draft forwards per drafting
+                           step (at a batch: the longest row's draft)
     alpha                  per-token acceptance as the cost model uses it (a rejection ends a trial)
     t_target, t_draft,     seconds: a plain decode step (``none`` on the same prompt), one draft
-    t_verify               forward, one verify forward of gamma + 1 rows (this method's steps)
+    t_verify               forward (for the whole batch), one verify forward of gamma + 1 rows per
+                           sequence (this method's steps)
     predicted              MagicDec's speedup from those, next to measured = decode-phase tokens/s
                            over ``none``'s decode-phase tokens/s on the same prompt
 ``--memory`` also runs each method once in a child process at the longest prompt and records its
@@ -33,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from specdec import cost_model
 
@@ -45,21 +53,29 @@ INSTRUCTIONS = {"continue": "Continue the story.", "summary": "Summarize the pas
 
 @dataclass(frozen=True)
 class LongPrompt:
-    book: str  # the excerpt's id
-    length: int  # tokens of the excerpt kept (--lengths)
+    books: tuple[str, ...]  # the excerpts' ids, one per sequence of the batch
+    length: int  # tokens of each excerpt kept (--lengths)
     instruction: str  # a key of INSTRUCTIONS
-    input_ids: torch.Tensor  # [1, P] chat template applied (P a few tokens over length)
+    rows: tuple[torch.Tensor, ...]  # [B] of [P_b]: chat template applied (P_b a few tokens over length)
 
     @property
     def key(self) -> str:
-        return f"{self.book}/{self.length}/{self.instruction}"
+        if len(self.books) == 1:
+            return f"{self.books[0]}/{self.length}/{self.instruction}"
+        return f"B{len(self.books)}:{'+'.join(self.books)}/{self.length}/{self.instruction}"
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        """[1, P] the first sequence (--memory runs one sequence)."""
+        return self.rows[0][None]
 
 
 @dataclass(frozen=True)
 class MethodSpec:
-    name: str  # "hf-generate", "none", "streaming@512", "snapkv@512", "prompt-lookup"
+    name: str  # "hf-generate", "none", "streaming@512", "snapkv@512", "prompt-lookup", "streaming@512@k=3"
     drafter: str | None  # registry name; None = HF generate
     budget: int | None = None  # KV rows of a self-speculation drafter
+    fixed: str = ""  # "k=N" / "n=N": a fixed draft length / tree size instead of the controller
 
 
 def read_books(path: Path) -> list[dict]:
@@ -75,31 +91,46 @@ def read_books(path: Path) -> list[dict]:
     return books
 
 
-def build_prompts(tokenizer, books: list[dict], lengths: list[int], instructions: list[str]) -> list[LongPrompt]:
+def build_prompts(tokenizer, books: list[dict], lengths: list[int], instructions: list[str],
+                  batch: int = 1) -> list[LongPrompt]:
+    """Per group of ``batch`` consecutive books (a trailing partial group is dropped), per length and
+    instruction, one prompt of ``batch`` sequences."""
+    if len(books) < batch:
+        raise ValueError(f"--batch-size {batch} needs at least {batch} books (--books), got {len(books)}")
+    tokens = [tokenizer(book["text"], add_special_tokens=False)["input_ids"] for book in books]
+    for book, toks in zip(books, tokens):
+        if len(toks) < max(lengths):
+            raise ValueError(f"book {book['id']!r} has {len(toks)} tokens, fewer than --lengths {max(lengths)}")
+
+    def chat(toks: list[int], n: int, ins: str) -> torch.Tensor:
+        excerpt = tokenizer.decode(toks[:n])  # the first n tokens, from the start
+        messages = [{"role": "user", "content": f"{excerpt}\n\n{INSTRUCTIONS[ins]}"}]
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                             return_dict=True)["input_ids"][0]
+
     out = []
-    for book in books:
-        tokens = tokenizer(book["text"], add_special_tokens=False)["input_ids"]
+    for g in range(0, len(books) - batch + 1, batch):
+        group = range(g, g + batch)
         for n in lengths:
-            if len(tokens) < n:
-                raise ValueError(f"book {book['id']!r} has {len(tokens)} tokens, fewer than --lengths {n}")
-            excerpt = tokenizer.decode(tokens[:n])  # the first n tokens, from the start
             for ins in instructions:
-                messages = [{"role": "user", "content": f"{excerpt}\n\n{INSTRUCTIONS[ins]}"}]
-                ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                                    return_dict=True)["input_ids"]
-                out.append(LongPrompt(book["id"], n, ins, ids))
+                out.append(LongPrompt(tuple(books[b]["id"] for b in group), n, ins,
+                                      tuple(chat(tokens[b], n, ins) for b in group)))
     return out
 
 
 def make_methods(names: list[str], budgets: list[int]) -> list[MethodSpec]:
+    """``NAME@k=N`` / ``NAME@n=N`` is NAME at a fixed setting (specdec.bench.generation.fixed_setting);
+    streaming and snapkv expand to one method per budget: "streaming@k=3" -> "streaming@256@k=3", ..."""
     methods = []
-    for name in names:
+    for full in names:
+        name, _, fixed = full.partition("@")
+        tail = f"@{fixed}" if fixed else ""
         if name == "hf-generate":
             methods.append(MethodSpec(name, None))
         elif name in ("streaming", "snapkv"):
-            methods += [MethodSpec(f"{name}@{b}", name, b) for b in budgets]
+            methods += [MethodSpec(f"{name}@{b}{tail}", name, b, fixed) for b in budgets]
         else:
-            methods.append(MethodSpec(name, name))
+            methods.append(MethodSpec(full, name, None, fixed))
     return methods
 
 
@@ -113,20 +144,23 @@ def make_drafter(spec: MethodSpec, model):
 
 
 def step_figures(steps) -> dict:
-    """Acceptance and timings from a generation's StepStats (step 0, the prefill, left out)."""
+    """Acceptance and timings from a generation's StepStats (step 0, the prefill, left out). At a
+    batch a drafting step is one where any row drafted; its draft forwards are the longest row's
+    draft (a chain drafter runs the whole batch once per token), acceptance counts every row."""
     decode = steps[1:]
-    drafting = [s for s in decode if s.num_drafted[0]]
-    plain = [s for s in decode if not s.num_drafted[0]]
-    drafted = sum(s.num_drafted[0] for s in drafting)
-    accepted = sum(s.num_accepted[0] for s in drafting)
-    trials = sum(s.num_accepted[0] + (s.num_accepted[0] < s.num_drafted[0]) for s in drafting)
+    drafting = [s for s in decode if max(s.num_drafted)]
+    plain = [s for s in decode if not max(s.num_drafted)]
+    forwards = sum(max(s.num_drafted) for s in drafting)
+    drafted = sum(sum(s.num_drafted) for s in drafting)
+    accepted = sum(sum(s.num_accepted) for s in drafting)
+    trials = sum(a + (a < d) for s in drafting for d, a in zip(s.num_drafted, s.num_accepted) if d)
     mean = lambda xs: statistics.fmean(xs) if xs else None  # noqa: E731
     return {
         "drafting_steps": len(drafting), "plain_steps": len(plain),
         "accept_rate": accepted / drafted if drafted else None,
         "alpha": accepted / trials if trials else None,
-        "gamma": drafted / len(drafting) if drafting else 0.0,
-        "t_draft": sum(s.draft_time for s in drafting) / drafted if drafted else None,
+        "gamma": forwards / len(drafting) if drafting else 0.0,
+        "t_draft": sum(s.draft_time for s in drafting) / forwards if forwards else None,
         "t_verify": mean([s.verify_time for s in drafting]),
         "t_plain": mean([s.verify_time for s in plain]),
         "decode_seconds": sum(s.draft_time + s.verify_time for s in decode),
@@ -143,49 +177,74 @@ def predicted_speedup(fig: dict, t_target: float | None) -> float | None:
     return cost_model.omega(g, fig["alpha"]) * t_target / (g * fig["t_draft"] + fig["t_verify"])
 
 
-def run_method(spec: MethodSpec, model, ids: torch.Tensor, max_new_tokens: int, eos) -> dict:
-    """One generation: its new tokens, seconds, TTFT and (specdec) step figures."""
+class _FirstCall(LogitsProcessor):
+    """Records when HF generate first processes logits: its prefill is done (TTFT)."""
+
+    def __init__(self) -> None:
+        self.at: float | None = None
+
+    def __call__(self, input_ids, scores):
+        self.at = self.at or time.perf_counter()
+        return scores
+
+
+def run_method(spec: MethodSpec, model, rows: tuple[torch.Tensor, ...], max_new_tokens: int, eos) -> dict:
+    """One generation of the batch ``rows`` ([B] of [P_b]): each row's new tokens (up to its EOS),
+    seconds, TTFT and (specdec) step figures."""
+    from specdec.bench.batch import left_padded, until_eos
     from specdec.decoder import SpecDecoder
 
+    eos_list = [eos] if isinstance(eos, int) else list(eos or [])
     if spec.drafter is None:
-        kw = dict(attention_mask=torch.ones_like(ids), do_sample=False, eos_token_id=eos, pad_token_id=eos)
+        pad = eos_list[0] if eos_list else 0
+        ids, mask = left_padded(list(rows), pad)  # one row: no padding
+        first = _FirstCall()
         t = time.perf_counter()
-        model.generate(ids, max_new_tokens=1, **kw)
-        ttft = time.perf_counter() - t
-        t = time.perf_counter()
-        seq = model.generate(ids, max_new_tokens=max_new_tokens, **kw)
-        return {"output": seq[0, ids.shape[1]:].tolist(), "seconds": time.perf_counter() - t, "ttft": ttft}
+        seq = model.generate(ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eos, pad_token_id=pad, logits_processor=LogitsProcessorList([first]))
+        seconds = time.perf_counter() - t
+        return {"outputs": [until_eos(r, eos_list) for r in seq[:, ids.shape[1]:].tolist()], "seconds": seconds,
+                "ttft": first.at - t}
+    from specdec.bench.generation import fixed_setting
+    from specdec.decoder import SpecDecoderConfig
+
     drafter = make_drafter(spec, model) if spec.drafter != "none" else None
-    first: list[float] = []
+    config = fixed_setting(spec.fixed) if spec.fixed else SpecDecoderConfig()
+    first_step: list[float] = []
     t = time.perf_counter()
-    out = SpecDecoder(model, drafter).generate(ids, max_new_tokens=max_new_tokens, eos_token_id=eos,
-                                               callback=lambda e: first or first.append(time.perf_counter()))
+    out = SpecDecoder(model, drafter, config).generate(
+        list(rows) if len(rows) > 1 else rows[0][None], max_new_tokens=max_new_tokens, eos_token_id=eos,
+        callback=lambda e: first_step or first_step.append(time.perf_counter()))
     seconds = time.perf_counter() - t
-    return {"output": out.sequences[0, ids.shape[1]:].tolist(), "seconds": seconds, "ttft": first[0] - t,
-            "steps": len(out.steps), **step_figures(out.steps)}
+    return {"outputs": [out.generated(b).tolist() for b in range(len(rows))], "seconds": seconds,
+            "ttft": first_step[0] - t, "steps": len(out.steps), **step_figures(out.steps)}
 
 
 def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
     """Ratios within one prompt: to HF generate, and the cost model against ``none``'s decode."""
+    B = len(prompt.rows)
+    new = lambda r: sum(len(o) for o in r["outputs"])  # noqa: E731  tokens of every row
+    # the decode phase: every row's first token comes from the prefill step
+    decode_rate = lambda r: (new(r) - B) / r["decode_seconds"] if r.get("decode_seconds") else None  # noqa: E731
     hf = results.get("hf-generate")
     plain = results.get("none")
     t_target = plain.get("t_plain") if plain else None
-    plain_rate = (len(plain["output"]) - 1) / plain["decode_seconds"] if plain and plain["decode_seconds"] else None
+    plain_rate = decode_rate(plain) if plain else None
     records = []
     for name, r in results.items():
-        rec = {"prompt": prompt.key, "book": prompt.book, "length": prompt.length,
-               "instruction": prompt.instruction, "prompt_tokens": prompt.input_ids.shape[1], "method": name,
-               **{k: v for k, v in r.items() if k != "output"},
-               "new_tokens": len(r["output"]), "tokens_per_s": len(r["output"]) / r["seconds"]}
+        rec = {"prompt": prompt.key, "book": prompt.books[0], "batch": B, "length": prompt.length,
+               "instruction": prompt.instruction, "prompt_tokens": max(len(x) for x in prompt.rows), "method": name,
+               **{k: v for k, v in r.items() if k != "outputs"},
+               "new_tokens": new(r), "tokens_per_s": new(r) / r["seconds"]}
         if hf is not None:
-            rec["identical"] = r["output"] == hf["output"]
-            rec["hf_tokens_per_s"] = len(hf["output"]) / hf["seconds"]
+            rec["identical"] = sum(a == b for a, b in zip(r["outputs"], hf["outputs"]))  # rows equal to HF's
+            rec["hf_tokens_per_s"] = new(hf) / hf["seconds"]
             rec["speedup_vs_hf"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"]
         if "steps" in r and name != "hf-generate":
             rec["predicted"] = predicted_speedup(r, t_target)
-            rate = (len(r["output"]) - 1) / r["decode_seconds"] if r["decode_seconds"] else None
+            rate = decode_rate(r)
             rec["measured"] = rate / plain_rate if rate and plain_rate else None
-        rec["output"] = r["output"]  # kept so a resumed run can still compare with HF's output
+        rec["outputs"] = r["outputs"]  # kept so a resumed run can still compare with HF's outputs
         records.append(rec)
     return records
 
@@ -198,7 +257,7 @@ def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_t
     x = torch.tensor([ids])
     with warnings.catch_warnings():  # warm-up: one-off allocations are not the method's
         warnings.simplefilter("ignore")  # (its short prompt fits every budget)
-        run_method(spec, loaded.model, x[:, :64], 4, None)
+        run_method(spec, loaded.model, (x[0, :64],), 4, None)
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak RSS (VmHWM) to the current RSS
 
     def kib(field):
@@ -207,7 +266,7 @@ def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_t
 
     base = kib("VmRSS:")
     with torch.inference_mode():
-        run_method(spec, loaded.model, x, max_new_tokens, loaded.model.generation_config.eos_token_id)
+        run_method(spec, loaded.model, (x[0],), max_new_tokens, loaded.model.generation_config.eos_token_id)
     out.put((kib("VmHWM:") - base) / 1024)
 
 
@@ -249,6 +308,8 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--methods", default="hf-generate,none,streaming,snapkv,prompt-lookup")
     p.add_argument("--budgets", default="256,512,1024", help="KV rows of streaming and snapkv")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="sequences per run: B books of one length as one batch (MagicDec's regime)")
     p.add_argument("--memory", action="store_true", help="peak RSS per method (a child process each)")
     p.add_argument("--out", default="results/longctx", help="appends OUT.jsonl; writes OUT.json (summary)")
 
@@ -265,6 +326,10 @@ def run(args) -> int:
     if names[0] != "hf-generate":
         raise ValueError("--methods must start with hf-generate: every output is checked against it")
     instructions = list(INSTRUCTIONS) if args.instruction == "both" else [args.instruction]
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.memory and args.batch_size > 1:
+        raise ValueError("--memory measures one sequence: run it without --batch-size")
     books = read_books(Path(args.questions) if args.questions else BOOKS)[: args.books]
     console = Console(width=max(150, Console().width))  # 12 columns: never squeeze them to 80 in a pipe
     loaded = load_model(args.model)
@@ -274,7 +339,7 @@ def run(args) -> int:
         raise ValueError(f"--lengths {max(lengths)} + {args.max_new_tokens} new tokens does not fit the "
                          f"model's context window of {window} tokens")
     eos = model.generation_config.eos_token_id
-    prompts = build_prompts(tok, books, lengths, instructions)
+    prompts = build_prompts(tok, books, lengths, instructions, args.batch_size)
     methods = make_methods(names, budgets)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -284,6 +349,8 @@ def run(args) -> int:
         for line in log.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
+                if "output" in r:  # a record of a batch-1 run before --batch-size
+                    r["outputs"] = [r.pop("output")]
                 done.setdefault(r["prompt"], {})[r["method"]] = r
     records = [r for per in done.values() for r in per.values()]
     with torch.inference_mode():
@@ -291,7 +358,7 @@ def run(args) -> int:
         with warnings.catch_warnings():  # the short warm-up prompt fits every budget: no news
             warnings.simplefilter("ignore")
             for m in methods:  # first calls pay one-off costs (allocator, kernels): not measured
-                run_method(m, model, warm, 4, eos)
+                run_method(m, model, (warm[0],) * min(args.batch_size, 2), 4, eos)
         for i, prompt in enumerate(prompts):
             have = done.get(prompt.key, {})  # records are written per prompt, so only a changed
             todo = [m for m in methods if m.name not in have]  # --methods/--budgets leaves gaps
@@ -300,8 +367,8 @@ def run(args) -> int:
             results = dict(have)  # earlier records of this prompt serve as references (HF, none)
             k = i % len(todo)
             for m in todo[k:] + todo[:k]:
-                console.log(f"{prompt.key} ({prompt.input_ids.shape[1]} tokens): {m.name}")
-                results[m.name] = run_method(m, model, prompt.input_ids, args.max_new_tokens, eos)
+                console.log(f"{prompt.key} ({max(len(x) for x in prompt.rows)} tokens): {m.name}")
+                results[m.name] = run_method(m, model, prompt.rows, args.max_new_tokens, eos)
             new = [r for r in finish_records(prompt, results) if r["method"] not in have]
             with open(log, "a") as f:
                 for r in new:
@@ -314,40 +381,43 @@ def run(args) -> int:
             memory[m.name] = peak_rss_mb(m, args.model, longest.input_ids, args.max_new_tokens)
     summary = summarize(records, memory)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    console.print(table(summary, loaded.name, args.max_new_tokens, Table))
+    console.print(table(summary, loaded.name, args.max_new_tokens, args.batch_size, Table))
     return 0
 
 
 def summarize(records: list[dict], memory: dict[str, float]) -> list[dict]:
-    """One row per (length, instruction, method): means over books."""
+    """One row per (length, instruction, method): means over prompts (books or batches of books)."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
-        groups.setdefault((r["length"], r["instruction"], r["method"]), []).append(r)
+        groups.setdefault((r.get("batch", 1), r["length"], r["instruction"], r["method"]), []).append(r)
 
     def mean(rs, key):
         xs = [r[key] for r in rs if r.get(key) is not None]
         return statistics.fmean(xs) if xs else None
 
     rows = []
-    for (length, ins, method), rs in sorted(groups.items(), key=lambda kv: (kv[0][0], kv[0][1])):
-        rows.append({"length": length, "instruction": ins, "method": method, "prompts": len(rs),
+    for (batch, length, ins, method), rs in sorted(groups.items(), key=lambda kv: kv[0][:3]):
+        rows.append({"batch": batch, "length": length, "instruction": ins, "method": method, "prompts": len(rs),
                      **{k: mean(rs, k) for k in ("speedup_vs_hf", "hf_tokens_per_s", "tokens_per_s", "ttft",
                                                   "accept_rate", "gamma", "predicted", "measured")},
-                     "identical": sum(bool(r.get("identical")) for r in rs),
+                     "identical": sum(int(r.get("identical") or 0) for r in rs),
+                     "rows": sum(r.get("batch", 1) for r in rs),
                      "peak_rss_mb": memory.get(method)})
     return rows
 
 
-def table(rows: list[dict], model_name: str, max_new_tokens: int, Table):
-    t = Table(title=f"{model_name}: long-context self-speculation, {max_new_tokens} new tokens, greedy, batch 1")
-    cols = ("length", "instr.", "method", "vs HF", "HF tok/s", "TTFT s", "accept", "gamma", "predicted",
+def table(rows: list[dict], model_name: str, max_new_tokens: int, batch: int, Table):
+    t = Table(title=f"{model_name}: long-context self-speculation, {max_new_tokens} new tokens, greedy")
+    cols = ("B", "length", "instr.", "method", "vs HF", "HF tok/s", "TTFT s", "accept", "gamma", "predicted",
             "measured", "identical", "peak MB")
     for c in cols:
         t.add_column(c, justify="right")
     f = lambda x, fmt: "-" if x is None else format(x, fmt)  # noqa: E731
     for r in rows:
-        t.add_row(str(r["length"]), r["instruction"], r["method"], f(r["speedup_vs_hf"], ".2f") + "x",
-                  f(r["hf_tokens_per_s"], ".1f"), f(r["ttft"], ".2f"), f(r["accept_rate"], ".2f"),
+        if r["batch"] != batch:
+            continue
+        t.add_row(str(r["batch"]), str(r["length"]), r["instruction"], r["method"],
+                  f(r["speedup_vs_hf"], ".2f") + "x", f(r["hf_tokens_per_s"], ".1f"), f(r["ttft"], ".2f"), f(r["accept_rate"], ".2f"),
                   f(r["gamma"], ".1f"), f(r["predicted"], ".2f"), f(r["measured"], ".2f"),
-                  f"{r['identical']}/{r['prompts']}", f(r["peak_rss_mb"], ".0f"))
+                  f"{r['identical']}/{r['rows']}", f(r["peak_rss_mb"], ".0f"))
     return t

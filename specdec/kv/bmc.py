@@ -225,6 +225,9 @@ class BMCCache(Cache):
         return self.layers[0].capacity
 
     def prepare(self, block_mask: torch.Tensor, depth: torch.Tensor) -> BlockInputs:
+        return self._prepare_block(block_mask, depth)
+
+    def _prepare_block(self, block_mask: torch.Tensor, depth: torch.Tensor) -> BlockInputs:
         """Plan the next forward over a block of Q rows per batch row and build its inputs.
 
         block_mask: [B, Q, Q] bool, which block rows each block row sees (causal for a chain, the
@@ -256,8 +259,9 @@ class BMCCache(Cache):
         the whole block costs two small allocations instead of ~10 mask ops.
         """
         B = self.batch_size
-        if len(set(self.lengths)) != 1:  # ragged rows: the general path
-            return self.prepare(_causal(q, self.device).expand(B, q, q), torch.arange(q).expand(B, q))
+        if len(set(self.lengths)) != 1:  # ragged rows: the general path (never a subclass's prepare:
+            # CompressedCache shifts the positions of both, and through its prepare it shifted twice)
+            return self._prepare_block(_causal(q, self.device).expand(B, q, q), torch.arange(q).expand(B, q))
         self._plan = plan = _WritePlan(self.lengths, q, self.device)
         s, L = self.lengths[0], plan.end
         bias = torch.zeros(1, 1, q, L, dtype=self.dtype, device=self.device)
