@@ -22,6 +22,7 @@ as HF itself does for Q = 1.
 from __future__ import annotations
 
 import contextvars
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -83,6 +84,19 @@ AttentionInterface.register(PAD, grouped_attention)
 AttentionInterface.register(SPLIT, _split_attention)
 
 
+def cache_arg(module) -> str:
+    """The name ``module.forward`` takes its KV cache under: ``cache`` from transformers 5.24 on
+    (``past_key_values`` there is deprecated, with a FutureWarning per call), ``past_key_values`` before."""
+    name = _CACHE_ARG.get(type(module))
+    if name is None:
+        params = inspect.signature(type(module).forward).parameters
+        name = _CACHE_ARG[type(module)] = "cache" if "cache" in params else "past_key_values"
+    return name
+
+
+_CACHE_ARG: dict[type, str] = {}
+
+
 @dataclass(frozen=True)
 class BlockOutput:
     logits: torch.Tensor  # [B, Q, V]
@@ -115,8 +129,8 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
             input_ids=input_ids.to(model.device),
             position_ids=inputs.position_ids,
             attention_mask=inputs.attention_mask,  # 4D additive bias: HF uses it as given
-            past_key_values=cache,
             use_cache=True,
+            **{cache_arg(model): cache},
             output_hidden_states=want_hidden,
         )
     finally:
@@ -142,8 +156,8 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False) -> Prefil
     masked path, ~2x HF's time), logits for the last position only (the lm_head over 49k tokens x P
     rows would cost more than the prompt's attention). The caller copies the K/V into its store."""
     cache = DynamicCache()
-    out = model(input_ids=input_ids.to(model.device), past_key_values=cache, use_cache=True,
-                output_hidden_states=want_hidden, logits_to_keep=1)
+    out = model(input_ids=input_ids.to(model.device), use_cache=True, output_hidden_states=want_hidden,
+                logits_to_keep=1, **{cache_arg(model): cache})
     layers = [(layer.keys, layer.values) for layer in cache.layers]
     hidden = out.hidden_states[-1] if want_hidden else None
     return Prefill(out.logits[:, -1], hidden, layers)

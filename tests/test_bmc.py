@@ -7,7 +7,7 @@ import torch
 from transformers import DynamicCache
 
 from conftest import tiny_llama
-from specdec.forward import forward_block
+from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.tree import ancestor_mask, chain_mask
 
@@ -28,7 +28,7 @@ def test_logits_match_dynamic_cache_float32(period):
     for q in [17, 1, 3, 1, 7, 1, 11]:
         block = ids[:, pos : pos + q]
         with torch.no_grad():
-            ref = model(block, past_key_values=ref_cache, use_cache=True).logits
+            ref = model(block, use_cache=True, **{cache_arg(model): ref_cache}).logits
         ours = _chain_forward(model, bmc, block).logits
         bmc.commit([list(range(q))])
         torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
@@ -133,7 +133,7 @@ def test_period_chosen_at_each_reallocation_keeps_logits_exact():
     for q in [9, 1, 3, 1, 7, 1, 11, 2, 13, 5, 1, 17, 4, 6]:
         block = ids[:, pos : pos + q]
         with torch.no_grad():
-            ref = model(block, past_key_values=ref_cache, use_cache=True).logits
+            ref = model(block, use_cache=True, **{cache_arg(model): ref_cache}).logits
         before = bmc.capacity
         ours = _chain_forward(model, bmc, block).logits
         if bmc.capacity != before:

@@ -12,7 +12,7 @@ from conftest import hf_greedy, tiny_llama
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
-from specdec.forward import forward_block
+from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.tree import (DraftTree, TreeTemplate, ancestor_mask, expected_accepted, from_networkx,
                           node_depths, path_to, position_ids, sequoia_tree, to_networkx)
@@ -199,7 +199,7 @@ def test_commit_of_a_non_prefix_path_matches_a_fresh_forward(period):
     nxt = torch.tensor([[17]])
     step = forward_block(target, cache, nxt, torch.ones(1, 1, 1).bool(), torch.zeros(1, 1, dtype=torch.long))
     with torch.no_grad():
-        ref = target(torch.cat([committed, nxt], 1), past_key_values=DynamicCache()).logits
+        ref = target(torch.cat([committed, nxt], 1), **{cache_arg(target): DynamicCache()}).logits
     assert cache.lengths == [P + 3]  # P - 1 prefilled + pending + 3 path nodes
     torch.testing.assert_close(out.logits[0, [0, 2, 4, 5]], ref[0, P - 1 : P + 3], atol=1e-9, rtol=0)
     torch.testing.assert_close(step.logits[0, -1], ref[0, -1], atol=1e-9, rtol=0)

@@ -33,7 +33,7 @@ from transformers import DynamicCache
 from specdec import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Drafter
-from specdec.forward import forward_block
+from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
 from specdec.tree import DraftTree, chain_mask
 
@@ -52,7 +52,7 @@ def measure(model, context: int = 200, sizes=SIZES, repeats: int = 20) -> dict:
     ids = _context(model, context + max(sizes))
     prompt, block = ids[:, :context], ids[:, context:]
     hf_cache = DynamicCache()
-    model(input_ids=prompt, past_key_values=hf_cache, use_cache=True)
+    model(input_ids=prompt, use_cache=True, **{cache_arg(model): hf_cache})
     bmc = BMCCache.for_model(model, 1)
     forward_block(model, bmc, prompt, None, None)
     bmc.commit([list(range(context))])
@@ -60,7 +60,7 @@ def measure(model, context: int = 200, sizes=SIZES, repeats: int = 20) -> dict:
     def hf(q):
         cache = copy.deepcopy(hf_cache)  # a fresh context each call (crop is not on every layer type)
         t = time.perf_counter()
-        model(input_ids=block[:, :q], past_key_values=cache, use_cache=True)
+        model(input_ids=block[:, :q], use_cache=True, **{cache_arg(model): cache})
         return time.perf_counter() - t
 
     def chain(q):

@@ -58,6 +58,7 @@ from torch import nn
 
 from specdec import kernels
 from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.forward import cache_arg
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, chain_mask
@@ -156,8 +157,8 @@ class EagleHead(nn.Module):
         if attention_mask is None:
             attention_mask = causal_bias(B, S, x.dtype, x.device)
         rope = self._target.rotary(x, position_ids)
-        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids,
-                         past_key_values=cache, use_cache=cache is not None, position_embeddings=rope)
+        out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, use_cache=cache is not None,
+                         position_embeddings=rope, **{cache_arg(self.layer): cache})
         return out[0] if isinstance(out, tuple) else out
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -33,7 +33,7 @@ from transformers import AttentionInterface
 
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
-from specdec.forward import forward_block
+from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
 from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
@@ -220,7 +220,7 @@ def observe_window(model, store: BMCCache, input_ids: torch.Tensor, lengths: lis
     config._attn_implementation = OBSERVE  # this forward only; restored below whatever happens
     try:
         model(input_ids=ids.to(model.device), position_ids=positions.to(model.device),
-              attention_mask=bias.to(model.device), past_key_values=StoreView(store, L), use_cache=True,
+              attention_mask=bias.to(model.device), use_cache=True, **{cache_arg(model): StoreView(store, L)},
               logits_to_keep=1, snapkv_votes=votes)
     finally:
         config._attn_implementation = saved
