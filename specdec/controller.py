@@ -89,7 +89,8 @@ def bass_shrink(length: int, consecutive: int) -> int:
 class _ClassState:
     """What the controller has learned about one draft class."""
 
-    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks", "positions", "values", "idle")
+    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks", "positions", "values", "idle",
+                 "draft_time")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         self.alpha: float | None = None  # per-token acceptance rate, None until measured
@@ -105,6 +106,9 @@ class _ClassState:
         self.positions = sequoia.PositionalAcceptance(decay=config.tree_decay)
         self.values: list[float] | None = None
         self.idle = 0  # steps this class was a candidate (``choose``) and another was picked
+        # running mean seconds per drafted token of this class's drafter, None until it drafted (with
+        # several sources a prompt-lookup token costs ~0 and a self-speculation token a forward)
+        self.draft_time: float | None = None
 
 
 class DraftLengthController:
@@ -116,7 +120,9 @@ class DraftLengthController:
         self._step_times: dict[int, dict[int, float]] = {1: {}}  # batch size -> (q -> seconds)
         self.step_time: dict[int, float] = self._step_times[1]  # the live batch's: q -> mean verify seconds
         self.batch_size = 1
-        self.draft_time: float = 0.0  # running mean seconds the drafter takes per drafted token
+        # running mean seconds per drafted token over every class: a class's own figure once it has
+        # drafted (``draft_time_of``), this before
+        self.draft_time: float = 0.0
 
     def set_batch(self, batch_size: int) -> None:
         """The live batch size changed (sequences finished): verify costs are that batch's own."""
@@ -151,6 +157,12 @@ class DraftLengthController:
     def length(self) -> int:
         return self.state().length
 
+    def draft_time_of(self, key: Hashable = None) -> float:
+        """Seconds per drafted token of class ``key``'s drafter: its own running mean once it has
+        drafted, else the mean over every class."""
+        own = self.state(key).draft_time
+        return self.draft_time if own is None else own
+
     def expected_tokens(self, k: int, key: Hashable = None) -> float:
         """Tokens one step yields when drafting k: 1 + alpha + alpha^2 + ... + alpha^k."""
         a = self.state(key).alpha
@@ -178,7 +190,7 @@ class DraftLengthController:
         if self.state(key).alpha is None or t1 is None:
             return k_max  # not measured yet: try it
         # MagicDec's estimate with T_target = t(1), T_verify(k) = t(1 + k), T_draft = draft_time
-        return cost_model.best_gamma(self.state(key).alpha, t1, self.draft_time,
+        return cost_model.best_gamma(self.state(key).alpha, t1, self.draft_time_of(key),
                                      lambda k: self.cost_ratio(1 + k) * t1, k_max).gamma
 
     def budget(self, key: Hashable = None) -> int:
@@ -247,7 +259,7 @@ class DraftLengthController:
             st.values = sequoia.best_trees(st.positions.table(), 32)[0]
         t1 = self.step_time[1]
         n = sequoia.best_budget(st.values[: cap + 1], lambda q: self.cost_ratio(q) * t1,
-                                lambda k: k * self.draft_time)
+                                lambda k: k * self.draft_time_of(key))
         return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
 
     def observe_tree(self, parents: list[list[int]], accepted: list[list[int]], key: Hashable = None) -> None:
@@ -281,6 +293,7 @@ class DraftLengthController:
         if draft_time is not None:
             per_token = draft_time / max(num_drafted)
             self.draft_time = c.decay * self.draft_time + (1 - c.decay) * per_token
+            st.draft_time = per_token if st.draft_time is None else c.decay * st.draft_time + (1 - c.decay) * per_token
         st.skipped = 0
         t1 = self.step_time.get(1)
         if verify_time is not None and draft_time is not None and t1:

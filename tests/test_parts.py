@@ -174,6 +174,21 @@ def test_cost_gate_picks_the_cheapest_length_that_pays():
     assert c.best_length(7) == 0
 
 
+def test_draft_time_is_each_classs_own():
+    """Two sources with one acceptance rate: free drafts (prompt lookup) pay, drafts that cost a
+    target step per token do not. One shared draft time would size both alike."""
+    c = _cost_aware()
+    c.update([0], [0], verify_time=1.0)
+    for _ in range(30):  # interleaved, as an AutoDrafter's sources are
+        c.update([2], [1], verify_time=1.36, draft_time=0.0, key="lookup")
+        c.update([2], [1], verify_time=1.36, draft_time=2.0, key="self")
+    c.step_time = {1: 1.0, 2: 1.36, 3: 1.36, 4: 1.36, 5: 1.8}
+    assert c.state("lookup").alpha == c.state("self").alpha == pytest.approx(0.5)
+    assert c.draft_time_of("lookup") == 0.0 and c.draft_time_of("self") == pytest.approx(1.0)
+    assert c.best_length(4, "lookup") == 3 and c.best_length(4, "self") == 0
+    assert c.draft_time_of("new") == c.draft_time  # a class that never drafted: the mean over all
+
+
 def test_verify_cost_in_decoder_times_each_block_and_stays_exact(target):
     """The in-place curve: a fixed draft of q - 1 junk tokens per row (chain and star) times whole
     decoder steps, and the output is still the target's own (every junk token is rejected)."""
