@@ -25,8 +25,8 @@ import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from specdec import kernels
+from specdec.bench.generation import make_decoder
 from specdec.decoder import SpecDecoder
-from specdec.registry import make_drafter
 
 
 class _FinishClock(LogitsProcessor):
@@ -114,7 +114,7 @@ def bench_batches(model, tokenizer, texts: list[str], sizes: list[int], drafters
     eos = [eos] if isinstance(eos, int) else list(eos)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     prompts = [_chat_ids(tokenizer, t) for t in texts]
-    decoders = {d: SpecDecoder(model, make_drafter(d, model)) for d in drafters}
+    decoders = {d: make_decoder(model, d) for d in drafters}  # "name@k=N": a fixed setting
     methods = ["hf-generate"] + [f"specdec:{d}" for d in drafters]
     # batch-1 references: specdec plain decoding (== HF greedy) of each prompt alone
     refs = [decoders["none"].generate(p, max_new_tokens=max_new, eos_token_id=eos).generated(0).tolist()

@@ -76,16 +76,22 @@ def fixed_setting(setting: str) -> SpecDecoderConfig:
     return SpecDecoderConfig(draft_length=lengths)
 
 
-def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0, prepare=None) -> Method:
-    """One drafter for the whole session (begin() resets it); ``prepare(drafter)`` runs once first.
-    ``name@k=N`` / ``name@n=N``: a fixed setting instead of the controller (``fixed_setting``)."""
-    sampling = sampling_kwargs(model, temperature)
+def make_decoder(model, drafter_name: str, prepare=None) -> SpecDecoder:
+    """A decoder for a ``--drafters`` entry: a registry name, or ``name@k=N`` / ``name@n=N`` for a
+    fixed setting instead of the controller (``fixed_setting``). ``prepare(drafter)`` runs once first."""
     name, _, setting = drafter_name.partition("@")
     config = fixed_setting(setting) if setting else SpecDecoderConfig()
     drafter = make_drafter(name, model)
     if prepare is not None and drafter is not None:
         prepare(drafter)
-    decoder = SpecDecoder(model, drafter, config)
+    return SpecDecoder(model, drafter, config)
+
+
+def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0, prepare=None) -> Method:
+    """One drafter for the whole session (begin() resets it); ``prepare(drafter)`` runs once first."""
+    sampling = sampling_kwargs(model, temperature)
+    decoder = make_decoder(model, drafter_name, prepare)
+    drafter = decoder.drafter
 
     def go(ids, n):
         out = decoder.generate(ids, max_new_tokens=n, eos_token_id=eos, **sampling)
