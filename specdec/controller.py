@@ -89,14 +89,15 @@ def bass_shrink(length: int, consecutive: int) -> int:
 class _ClassState:
     """What the controller has learned about one draft class."""
 
-    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "shrinks", "positions", "values", "idle",
-                 "draft_time")
+    __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
+                 "values", "idle", "draft_time")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         self.alpha: float | None = None  # per-token acceptance rate, None until measured
         # running mean measured gain of a drafting step over a plain step of the same batch: tokens per
         # sequence it yields over its draft + verify seconds in plain-step units; None until measured
         self.gain: float | None = None
+        self.gain_samples = 0  # drafting steps measured: their plain mean until the EMA's memory is reached
         self.length = config.initial  # BASS draft length
         self.skipped = 0  # steps gated off since the last draft
         self.interval = config.explore_every  # steps between probes; doubles while probes fail
@@ -301,8 +302,12 @@ class DraftLengthController:
             # yields 1 token per sequence); at B = 1: (1 + accepted) / ((verify + draft) / t1)
             per_row = sum(1 + a for a in num_accepted) / len(num_accepted)
             gain = per_row / ((verify_time + draft_time) / t1)
-            g = c.gate_decay
-            st.gain = gain if st.gain is None else g * st.gain + (1 - g) * gain
+            # the plain mean of the first 1 / (1 - gate_decay) steps, the running mean after: a gate
+            # closed by one poor first step (an answer's first tokens) reopens after a good probe or
+            # two, not after ~14 probes spaced up to 64 steps apart (that is: never, in an answer)
+            w = max(1.0 - c.gate_decay, 1.0 / (st.gain_samples + 1))
+            st.gain = gain if st.gain is None else (1.0 - w) * st.gain + w * gain
+            st.gain_samples += 1
         # alpha: accepted tokens over tokens the target judged (a rejection ends the judging)
         hits = sum(num_accepted)
         trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)

@@ -264,6 +264,18 @@ def test_gate_for_self_sized_drafts_follows_measured_throughput():
     assert c.gate() and c.gate()
 
 
+def test_gate_closed_by_a_poor_first_step_reopens_after_good_probes():
+    """The first drafting step of an answer often misses (0.6x a plain step's rate): the gate
+    closes; the next probe wins (2.7x): with the plain mean over the first steps it reopens at once.
+    (With the long running mean alone, the first step's loss kept it shut for ~14 winning probes.)"""
+    c = _cost_aware(explore_every=2)
+    c.update([0], [0], verify_time=1.0)
+    c.update([5], [0], verify_time=1.4, draft_time=0.2)  # 1 token per 1.6 steps: gain 0.625
+    assert not c.gate() and c.gate()  # closed; a probe at 2
+    c.update([5], [3], verify_time=1.4, draft_time=0.1)  # 4 tokens per 1.5 steps: gain 2.67
+    assert c.state().gain == pytest.approx((0.625 + 4 / 1.5) / 2) and c.gate()
+
+
 def test_at_a_batch_measured_gain_vetoes_the_prediction():
     """Batch of 4, one row drafts 3 tokens and gets them all (alpha = 1: the model predicts a win),
     but the step costs 2x a plain one and the other rows yield 1 token each: 1.75 tokens per row in
