@@ -257,7 +257,7 @@ class DraftLengthController:
         if st.positions.observed == 0 or 1 not in self.step_time:
             return cap
         if st.values is None or st.positions.observed % self.config.retree_every == 0:
-            st.values = sequoia.best_trees(st.positions.table(), 32)[0]
+            st.values = sequoia.best_trees(sequoia.one_step_beyond(st.positions.table()), 32)[0]
         t1 = self.step_time[1]
         n = sequoia.best_budget(st.values[: cap + 1], lambda q: self.cost_ratio(q) * t1,
                                 lambda k: k * self.draft_time_of(key))

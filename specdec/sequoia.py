@@ -87,6 +87,18 @@ def _rebuild(choice, acc, n: int) -> list[int]:
     return parents
 
 
+def one_step_beyond(acc: Sequence[Sequence[float]]) -> list[list[float]]:
+    """The measured table plus one untried level and one untried sibling rank, each assumed as good
+    as the nearest measured cell: the deepest level's first rank one level deeper, each level's last
+    rank once more. Unseen cells read as 0, so a table measured on small trees alone valued nothing
+    beyond them and budgets never grew past what was drafted before (on the suffix drafter: 2 nodes
+    while 8 paid); with one step of optimism a bigger tree is tried when it would pay, and its
+    measured cells then take over. Example: [[0.8], [0.5]] -> [[0.8, 0.8], [0.5, 0.5], [0.5]]."""
+    if not acc:
+        return []
+    return [list(row) + [row[-1]] for row in acc] + [[acc[-1][0]]]
+
+
 def best_budget(values: Sequence[float], verify_time: Callable[[int], float],
                 draft_time: Callable[[int], float], tie: float = 1.001) -> int:
     """The node budget n with the most tokens per second, (1 + values[n]) / (draft_time(n) +

@@ -342,8 +342,10 @@ def _tree_controller(step_times: dict[int, float]) -> DraftLengthController:
 
 def test_tree_budget_follows_measured_acceptance_and_verify_cost():
     """Sequoia's budget from measured acceptance (the first chain accepted 3, 8, 6, 8 deep in turn; the
-    second never): a verify that costs a step up to 17 rows takes every node that adds value (8); one
-    that costs 30% more per row stops at 6, before the nodes accepted only half the time."""
+    second never): a verify that costs a step up to 17 rows takes every node that adds value (8) and
+    one untried node past them (``sequoia.one_step_beyond``: a 9th level assumed as good as the 8th,
+    so the budget can grow when it would pay); one that costs 30% more per row stops at 6, before the
+    nodes accepted only half the time."""
     wide = [-1, 0, 1, 2, 3, 4, 5, 6, -1, 0, 1, 2, 3, 4, 5, 6]  # two chains of 8: ranks 0 and 1 at depth 1
     cheap = _tree_controller({1: 1.0, **{q: 1.0 for q in range(2, 18)}})
     dear = _tree_controller({1: 1.0, **{q: 1.0 + 0.3 * (q - 1) for q in range(2, 18)}})
@@ -353,7 +355,7 @@ def test_tree_budget_follows_measured_acceptance_and_verify_cost():
             c.observe_tree([wide], [list(range([3, 8, 6, 8][i % 4]))])  # the first chain, 3-8 deep
         c.update([16], [5], verify_time=c.step_time[17], draft_time=0.0)
     big, small = cheap.tree_budget(16), dear.tree_budget(16)
-    assert (big, small) == (8, 6)
+    assert (big, small) == (9, 6)
     assert cheap.tree_budget(4) <= 4  # never past the cap (the tokens still wanted)
 
 

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from specdec.sequoia import PositionalAcceptance, best_budget, best_trees
+from specdec.sequoia import PositionalAcceptance, best_budget, best_trees, one_step_beyond
 
 
 def tree_value(parents, acc):
@@ -120,3 +120,20 @@ def test_bad_acceptance_is_refused():
         best_trees([[1.5]], 2)
     with pytest.raises(ValueError, match="n_max"):
         best_trees([[0.5]], -1)
+
+
+def test_one_step_beyond_lets_the_budget_grow_past_the_trees_drafted_so_far():
+    """Only 2-node stars drafted so far (depth 1, ranks 0-1 measured): the table values nothing
+    deeper or wider that pays, so with verify rows nearly free the budget stays at 1; with one untried
+    level and rank assumed as good as their neighbours it grows, and the next trees measure them."""
+    pa = PositionalAcceptance(decay=1.0)
+    for i in range(40):
+        pa.observe([-1, -1], [0] if i % 5 else [])  # the first child accepted 4 times in 5
+    measured = pa.table()
+    assert measured == [[pytest.approx(0.8), 0.0]]
+    cheap = lambda q: 1.0 + 0.02 * q  # noqa: E731  8 rows cost ~1.16x a step
+    assert best_budget(best_trees(measured, 8)[0], cheap, lambda n: 0.0) == 1
+    wider = one_step_beyond(measured)
+    assert wider == [[pytest.approx(0.8), 0.0, 0.0], [pytest.approx(0.8)]]
+    assert best_budget(best_trees(wider, 8)[0], cheap, lambda n: 0.0) == 2  # a child of the first guess
+    assert one_step_beyond([]) == []
