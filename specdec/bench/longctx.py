@@ -65,6 +65,11 @@ class LongPrompt:
         return f"B{len(self.books)}:{'+'.join(self.books)}/{self.length}/{self.instruction}"
 
     @property
+    def tokens(self) -> int:
+        """The longest sequence's prompt tokens."""
+        return max(len(x) for x in self.rows)
+
+    @property
     def input_ids(self) -> torch.Tensor:
         """[1, P] the first sequence (--memory runs one sequence)."""
         return self.rows[0][None]
@@ -233,7 +238,7 @@ def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
     records = []
     for name, r in results.items():
         rec = {"prompt": prompt.key, "book": prompt.books[0], "batch": B, "length": prompt.length,
-               "instruction": prompt.instruction, "prompt_tokens": max(len(x) for x in prompt.rows), "method": name,
+               "instruction": prompt.instruction, "prompt_tokens": prompt.tokens, "method": name,
                **{k: v for k, v in r.items() if k != "outputs"},
                "new_tokens": new(r), "tokens_per_s": new(r) / r["seconds"]}
         if hf is not None:
@@ -367,7 +372,7 @@ def run(args) -> int:
             results = dict(have)  # earlier records of this prompt serve as references (HF, none)
             k = i % len(todo)
             for m in todo[k:] + todo[:k]:
-                console.log(f"{prompt.key} ({max(len(x) for x in prompt.rows)} tokens): {m.name}")
+                console.log(f"{prompt.key} ({prompt.tokens} tokens): {m.name}")
                 results[m.name] = run_method(m, model, prompt.rows, args.max_new_tokens, eos)
             new = [r for r in finish_records(prompt, results) if r["method"] not in have]
             with open(log, "a") as f:
@@ -376,7 +381,7 @@ def run(args) -> int:
             records += new
     memory = {}
     if args.memory:
-        longest = max(prompts, key=lambda p: p.input_ids.shape[1])
+        longest = max(prompts, key=lambda p: p.tokens)
         for m in methods:
             memory[m.name] = peak_rss_mb(m, args.model, longest.input_ids, args.max_new_tokens)
     summary = summarize(records, memory)
@@ -417,7 +422,7 @@ def table(rows: list[dict], model_name: str, max_new_tokens: int, batch: int, Ta
         if r["batch"] != batch:
             continue
         t.add_row(str(r["batch"]), str(r["length"]), r["instruction"], r["method"],
-                  f(r["speedup_vs_hf"], ".2f") + "x", f(r["hf_tokens_per_s"], ".1f"), f(r["ttft"], ".2f"), f(r["accept_rate"], ".2f"),
-                  f(r["gamma"], ".1f"), f(r["predicted"], ".2f"), f(r["measured"], ".2f"),
+                  f(r["speedup_vs_hf"], ".2f") + "x", f(r["hf_tokens_per_s"], ".1f"), f(r["ttft"], ".2f"),
+                  f(r["accept_rate"], ".2f"), f(r["gamma"], ".1f"), f(r["predicted"], ".2f"), f(r["measured"], ".2f"),
                   f"{r['identical']}/{r['rows']}", f(r["peak_rss_mb"], ".0f"))
     return t

@@ -225,15 +225,16 @@ class BMCCache(Cache):
         return self.layers[0].capacity
 
     def prepare(self, block_mask: torch.Tensor, depth: torch.Tensor) -> BlockInputs:
-        return self._prepare_block(block_mask, depth)
-
-    def _prepare_block(self, block_mask: torch.Tensor, depth: torch.Tensor) -> BlockInputs:
         """Plan the next forward over a block of Q rows per batch row and build its inputs.
 
         block_mask: [B, Q, Q] bool, which block rows each block row sees (causal for a chain, the
         ancestor mask for a tree). depth: [B, Q] offset of each row's position from the row's start
         (0, 1, 2, ... for a chain; tree depth for a tree). Committed rows are always visible.
         """
+        return self._prepare_block(block_mask, depth)
+
+    def _prepare_block(self, block_mask: torch.Tensor, depth: torch.Tensor) -> BlockInputs:
+        """``prepare`` itself, never overridden (``prepare_chain``'s ragged path calls it)."""
         B, Q, _ = block_mask.shape
         assert B == self.batch_size, f"block batch {B} != cache batch {self.batch_size}"
         assert depth.shape == (B, Q), f"depth {tuple(depth.shape)} != {(B, Q)}"
