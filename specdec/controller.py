@@ -10,12 +10,16 @@ it is accepted, and only as much of it as the measured cost curve allows. Two ru
   class's acceptance is measured (its first draft takes BASS's initial length; capped by BASS's K,
   which shrinks after every miss, the gate could not use 6-row verifies that cost what 2 rows
   do: prompt lookup then ran 6% behind a fixed 5-token draft). It keeps an estimate of
-  the per-token acceptance rate alpha and of the verify time per block size q = 1 + k, both
+  the acceptance per draft depth and of the verify time per block size q = 1 + k, both
   measured, and of the drafter's seconds per token d; it drafts the k <= maximum with the most expected
-  tokens per unit of time, (1 + alpha + ... + alpha^k) / ((t(1 + k) + k d) / t(1)), or nothing
-  when no k beats plain decoding.
+  tokens per unit of time, (1 + a1 + a1 a2 + ... + a1...ak) / ((t(1 + k) + k d) / t(1)), or nothing
+  when no k beats plain decoding. The a_i are the measured acceptance at depth i given depth i - 1
+  was accepted (a chain is a tree of one rank: the same table as Sequoia's below), not one alpha:
+  copied chains that match once go on matching (0.37 at depth 1, ~0.9 from depth 6 on Spec-Bench),
+  and the geometric 1 + alpha + ... + alpha^k with alpha ~0.5 stopped prompt lookup's drafts at ~3
+  tokens where 7 paid (the controller ran 5% behind a fixed 7-token draft).
   While drafting is off, a one-token probe every ``explore_every`` steps (doubling while probes
-  fail, up to 8x) keeps alpha current (text changes: a summary starts quoting its source).
+  fail, up to 8x) keeps acceptance current (text changes: a summary starts quoting its source).
 
 Drafters that size their own drafts (EAGLE-2 trees rank nodes by draft score) skip the length rule
 and take ``gate``: draft while a drafting step's measured gain (tokens it yields per sequence over its
@@ -36,6 +40,11 @@ schedule (``DraftLengthConfig.bass()``: start at 7, +2 up to 32, shrink by ceil(
 consecutive shrink, never below the step's best accepted count) is a selectable policy without the
 cost gate, as in the paper.
 
+The controller belongs to its ``SpecDecoder`` and outlives one ``generate``: the machine's verify
+times, each draft class's acceptance and measured gain carry over to the next answer (``new_run``
+resets only the per-answer schedules), so an answer does not start by re-learning what the last
+one measured (a chat turn, a benchmark's next question, a server's next request).
+
 Acceptance is kept per *draft class*, a key the drafter gives before each step (``Drafter.
 draft_class``): prompt lookup's class is the length of the n-gram it matched, because a 3-gram match
 is copied far more reliably than a 1-gram one; one rate for both would gate off the good matches
@@ -49,7 +58,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Hashable
 
-from specdec import cost_model, sequoia
+from specdec import sequoia
 
 
 @dataclass(frozen=True)
@@ -93,7 +102,8 @@ class _ClassState:
                  "values", "idle", "draft_time")
 
     def __init__(self, config: DraftLengthConfig) -> None:
-        self.alpha: float | None = None  # per-token acceptance rate, None until measured
+        # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
+        self.alpha: float | None = None
         # running mean measured gain of a drafting step over a plain step of the same batch: tokens per
         # sequence it yields over its draft + verify seconds in plain-step units; None until measured
         self.gain: float | None = None
@@ -124,6 +134,15 @@ class DraftLengthController:
         # running mean seconds per drafted token over every class: a class's own figure once it has
         # drafted (``draft_time_of``), this before
         self.draft_time: float = 0.0
+
+    def new_run(self, batch_size: int) -> None:
+        """A new ``generate`` call: keep what was measured (verify times, acceptance, gains, draft times),
+        restart the per-answer schedules (BASS's length, probe spacing, turns between sources). Without
+        the cost gate nothing measured steers the drafts, so a seeded sampling run repeats."""
+        self.set_batch(batch_size)
+        for st in self.classes.values():
+            st.length, st.shrinks = self.config.initial, 0
+            st.skipped, st.interval, st.idle = 0, self.config.explore_every, 0
 
     def set_batch(self, batch_size: int) -> None:
         """The live batch size changed (sequences finished): verify costs are that batch's own."""
@@ -165,10 +184,13 @@ class DraftLengthController:
         return self.draft_time if own is None else own
 
     def expected_tokens(self, k: int, key: Hashable = None) -> float:
-        """Tokens one step yields when drafting k: 1 + alpha + alpha^2 + ... + alpha^k."""
-        a = self.state(key).alpha
-        a = 1.0 if a is None else a
-        return 1.0 + sum(a**i for i in range(1, k + 1))
+        """Tokens one step yields when drafting a chain of k: 1 + the expected accepted drafts, from the
+        measured acceptance per depth (``sequoia.PositionalAcceptance.chain``); k + 1 before any
+        chain of the class was verified."""
+        st = self.state(key)
+        if st.positions.observed == 0:
+            return float(k + 1)
+        return 1.0 + sequoia.chain_values(st.positions.chain(k))[k]
 
     def cost_ratio(self, q: int) -> float | None:
         """Verify time of a q-row block over a 1-row block, or None before any block was timed.
@@ -187,12 +209,13 @@ class DraftLengthController:
 
     def best_length(self, k_max: int, key: Hashable = None) -> int:
         """The k in [1, k_max] with the most tokens per second, or 0 if none beats not drafting."""
-        t1 = self.step_time.get(1)
-        if self.state(key).alpha is None or t1 is None:
+        st, t1 = self.state(key), self.step_time.get(1)
+        if st.positions.observed == 0 or t1 is None:
             return k_max  # not measured yet: try it
-        # MagicDec's estimate with T_target = t(1), T_verify(k) = t(1 + k), T_draft = draft_time
-        return cost_model.best_gamma(self.state(key).alpha, t1, self.draft_time_of(key),
-                                     lambda k: self.cost_ratio(1 + k) * t1, k_max).gamma
+        # MagicDec's estimate (T_target = t(1), T_verify(k) = t(1 + k), T_draft = k x draft time) with
+        # the acceptance per depth in place of one alpha: a chain is a tree of one rank (Sequoia)
+        return sequoia.best_budget(sequoia.chain_values(st.positions.chain(k_max)),
+                                   lambda q: self.cost_ratio(q) * t1, lambda k: k * self.draft_time_of(key))
 
     def budget(self, key: Hashable = None) -> int:
         """Tokens to draft next, for a draft of class ``key``."""
@@ -204,7 +227,7 @@ class DraftLengthController:
         if st.alpha is None and self.batch_size > 1:
             return 1  # a new class at a batch: a one-token probe first (B x 4 verify rows cost 4x a step)
         # the cost model's length up to maximum once alpha is measured (BASS's first length before)
-        k = self.best_length(st.length if st.alpha is None else self.config.maximum, key)
+        k = self.best_length(st.length if st.positions.observed == 0 else self.config.maximum, key)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
             return k
@@ -264,7 +287,8 @@ class DraftLengthController:
         return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
 
     def observe_tree(self, parents: list[list[int]], accepted: list[list[int]], key: Hashable = None) -> None:
-        """After verifying a tree: each row's real nodes' parents and its accepted path (node indices)."""
+        """After verifying a draft (a chain is a tree of one rank): each row's real nodes' parents and
+        its accepted path (node indices)."""
         pos = self.state(key).positions
         for par, acc in zip(parents, accepted):
             pos.observe(par, [a for a in acc if a >= 0])

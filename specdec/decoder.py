@@ -173,6 +173,8 @@ class SpecDecoder:
         self.vocab_size = vocab_size_of(target)
         cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         self.context_window = getattr(cfg, "max_position_embeddings", None)
+        # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
+        self.controller = DraftLengthController(config.draft_length)
         if drafter is not None and drafter.vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"drafter vocabulary ({drafter.vocab_size} tokens) does not match the target's "
@@ -231,7 +233,8 @@ class SpecDecoder:
         if self.context_window is not None:
             max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
         batch = _Batch(B, max_new_tokens, eos)
-        controller = DraftLengthController(self.config.draft_length)
+        controller = self.controller
+        controller.new_run(B)
         cache = BMCCache.for_model(self.target, B, self.config.bmc)
         if self.config.adaptive_period:
             model = _period_model(self.target)
@@ -259,7 +262,7 @@ class SpecDecoder:
                               list(batch.rows), split)
             # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
             controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key)
-            if any(stats.num_drafted) and not self.drafter.follows_controller:
+            if any(stats.num_drafted):
                 controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
                                         ver.accepted.tolist(), key)
             live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)

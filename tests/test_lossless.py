@@ -113,3 +113,35 @@ def test_streamer_and_callback_see_every_token(target):
     assert sum(streamed[1:-1], []) == out.sequences[0, 8:].tolist()
     assert sum((e.tokens for e in events), []) == out.sequences[0, 8:].tolist()
     assert all(0 <= e.from_draft <= len(e.tokens) for e in events)
+
+
+class OracleDrafter(Drafter):
+    """Drafts the next tokens of a known reference output: every draft accepted."""
+
+    def __init__(self, reference: torch.Tensor) -> None:
+        self.reference, self.vocab_size = reference.tolist(), None
+        self.position = 0
+
+    def begin(self, prompt: Prompt) -> None:
+        self.position = int(prompt.lengths[0])
+
+    def propose(self, budget: int) -> DraftTree:
+        return DraftTree.chain(torch.tensor([self.reference[self.position : self.position + budget]]))
+
+    def accept(self, commit: Commit) -> None:
+        self.position += int(commit.num_new[0])
+
+
+def test_the_controller_carries_its_measurements_to_the_next_generate(target):
+    """A decoder's controller outlives one generate: the first answer times a plain step before it
+    drafts; the second drafts from its first step, with what the first measured. Both exact."""
+    ids = torch.randint(0, 128, (1, 10), generator=torch.Generator().manual_seed(7))
+    ref = hf_greedy(target, ids, 24)
+    decoder = SpecDecoder(target, OracleDrafter(ref[0]))
+    first, second = (decoder.generate(ids, max_new_tokens=24, eos_token_id=None) for _ in range(2))
+    assert torch.equal(first.sequences, ref) and torch.equal(second.sequences, ref)
+    assert first.steps[1].num_drafted == [0] and any(s.num_drafted[0] for s in first.steps[2:])
+    assert second.steps[1].num_drafted[0] > 0
+    assert decoder.controller.state().positions.observed > 0
+    fresh = SpecDecoder(target, OracleDrafter(ref[0])).generate(ids, max_new_tokens=24, eos_token_id=None)
+    assert fresh.steps[1].num_drafted == [0]  # a new decoder learns from scratch

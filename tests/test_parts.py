@@ -140,10 +140,17 @@ def _cost_aware(**kw):
     return DraftLengthController(DraftLengthConfig(initial=4, minimum=1, maximum=8, **kw))
 
 
+def _chain_step(c, drafted, accepted, key=None, **times):
+    """What the decoder tells the controller after verifying one chain per row."""
+    c.update(drafted, accepted, key=key, **times)
+    if any(drafted):
+        c.observe_tree([list(range(-1, d - 1)) for d in drafted], [list(range(a)) for a in accepted], key)
+
+
 def test_cost_gate_turns_drafting_off_when_acceptance_cannot_pay():
     c = _cost_aware(explore_every=4)
     c.update([0], [0], verify_time=1.0)  # a plain step: t(1) = 1
-    c.update([4], [0], verify_time=1.4)  # t(5) = 1.4, nothing accepted: alpha = 0
+    _chain_step(c, [4], [0], verify_time=1.4)  # t(5) = 1.4, nothing accepted: alpha = 0
     assert c.alpha == 0.0
     budgets = [c.budget() for _ in range(12)]
     assert budgets == [0, 0, 0, 1] + [0] * 7 + [1]  # off; one-token probes after 4, then 8 steps
@@ -159,19 +166,44 @@ def test_cost_gate_times_a_plain_step_first():
 def test_cost_gate_keeps_drafting_when_acceptance_pays():
     c = _cost_aware()
     c.update([0], [0], verify_time=1.0)
-    c.update([4], [4], verify_time=1.4)  # all accepted: alpha = 1, 5 tokens for 1.4x
+    _chain_step(c, [4], [4], verify_time=1.4)  # all accepted: alpha = 1, 5 tokens for 1.4x
     assert c.length == 6  # BASS grew (its length caps only its own policy, without the gate)
     assert c.budget() == c.config.maximum == 8  # 9 rows assumed to cost what 5 did: all of them pay
 
 
 def test_cost_gate_picks_the_cheapest_length_that_pays():
-    """Block sizes 2-4 cost the same (1.36x), 5+ cost 1.8x: at alpha 0.5 three drafts win."""
-    c = _cost_aware()
-    c.alpha = 0.5
-    c.step_time = {1: 1.0, 2: 1.36, 3: 1.36, 4: 1.36, 5: 1.8, 6: 1.8, 7: 1.8, 8: 1.8}
-    assert c.best_length(7) == 3
-    c.draft_time = 1.0  # a drafter as slow as the target: no length pays
-    assert c.best_length(7) == 0
+    """Block sizes 2-4 cost the same (1.36x), 5+ cost 1.8x. Chains accepted token by token at 0.5
+    (half stop at depth 1, a quarter at 2, ...): three drafts win. Chains copied whole or not at all
+    (half rejected at once, half accepted to the end: what prompt lookup's copies do): seven win,
+    although depth 1 is accepted as often; one acceptance rate for every depth would draft three."""
+    costs = {1: 1.0, 2: 1.36, 3: 1.36, 4: 1.36, 5: 1.8, 6: 1.8, 7: 1.8, 8: 1.8}
+    geometric, whole = _cost_aware(), _cost_aware()
+    for i in range(40):
+        _chain_step(geometric, [7], [[0, 0, 0, 0, 1, 1, 2, 3][i % 8]])
+        _chain_step(whole, [7], [7 * (i % 2)])
+    for c in (geometric, whole):
+        c.step_time = dict(costs)
+    assert geometric.best_length(7) == 3 and whole.best_length(7) == 7
+    assert geometric.expected_tokens(3) == pytest.approx(1.875, abs=0.06)
+    geometric.draft_time = 1.0  # a drafter as slow as the target: no length pays
+    assert geometric.best_length(7) == 0
+
+
+def test_chain_acceptance_per_depth_is_smoothed_toward_the_depth_above():
+    """The hand-checked example of PositionalAcceptance.chain; an untried depth reads as the one
+    above; one miss in one trial does not read as 0."""
+    from specdec.sequoia import PositionalAcceptance, chain_values
+
+    pos = PositionalAcceptance(decay=1.0)
+    for drafted, accepted in [(2, 2)] * 3 + [(2, 1)] + [(1, 1)] + [(1, 0)] * 5:
+        pos.observe_chain(drafted, accepted)
+    # depth 1: 10 trials, 5 hits; depth 2: 4 trials, 3 hits (the example in the docstring)
+    assert pos.chain(3) == pytest.approx([5.571 / 11, 0.7013, 0.7013], abs=1e-3)
+    assert chain_values([0.5, 0.8]) == pytest.approx([0.0, 0.5, 0.9])
+    one = PositionalAcceptance(decay=1.0)
+    one.observe_chain(2, 1)
+    # pooled 1 / 2; depth 1 (1 + .5) / 2; depth 2, one trial missed: (0 + .75) / 2, not 0
+    assert one.chain(2) == pytest.approx([0.75, 0.375])
 
 
 def test_draft_time_is_each_classs_own():
@@ -180,12 +212,12 @@ def test_draft_time_is_each_classs_own():
     c = _cost_aware()
     c.update([0], [0], verify_time=1.0)
     for _ in range(30):  # interleaved, as an AutoDrafter's sources are
-        c.update([2], [1], verify_time=1.36, draft_time=0.0, key="lookup")
-        c.update([2], [1], verify_time=1.36, draft_time=2.0, key="self")
+        _chain_step(c, [2], [1], verify_time=1.36, draft_time=0.0, key="lookup")
+        _chain_step(c, [2], [1], verify_time=1.36, draft_time=2.0, key="self")
     c.step_time = {1: 1.0, 2: 1.36, 3: 1.36, 4: 1.36, 5: 1.8}
     assert c.state("lookup").alpha == c.state("self").alpha == pytest.approx(0.5)
     assert c.draft_time_of("lookup") == 0.0 and c.draft_time_of("self") == pytest.approx(1.0)
-    assert c.best_length(4, "lookup") == 3 and c.best_length(4, "self") == 0
+    assert c.best_length(4, "lookup") > 0 and c.best_length(4, "self") == 0
     assert c.draft_time_of("new") == c.draft_time  # a class that never drafted: the mean over all
 
 
@@ -220,8 +252,8 @@ def test_cost_gate_keeps_acceptance_per_draft_class():
     c = _cost_aware(explore_every=100)
     c.update([0], [0], verify_time=1.0)
     for _ in range(3):
-        c.update([4], [0], verify_time=1.4, key=1)  # 1-gram matches: rejected
-        c.update([4], [4], verify_time=1.4, key=3)  # 3-gram matches: copied in full
+        _chain_step(c, [4], [0], verify_time=1.4, key=1)  # 1-gram matches: rejected
+        _chain_step(c, [4], [4], verify_time=1.4, key=3)  # 3-gram matches: copied in full
     assert c.state(1).alpha == 0.0 and c.state(3).alpha == 1.0
     assert c.budget(1) == 0
     assert c.budget(3) == c.state(3).length == 8  # grown by BASS up to the maximum
@@ -241,10 +273,11 @@ def test_cost_gate_is_optimistic_about_untimed_sizes():
     """An untimed block size is assumed as cheap as the nearest smaller timed one, so it gets tried
     (and timed) when it would pay; once timed expensive, the gate falls back."""
     c = _cost_aware()
-    c.alpha = 0.8
+    for i in range(20):
+        _chain_step(c, [6], [6 * (i % 5 > 0)])  # 4 of 5 chains accepted whole
     c.step_time = {1: 1.0, 2: 1.0}  # only 1 and 2 rows timed
     assert c.best_length(6) == 6  # 7 rows assumed to cost what 2 do
-    c.step_time.update({q: 2.5 for q in range(3, 8)})  # timed: 3+ rows cost 2.5x
+    c.step_time.update({q: 5.0 for q in range(3, 8)})  # timed: 3+ rows cost 5x
     assert c.best_length(6) == 1
 
 
@@ -285,7 +318,7 @@ def test_at_a_batch_measured_gain_vetoes_the_prediction():
     c.update([0] * 4, [0] * 4, verify_time=1.0)
     k = c.budget()
     assert k > 0
-    c.update([3, 0, 0, 0], [3, 0, 0, 0], verify_time=2.0, draft_time=0.0)
+    _chain_step(c, [3, 0, 0, 0], [3, 0, 0, 0], verify_time=2.0, draft_time=0.0)
     assert c.alpha == 1.0 and c.best_length(3) > 0  # the prediction alone would draft
     assert [c.budget() for _ in range(3)] == [0, 0, 1]  # measured: it does not pay; probes
     c.set_batch(1)  # another batch size has its own step times: a plain step is timed first
