@@ -81,6 +81,10 @@ class DraftLengthConfig:
     tree_decay: float = 0.98  # trees: weight of the past per observed tree in the depth x rank acceptance
     retree_every: int = 16  # trees: re-run Sequoia's program after this many observed trees
     revisit_every: int = 64  # several sources: a candidate passed over this many steps gets a turn
+    # a class drafts until this many of its drafting steps are measured before its gain is judged,
+    # and with several sources it is chosen first until then (one step is noise: an answer's first
+    # 1-gram copy missed, and auto never chose prompt lookup again)
+    min_samples: int = 3
     tree_nodes: int = 0  # > 0 with cost_aware off: a fixed tree budget (a sweep's fixed setting)
 
     @classmethod
@@ -137,12 +141,13 @@ class DraftLengthController:
 
     def new_run(self, batch_size: int) -> None:
         """A new ``generate`` call: keep what was measured (verify times, acceptance, gains, draft times),
-        restart the per-answer schedules (BASS's length, probe spacing, turns between sources). Without
+        restart the per-answer schedules (BASS's length, probe spacing; a source's turn comes after
+        ``revisit_every`` passed-over steps whichever answer they fell in). Without
         the cost gate nothing measured steers the drafts, so a seeded sampling run repeats."""
         self.set_batch(batch_size)
         for st in self.classes.values():
             st.length, st.shrinks = self.config.initial, 0
-            st.skipped, st.interval, st.idle = 0, self.config.explore_every, 0
+            st.skipped, st.interval = 0, self.config.explore_every
 
     def set_batch(self, batch_size: int) -> None:
         """The live batch size changed (sequences finished): verify costs are that batch's own."""
@@ -233,12 +238,12 @@ class DraftLengthController:
             return k
         return 1 if self._probe(st) else 0  # a one-token probe: the cheapest way to re-measure alpha
 
-    @staticmethod
-    def _pays(st: _ClassState) -> bool:
+    def _pays(self, st: _ClassState) -> bool:
         """The measured gain of this class's drafting steps (not the model's prediction) beats plain
-        decoding, or is not measured yet. It is the last word: at batch B the prediction counts every
-        row as drafting, while rows with nothing to draft pay for the others' verify rows."""
-        return st.gain is None or st.gain > 1.001
+        decoding, or is measured over fewer than ``min_samples`` steps. It is the last word: at batch
+        B the prediction counts every row as drafting, while rows with nothing to draft pay for the
+        others' verify rows."""
+        return st.gain is None or st.gain_samples < self.config.min_samples or st.gain > 1.001
 
     def gate(self, key: Hashable = None) -> bool:
         """Draft at all this step? For drafters that size their own drafts (see the module doc)."""
@@ -253,8 +258,9 @@ class DraftLengthController:
         return self._probe(st)
 
     def choose(self, keys: list[Hashable]) -> Hashable | None:
-        """Which of several sources' draft classes to draft in this step (``drafters.auto``): one not
-        measured yet first, then one passed over ``revisit_every`` times (its gain may be stale), else
+        """Which of several sources' draft classes to draft in this step (``drafters.auto``): one with
+        fewer than ``min_samples`` measured drafting steps first (the least measured), then one passed
+        over ``revisit_every`` times (its gain may be stale), else
         the one with the highest measured gain (tokens per sequence per plain-step time). None when
         no source has anything to draft. The chosen class's own gate or budget then still decides
         whether and how much it drafts, so the best source below plain decoding drafts nothing.
@@ -262,7 +268,8 @@ class DraftLengthController:
         if not keys:
             return None
         states = {k: self.state(k) for k in keys}
-        fresh = [k for k, st in states.items() if st.gain is None and st.alpha is None]
+        fresh = sorted((k for k, st in states.items() if st.gain_samples < self.config.min_samples),
+                       key=lambda k: states[k].gain_samples)
         due = [k for k, st in states.items() if st.idle >= self.config.revisit_every]
         pick = (fresh or due or [max(keys, key=lambda k: states[k].gain or 0.0)])[0]
         for k, st in states.items():
@@ -278,7 +285,9 @@ class DraftLengthController:
         if not self.config.cost_aware:
             return min(cap, self.config.tree_nodes) if self.config.tree_nodes else cap
         if st.positions.observed == 0 or 1 not in self.step_time:
-            return cap
+            # a new class: the drafter's own size at batch 1; at a batch one node per row first (B x
+            # 17 verify rows over long rows cost several plain steps before anything is measured)
+            return cap if self.batch_size == 1 else 1
         if st.values is None or st.positions.observed % self.config.retree_every == 0:
             st.values = sequoia.best_trees(sequoia.one_step_beyond(st.positions.table()), 32)[0]
         t1 = self.step_time[1]

@@ -21,15 +21,16 @@ DrafterFactory = Callable[[object], "Drafter | None"]
 
 
 def make_auto(target) -> AutoDrafter:
-    """Prompt lookup, suffix, EAGLE (if a head fits the target) and StreamingLLM self-speculation
-    (prompts of >= 2,048 tokens, 4x its KV budget); the controller picks per step (drafters.auto)."""
+    """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts under 2,048 tokens, twice
+    what its head was trained on) and StreamingLLM self-speculation (prompts of >= 2,048 tokens, 4x its
+    KV budget); the controller picks per step (drafters.auto)."""
     sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()}
     try:
         sources["eagle"] = make_eagle(target)
     except ValueError:
         pass  # no head for this target: the model-free sources only
     sources["streaming"] = StreamingDrafter(target, budget=512)
-    return AutoDrafter(sources, min_prompt={"streaming": 4 * 512})
+    return AutoDrafter(sources, min_prompt={"streaming": 4 * 512}, max_prompt={"eagle": 4 * 512 - 1})
 
 
 DRAFTERS: dict[str, DrafterFactory] = {

@@ -14,15 +14,17 @@ from specdec.registry import make_drafter
 
 
 def test_choose_on_scripted_gains():
-    """Untried classes first, then the best measured gain, a passed-over class revisited on schedule."""
-    c = DraftLengthController(DraftLengthConfig(revisit_every=4))
+    """Classes measured fewer than min_samples times first (the least measured), then the best
+    measured gain, a passed-over class revisited on schedule."""
+    c = DraftLengthController(DraftLengthConfig(revisit_every=4, min_samples=2))
     assert c.choose([]) is None
     keys = [("lookup", 3), ("eagle", None)]
     assert c.choose(keys) == ("lookup", 3)  # neither measured: the first
     c.update([0], [0], verify_time=1.0)
-    c.update([3], [3], verify_time=1.1, draft_time=0.0, key=("lookup", 3))  # 4 tokens in 1.1 steps
-    assert c.choose(keys) == ("eagle", None)  # eagle not measured yet: tried next
-    c.update([6], [1], verify_time=1.3, draft_time=0.2, key=("eagle", None))  # 2 tokens in 1.5 steps
+    for _ in range(2):
+        c.update([3], [3], verify_time=1.1, draft_time=0.0, key=("lookup", 3))  # 4 tokens in 1.1 steps
+        assert c.choose(keys) == ("eagle", None)  # eagle measured less: tried next
+        c.update([6], [1], verify_time=1.3, draft_time=0.2, key=("eagle", None))  # 2 tokens in 1.5 steps
     picks = [c.choose(keys) for _ in range(10)]
     assert picks == [("lookup", 3)] * 4 + [("eagle", None)] + [("lookup", 3)] * 4 + [("eagle", None)]
     # the measured gains turn: eagle wins from then on (lookup revisited every 4 steps)
@@ -54,17 +56,18 @@ def test_auto_equals_hf_greedy_and_tries_every_source(seed):
     assert set(drafter.drafts) == {"lookup", "suffix", "model", "streaming"}
 
 
-def test_auto_in_a_ragged_batch_and_below_a_sources_min_prompt():
+def test_auto_in_a_ragged_batch_outside_sources_prompt_ranges():
     target = tiny_llama(7)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 128, (n,), generator=g) for n in (12, 30, 21)]
     prompts = [torch.cat([p, p[: len(p) // 2]]) for p in prompts]
-    drafter = AutoDrafter(_sources(target, 7), min_prompt={"streaming": 1000})
+    drafter = AutoDrafter(_sources(target, 7), min_prompt={"streaming": 1000}, max_prompt={"model": 40})
     out = SpecDecoder(target, drafter).generate(prompts, max_new_tokens=24, eos_token_id=None)
     for b, p in enumerate(prompts):
         assert out.generated(b).tolist() == hf_greedy(target, p[None], 24)[0, len(p):].tolist()
-    assert drafter.active == ["lookup", "suffix", "model"]  # streaming not started: prompts too short
-    assert "streaming" not in drafter.drafts
+    # streaming not started: every prompt too short; model not started: the longest (45) too long
+    assert drafter.active == ["lookup", "suffix"]
+    assert set(drafter.drafts) <= {"lookup", "suffix"}
 
 
 def test_auto_refuses_sources_of_different_vocabularies():

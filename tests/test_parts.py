@@ -297,16 +297,27 @@ def test_gate_for_self_sized_drafts_follows_measured_throughput():
     assert c.gate() and c.gate()
 
 
-def test_gate_closed_by_a_poor_first_step_reopens_after_good_probes():
-    """The first drafting step of an answer often misses (0.6x a plain step's rate): the gate
-    closes; the next probe wins (2.7x): with the plain mean over the first steps it reopens at once.
-    (With the long running mean alone, the first step's loss kept it shut for ~14 winning probes.)"""
+def test_gate_judges_a_class_after_min_samples_and_reopens_after_good_probes():
+    """The first drafting step of an answer often misses (0.6x a plain step's rate): one step is not
+    a measurement, the gate stays open until ``min_samples`` (3) are in, then judges their plain
+    mean. Three poor steps close it; one winning probe (2.7x) reopens it at once (with the long
+    running mean alone, a poor start kept it shut for ~14 winning probes)."""
+    poor = dict(verify_time=1.4, draft_time=0.2)  # 1 token per 1.6 steps: gain 0.625
+    good = dict(verify_time=1.4, draft_time=0.1)  # 4 tokens per 1.5 steps: gain 2.67
     c = _cost_aware(explore_every=2)
     c.update([0], [0], verify_time=1.0)
-    c.update([5], [0], verify_time=1.4, draft_time=0.2)  # 1 token per 1.6 steps: gain 0.625
+    c.update([5], [0], **poor)
+    assert c.gate()
+    c.update([5], [3], **good)
+    c.update([5], [3], **good)
+    assert c.state().gain == pytest.approx((0.625 + 2 * 4 / 1.5) / 3) and c.gate()
+    c = _cost_aware(explore_every=2)
+    c.update([0], [0], verify_time=1.0)
+    for _ in range(3):
+        c.update([5], [0], **poor)
     assert not c.gate() and c.gate()  # closed; a probe at 2
-    c.update([5], [3], verify_time=1.4, draft_time=0.1)  # 4 tokens per 1.5 steps: gain 2.67
-    assert c.state().gain == pytest.approx((0.625 + 4 / 1.5) / 2) and c.gate()
+    c.update([5], [3], **good)
+    assert c.state().gain == pytest.approx((3 * 0.625 + 4 / 1.5) / 4) and c.gate()
 
 
 def test_at_a_batch_measured_gain_vetoes_the_prediction():
@@ -318,7 +329,8 @@ def test_at_a_batch_measured_gain_vetoes_the_prediction():
     c.update([0] * 4, [0] * 4, verify_time=1.0)
     k = c.budget()
     assert k > 0
-    _chain_step(c, [3, 0, 0, 0], [3, 0, 0, 0], verify_time=2.0, draft_time=0.0)
+    for _ in range(c.config.min_samples):  # the gain is judged once min_samples steps are measured
+        _chain_step(c, [3, 0, 0, 0], [3, 0, 0, 0], verify_time=2.0, draft_time=0.0)
     assert c.alpha == 1.0 and c.best_length(3) > 0  # the prediction alone would draft
     assert [c.budget() for _ in range(3)] == [0, 0, 1]  # measured: it does not pay; probes
     c.set_batch(1)  # another batch size has its own step times: a plain step is timed first
@@ -331,7 +343,7 @@ def test_probes_are_spaced_by_what_a_probe_costs_at_the_batch():
     c = _cost_aware(explore_every=3)
     c.set_batch(8)
     c.update([0] * 8, [0] * 8, verify_time=1.0)
-    c.update([1] * 8, [0] * 8, verify_time=2.2, draft_time=0.0)  # a probe that won nothing
+    _chain_step(c, [1] * 8, [0] * 8, verify_time=2.2, draft_time=0.0)  # a probe that won nothing
     budgets = [c.budget() for _ in range(130)]
     assert [i for i, b in enumerate(budgets) if b] == [59, 119]
     c.set_batch(7)  # a row finished: batch 7 has no timings yet; batch 8's probe cost stands in
@@ -346,6 +358,9 @@ def test_a_new_draft_class_at_a_batch_starts_with_a_one_token_probe():
     c.set_batch(8)
     c.update([0] * 8, [0] * 8, verify_time=1.0)
     assert c.budget(key=2) == 1  # batch 8: 8 x 5 rows would cost ~4 steps before alpha is known
+    assert c.tree_budget(16, key="tree") == 1  # and a tree drafter: one node per row, not 8 x 17 rows
+    c.set_batch(1)
+    assert c.tree_budget(16, key="tree") == 16  # batch 1: the drafter's own size
 
 
 def test_bass_schedule_on_a_scripted_acceptance_trace():
@@ -369,7 +384,7 @@ def _tree_controller(step_times: dict[int, float]) -> DraftLengthController:
     c = _cost_aware()
     for q, t in sorted(step_times.items()):
         c.update([q - 1], [0], verify_time=t, draft_time=0.0 if q > 1 else None)
-    c.state().gain = None  # the calibration steps above accepted nothing; forget their measured gain
+    c.state().gain, c.state().gain_samples = None, 0  # the calibration steps accepted nothing: forget them
     return c
 
 

@@ -13,7 +13,10 @@ gets a probe turn, as the text changes. After the choice the usual per-class rul
 Every source sees every commit, so a source not used stays in step (EAGLE's head feeds the skipped
 pairs at its next draft, in one forward; self-speculation copies the committed rows into its
 compressed cache). A source can ask for a minimum prompt length (``min_prompt``): self-speculation
-only pays once the prompt is several times its KV budget, and below that it is not even started.
+only pays once the prompt is several times its KV budget, and below that it is not even started; or
+a maximum (``max_prompt``, the longest row counts): EAGLE's head, trained on conversations of up to
+1,024 tokens, first feeds the whole prompt through its layer (at 8 x 7k tokens a forward over 56k
+pairs, seconds before its first draft) to draft where its acceptance was never tried.
 
     drafter = AutoDrafter({"lookup": PromptLookupDrafter(), "eagle": EagleDrafter.default(target)})
 """
@@ -28,7 +31,8 @@ from specdec.tree import DraftTree
 
 
 class AutoDrafter(Drafter):
-    def __init__(self, sources: dict[str, Drafter], min_prompt: dict[str, int] | None = None) -> None:
+    def __init__(self, sources: dict[str, Drafter], min_prompt: dict[str, int] | None = None,
+                 max_prompt: dict[str, int] | None = None) -> None:
         if not sources:
             raise ValueError("AutoDrafter needs at least one source drafter")
         vocabs = {d.vocab_size for d in sources.values()} - {None}
@@ -36,6 +40,7 @@ class AutoDrafter(Drafter):
             raise ValueError(f"AutoDrafter's sources disagree on the vocabulary size: {sorted(vocabs)}")
         self.sources = sources
         self.min_prompt = dict(min_prompt or {})
+        self.max_prompt = dict(max_prompt or {})
         self.vocab_size = vocabs.pop() if vocabs else None
         self.needs_hidden_states = any(d.needs_hidden_states for d in sources.values())
         self.active: list[str] = list(sources)  # the sources started for this generation
@@ -70,8 +75,9 @@ class AutoDrafter(Drafter):
         return self._key if self._chosen is not None else None
 
     def begin(self, prompt: Prompt) -> None:
-        shortest = int(prompt.lengths.min())
-        self.active = [n for n in self.sources if shortest >= self.min_prompt.get(n, 0)]
+        shortest, longest = int(prompt.lengths.min()), int(prompt.lengths.max())
+        self.active = [n for n in self.sources
+                       if self.min_prompt.get(n, 0) <= shortest and longest <= self.max_prompt.get(n, longest)]
         for name in self.active:
             self.sources[name].begin(prompt)
         self._chosen = None
