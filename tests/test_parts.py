@@ -414,3 +414,16 @@ def test_period_sweep_times_every_period_and_the_models_choice():
     (row,) = rows
     assert row["best"] in (8, 32) and row["model"] in row["us_per_token"] and row["model"] >= 64
     assert row["model_vs_best"] > 0 and set(row["us_per_token"]) == {8, 32, row["model"]}
+
+
+def test_one_slow_step_moves_a_verify_time_estimate_at_most_ten_percent():
+    """A step that paid a store reallocation or a machine stall (10x) must not make a block size look
+    dear for the rest of a session; a lasting change still comes through, step by step."""
+    c = _cost_aware()
+    c.update([0], [0], verify_time=1.0)
+    c.update([1], [0], verify_time=1.0)
+    c.update([1], [0], verify_time=10.0)
+    assert c.step_time[2] == pytest.approx(1.1)
+    for _ in range(30):
+        c.update([1], [0], verify_time=3.0)
+    assert c.step_time[2] == pytest.approx(3.0, rel=0.01)
