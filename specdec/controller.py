@@ -99,11 +99,19 @@ def bass_shrink(length: int, consecutive: int) -> int:
     return math.ceil(length / 10) + consecutive
 
 
+def _running_time(old: float | None, sample: float, decay: float) -> float:
+    """A running mean of seconds in which a sample counts at most 1.5x the estimate: one step that
+    paid a store reallocation, an EAGLE catch-up or a stall of the machine moves it <= 10% (seen: a
+    2-row verify's estimate left at 2.3x a plain step for the rest of a session, as 2-row blocks were
+    not drafted again to correct it); a lasting change still comes through, step by step."""
+    return sample if old is None else decay * old + (1 - decay) * min(sample, 1.5 * old)
+
+
 class _ClassState:
     """What the controller has learned about one draft class."""
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
-                 "values", "idle", "draft_time")
+                 "values", "idle", "draft_time", "draft_by_size")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
@@ -124,6 +132,10 @@ class _ClassState:
         # running mean seconds per drafted token of this class's drafter, None until it drafted (with
         # several sources a prompt-lookup token costs ~0 and a self-speculation token a forward)
         self.draft_time: float | None = None
+        # running mean seconds of a whole draft per size drafted (nodes, the longest row's): an EAGLE
+        # tree costs a head forward per level, not per node, so per-token times from small trees
+        # overpriced big ones (the controller drafted 1-2 nodes where a fixed 6 was 5% faster)
+        self.draft_by_size: dict[int, float] = {}
 
 
 class DraftLengthController:
@@ -140,14 +152,19 @@ class DraftLengthController:
         self.draft_time: float = 0.0
 
     def new_run(self, batch_size: int) -> None:
-        """A new ``generate`` call: keep what was measured (verify times, acceptance, gains, draft times),
-        restart the per-answer schedules (BASS's length, probe spacing; a source's turn comes after
+        """A new ``generate`` call: keep what was measured (verify times, acceptance, draft times, gains
+        at a reduced weight), restart the per-answer schedules (BASS's length, probe spacing; a source's turn comes after
         ``revisit_every`` passed-over steps whichever answer they fell in). Without
         the cost gate nothing measured steers the drafts, so a seeded sampling run repeats."""
         self.set_batch(batch_size)
         for st in self.classes.values():
             st.length, st.shrinks = self.config.initial, 0
             st.skipped, st.interval = 0, self.config.explore_every
+            # a new text: the measured gain weighs as min_samples - 1 steps, so each class drafts at
+            # least once in this answer and its first steps here move the gain a third, a quarter, ...
+            # (a gain carried at full weight from an answer where EAGLE lost kept its gate shut
+            # through a qa answer where it won 25%)
+            st.gain_samples = min(st.gain_samples, self.config.min_samples - 1)
 
     def set_batch(self, batch_size: int) -> None:
         """The live batch size changed (sequences finished): verify costs are that batch's own."""
@@ -188,6 +205,20 @@ class DraftLengthController:
         own = self.state(key).draft_time
         return self.draft_time if own is None else own
 
+    def draft_cost(self, n: int, key: Hashable = None) -> float:
+        """Seconds to draft n nodes in class ``key``: the measured time of the nearest size <= n
+        (optimistic, as ``cost_ratio``: a bigger draft is tried when it would pay, and so timed); below
+        every timed size the smallest one's scaled by n / its size; n x the per-token mean before
+        any. Example: timed {2: 4 ms, 6: 7 ms} -> n = 4: 4 ms, n = 8: 7 ms, n = 1: 2 ms."""
+        sizes = self.state(key).draft_by_size
+        below = [m for m in sizes if m <= n]
+        if below:
+            return sizes[max(below)]
+        if sizes:
+            m = min(sizes)
+            return sizes[m] * n / m
+        return n * self.draft_time_of(key)
+
     def expected_tokens(self, k: int, key: Hashable = None) -> float:
         """Tokens one step yields when drafting a chain of k: 1 + the expected accepted drafts, from the
         measured acceptance per depth (``sequoia.PositionalAcceptance.chain``); k + 1 before any
@@ -220,7 +251,7 @@ class DraftLengthController:
         # MagicDec's estimate (T_target = t(1), T_verify(k) = t(1 + k), T_draft = k x draft time) with
         # the acceptance per depth in place of one alpha: a chain is a tree of one rank (Sequoia)
         return sequoia.best_budget(sequoia.chain_values(st.positions.chain(k_max)),
-                                   lambda q: self.cost_ratio(q) * t1, lambda k: k * self.draft_time_of(key))
+                                   lambda q: self.cost_ratio(q) * t1, lambda k: self.draft_cost(k, key))
 
     def budget(self, key: Hashable = None) -> int:
         """Tokens to draft next, for a draft of class ``key``."""
@@ -292,7 +323,7 @@ class DraftLengthController:
             st.values = sequoia.best_trees(sequoia.one_step_beyond(st.positions.table()), 32)[0]
         t1 = self.step_time[1]
         n = sequoia.best_budget(st.values[: cap + 1], lambda q: self.cost_ratio(q) * t1,
-                                lambda k: k * self.draft_time_of(key))
+                                lambda k: self.draft_cost(k, key))
         return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
 
     def observe_tree(self, parents: list[list[int]], accepted: list[list[int]], key: Hashable = None) -> None:
@@ -314,24 +345,28 @@ class DraftLengthController:
         return True
 
     def update(self, num_drafted: list[int], num_accepted: list[int], verify_time: float | None = None,
-               draft_time: float | None = None, key: Hashable = None) -> None:
+               draft_time: float | None = None, key: Hashable = None, grew: bool = False) -> None:
         """After a verified step: per-sequence drafted and accepted counts, the step's verify and
-        draft seconds, the class of its draft."""
+        draft seconds, the class of its draft, whether the step grew the target's store."""
         c, st = self.config, self.state(key)
         q = 1 + max(num_drafted, default=0)
-        if verify_time is not None:
-            # a sample counts at most 1.5x the estimate: one step that paid a store reallocation or a
-            # stall of the machine (seen: a 2-row verify's estimate at 2.3x a plain step for the rest of
-            # a session, as 2-row blocks were not drafted again to correct it) moves it <= 10%
-            old = self.step_time.get(q)
-            self.step_time[q] = verify_time if old is None else (
-                c.decay * old + (1 - c.decay) * min(verify_time, 1.5 * old))
+        # a step that grew the store (one in T: a copy of its rows that every block size pays alike)
+        # is not a sample of its size's cost, unless the size has none yet (T = 1 grows every step)
+        if verify_time is not None and not (grew and q in self.step_time):
+            self.step_time[q] = _running_time(self.step_time.get(q), verify_time, c.decay)
+            # fewer rows never cost more: a 1-row time measured once, on the process's first step (2x
+            # a warm one), would stand for the whole session while every step drafts
+            for smaller, t in self.step_time.items():
+                if smaller < q and t > self.step_time[q]:
+                    self.step_time[smaller] = self.step_time[q]
         if not any(num_drafted):
             return  # nothing was drafted (gated off, or no n-gram match): nothing learned
         if draft_time is not None:
             per_token = draft_time / max(num_drafted)
             self.draft_time = c.decay * self.draft_time + (1 - c.decay) * per_token
             st.draft_time = per_token if st.draft_time is None else c.decay * st.draft_time + (1 - c.decay) * per_token
+            n = max(num_drafted)
+            st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, c.decay)
         st.skipped = 0
         t1 = self.step_time.get(1)
         if verify_time is not None and draft_time is not None and t1:

@@ -255,13 +255,15 @@ class SpecDecoder:
             key, tree = self._draft(controller, len(batch.rows), batch.wanted())
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
+            allocations = cache.num_allocations
             ver, hidden, split = self._verify(cache, pending, tree, judge)
             commit = _make_commit(tree, ver, hidden)
             t2 = time.perf_counter()
             stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
                               list(batch.rows), split)
             # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
-            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key)
+            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key,
+                              grew=cache.num_allocations != allocations)
             if any(stats.num_drafted):
                 controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
                                         ver.accepted.tolist(), key)

@@ -427,3 +427,46 @@ def test_one_slow_step_moves_a_verify_time_estimate_at_most_ten_percent():
     for _ in range(30):
         c.update([1], [0], verify_time=3.0)
     assert c.step_time[2] == pytest.approx(3.0, rel=0.01)
+
+
+def test_draft_cost_is_timed_per_size_so_trees_priced_per_level_can_grow():
+    """An EAGLE-like drafter: a draft costs 0.1 of a plain step per level, whatever its nodes. Priced
+    per node from 2-node trees (0.1 each), 8 nodes would cost 0.8 of a step and the budget stays
+    small; timed per size, the untried 8 is assumed to cost what 2 did, gets tried, and its real
+    cost (0.4) is what counts from then on."""
+    from specdec import sequoia
+
+    c = _cost_aware(retree_every=10**9)
+    c.update([0], [0], verify_time=1.0)
+    c.update([2], [1], verify_time=1.0, draft_time=0.2, key="tree")
+    assert c.draft_cost(2, "tree") == pytest.approx(0.2) and c.draft_cost(8, "tree") == pytest.approx(0.2)
+    assert c.draft_cost(1, "tree") == pytest.approx(0.1)  # below every timed size: scaled down
+    assert c.draft_cost(3, "new") == pytest.approx(3 * c.draft_time)  # no size timed: per token
+    # a measured table whose values grow with nodes; every verify size costs one plain step
+    st = c.state("tree")
+    st.values = sequoia.best_trees([[0.6, 0.2], [0.6, 0.2], [0.6], [0.6]], 16)[0]
+    st.positions.observed = 1
+    per_node = sequoia.best_budget(st.values[:9], lambda q: 1.0, lambda n: 0.1 * n)
+    assert c.tree_budget(8, "tree") > per_node
+    c.update([8], [3], verify_time=1.0, draft_time=0.4, key="tree")
+    assert c.draft_cost(8, "tree") == pytest.approx(0.4) and c.draft_cost(6, "tree") == pytest.approx(0.2)
+
+
+def test_a_block_of_fewer_rows_never_reads_as_dearer_than_a_bigger_one():
+    """The 1-row time is measured on the first step (cold: 2x); every later step drafts, so without the
+    clamp it would stand for the session and every drafted size would look cheap against it."""
+    c = _cost_aware()
+    c.update([0], [0], verify_time=2.0)
+    c.update([3], [1], verify_time=1.1, draft_time=0.0)
+    assert c.step_time[1] == c.step_time[4] == pytest.approx(1.1)
+    c.update([1], [0], verify_time=1.0, draft_time=0.0)  # 2 rows cheaper still: 1 row follows
+    assert c.step_time[1] == c.step_time[2] == pytest.approx(1.0) and c.step_time[4] == pytest.approx(1.1)
+
+
+def test_a_step_that_grew_the_store_is_not_a_sample_of_its_verify_cost():
+    c = _cost_aware()
+    c.update([0], [0], verify_time=1.0, grew=True)  # no 1-row time yet: taken all the same
+    c.update([0], [0], verify_time=1.5, grew=True)
+    assert c.step_time[1] == pytest.approx(1.0)
+    c.update([0], [0], verify_time=1.5)
+    assert c.step_time[1] > 1.0
