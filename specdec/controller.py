@@ -206,18 +206,24 @@ class DraftLengthController:
         return self.draft_time if own is None else own
 
     def draft_cost(self, n: int, key: Hashable = None) -> float:
-        """Seconds to draft n nodes in class ``key``: the measured time of the nearest size <= n
-        (optimistic, as ``cost_ratio``: a bigger draft is tried when it would pay, and so timed); below
-        every timed size the smallest one's scaled by n / its size; n x the per-token mean before
-        any. Example: timed {2: 4 ms, 6: 7 ms} -> n = 4: 4 ms, n = 8: 7 ms, n = 1: 2 ms."""
+        """Seconds to draft n nodes in class ``key``: the size's own running mean if it was timed, else
+        the line a + b n fitted to the timed sizes (least squares, a, b >= 0: EAGLE pays a head
+        forward per level, so a is large and b small; self-speculation pays a forward per token, a ~0),
+        through the origin from one timed size, n x the per-token mean before any.
+        Example: timed {1: 2 ms, 2: 3 ms} -> n = 6: 1 + 6 x 1 = 7 ms; timed {2: 4 ms} -> n = 6: 12 ms."""
         sizes = self.state(key).draft_by_size
-        below = [m for m in sizes if m <= n]
-        if below:
-            return sizes[max(below)]
-        if sizes:
-            m = min(sizes)
-            return sizes[m] * n / m
-        return n * self.draft_time_of(key)
+        if n in sizes:
+            return sizes[n]
+        if not sizes:
+            return n * self.draft_time_of(key)
+        if len(sizes) == 1:
+            (m, t), = sizes.items()
+            return t * n / m
+        xs, ys = list(sizes), list(sizes.values())
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        b = max(0.0, sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs))
+        a = max(0.0, my - b * mx)
+        return a + b * n
 
     def expected_tokens(self, k: int, key: Hashable = None) -> float:
         """Tokens one step yields when drafting a chain of k: 1 + the expected accepted drafts, from the
@@ -243,11 +249,20 @@ class DraftLengthController:
         below = max(s for s in self.step_time if s <= q)
         return self.step_time[below] / t1
 
+    def explored(self) -> int:
+        """The most nodes worth pricing: one row past the largest block timed at the live batch. An
+        untimed size is priced as the nearest smaller timed one (``cost_ratio``), cheap to be wrong
+        about at batch 1 (8 rows cost ~1.2x one) but not at batch 8, where a 3-gram class priced
+        7-token drafts at a 2-row block's 1.2x and paid 3.9x; growing one row at a time, each
+        size is timed before a bigger one is tried. Example: timed {1, 2, 5} -> 5 nodes (6 rows)."""
+        return max(self.step_time, default=1)
+
     def best_length(self, k_max: int, key: Hashable = None) -> int:
         """The k in [1, k_max] with the most tokens per second, or 0 if none beats not drafting."""
         st, t1 = self.state(key), self.step_time.get(1)
         if st.positions.observed == 0 or t1 is None:
             return k_max  # not measured yet: try it
+        k_max = min(k_max, self.explored())
         # MagicDec's estimate (T_target = t(1), T_verify(k) = t(1 + k), T_draft = k x draft time) with
         # the acceptance per depth in place of one alpha: a chain is a tree of one rank (Sequoia)
         return sequoia.best_budget(sequoia.chain_values(st.positions.chain(k_max)),
@@ -322,7 +337,7 @@ class DraftLengthController:
         if st.values is None or st.positions.observed % self.config.retree_every == 0:
             st.values = sequoia.best_trees(sequoia.one_step_beyond(st.positions.table()), 32)[0]
         t1 = self.step_time[1]
-        n = sequoia.best_budget(st.values[: cap + 1], lambda q: self.cost_ratio(q) * t1,
+        n = sequoia.best_budget(st.values[: min(cap, self.explored()) + 1], lambda q: self.cost_ratio(q) * t1,
                                 lambda k: self.draft_cost(k, key))
         return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
 

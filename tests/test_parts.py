@@ -168,7 +168,9 @@ def test_cost_gate_keeps_drafting_when_acceptance_pays():
     c.update([0], [0], verify_time=1.0)
     _chain_step(c, [4], [4], verify_time=1.4)  # all accepted: alpha = 1, 5 tokens for 1.4x
     assert c.length == 6  # BASS grew (its length caps only its own policy, without the gate)
-    assert c.budget() == c.config.maximum == 8  # 9 rows assumed to cost what 5 did: all of them pay
+    assert c.budget() == 5  # one row past the 5 timed: assumed to cost what 5 did, and so timed next
+    _chain_step(c, [5], [5], verify_time=1.4)
+    assert c.budget() == 6
 
 
 def test_cost_gate_picks_the_cheapest_length_that_pays():
@@ -256,7 +258,7 @@ def test_cost_gate_keeps_acceptance_per_draft_class():
         _chain_step(c, [4], [4], verify_time=1.4, key=3)  # 3-gram matches: copied in full
     assert c.state(1).alpha == 0.0 and c.state(3).alpha == 1.0
     assert c.budget(1) == 0
-    assert c.budget(3) == c.state(3).length == 8  # grown by BASS up to the maximum
+    assert c.budget(3) == 5 and c.state(3).length == 8  # the cost model's length, one row past 5 timed
     assert c.budget(2) == c.config.initial  # a class never seen: not measured yet, try it
 
 
@@ -269,14 +271,17 @@ def test_prompt_lookup_class_is_the_matched_ngram_size():
     assert d.draft_class() == 0 and d.propose(3).num_nodes.tolist() == [0]
 
 
-def test_cost_gate_is_optimistic_about_untimed_sizes():
-    """An untimed block size is assumed as cheap as the nearest smaller timed one, so it gets tried
-    (and timed) when it would pay; once timed expensive, the gate falls back."""
+def test_cost_gate_is_optimistic_about_untimed_sizes_one_row_at_a_time():
+    """The next untimed block size (one row past the largest timed) is assumed as cheap as the nearest
+    smaller timed one: drafted when that would pay, and so timed; once timed dear, the gate falls
+    back. Bigger untimed sizes are not priced at all (at batch 8 that optimism cost 3.9x steps)."""
     c = _cost_aware()
     for i in range(20):
         _chain_step(c, [6], [6 * (i % 5 > 0)])  # 4 of 5 chains accepted whole
     c.step_time = {1: 1.0, 2: 1.0}  # only 1 and 2 rows timed
-    assert c.best_length(6) == 6  # 7 rows assumed to cost what 2 do
+    assert c.best_length(6) == 2
+    c.step_time[3] = 1.0
+    assert c.best_length(6) == 3
     c.step_time.update({q: 5.0 for q in range(3, 8)})  # timed: 3+ rows cost 5x
     assert c.best_length(6) == 1
 
@@ -429,27 +434,30 @@ def test_one_slow_step_moves_a_verify_time_estimate_at_most_ten_percent():
     assert c.step_time[2] == pytest.approx(3.0, rel=0.01)
 
 
-def test_draft_cost_is_timed_per_size_so_trees_priced_per_level_can_grow():
-    """An EAGLE-like drafter: a draft costs 0.1 of a plain step per level, whatever its nodes. Priced
-    per node from 2-node trees (0.1 each), 8 nodes would cost 0.8 of a step and the budget stays
-    small; timed per size, the untried 8 is assumed to cost what 2 did, gets tried, and its real
-    cost (0.4) is what counts from then on."""
+def test_draft_cost_is_timed_per_size_and_fitted_to_a_line_between():
+    """An EAGLE-like drafter pays a head forward per level, whatever its nodes: timed at 1 and 2 nodes
+    (0.1, 0.15 of a step), the fitted line prices 8 nodes at 0.45, where a per-node price from the
+    2-node trees would say 0.6, and Sequoia's budget grows; a drafter that pays a forward per token
+    (self-speculation) is priced per token."""
     from specdec import sequoia
 
     c = _cost_aware(retree_every=10**9)
     c.update([0], [0], verify_time=1.0)
-    c.update([2], [1], verify_time=1.0, draft_time=0.2, key="tree")
-    assert c.draft_cost(2, "tree") == pytest.approx(0.2) and c.draft_cost(8, "tree") == pytest.approx(0.2)
-    assert c.draft_cost(1, "tree") == pytest.approx(0.1)  # below every timed size: scaled down
-    assert c.draft_cost(3, "new") == pytest.approx(3 * c.draft_time)  # no size timed: per token
-    # a measured table whose values grow with nodes; every verify size costs one plain step
-    st = c.state("tree")
+    assert c.draft_cost(3, "tree") == pytest.approx(3 * c.draft_time)  # nothing timed: per token
+    c.update([2], [1], verify_time=1.0, draft_time=0.15, key="tree")
+    assert c.draft_cost(8, "tree") == pytest.approx(0.6)  # one size timed: through the origin
+    c.update([1], [1], verify_time=1.0, draft_time=0.1, key="tree")
+    assert c.draft_cost(8, "tree") == pytest.approx(0.05 + 8 * 0.05)
+    assert c.draft_cost(2, "tree") == pytest.approx(0.15)  # a timed size: its own mean
+    c.step_time.update({q: 1.0 for q in range(2, 10)})  # every verify up to 9 rows costs a plain step
+    st = c.state("tree")  # a measured table whose values grow with nodes
     st.values = sequoia.best_trees([[0.6, 0.2], [0.6, 0.2], [0.6], [0.6]], 16)[0]
     st.positions.observed = 1
-    per_node = sequoia.best_budget(st.values[:9], lambda q: 1.0, lambda n: 0.1 * n)
+    per_node = sequoia.best_budget(st.values[:9], lambda q: 1.0, lambda n: 0.075 * n)
     assert c.tree_budget(8, "tree") > per_node
-    c.update([8], [3], verify_time=1.0, draft_time=0.4, key="tree")
-    assert c.draft_cost(8, "tree") == pytest.approx(0.4) and c.draft_cost(6, "tree") == pytest.approx(0.2)
+    for k in (1, 2, 3):
+        c.update([k], [k], verify_time=1.0, draft_time=0.7 * k, key="self")
+    assert c.draft_cost(6, "self") == pytest.approx(4.2)
 
 
 def test_a_block_of_fewer_rows_never_reads_as_dearer_than_a_bigger_one():
