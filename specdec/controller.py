@@ -11,8 +11,8 @@ it is accepted, and only as much of it as the measured cost curve allows. Two ru
   which shrinks after every miss, the gate could not use 6-row verifies that cost what 2 rows
   do: prompt lookup then ran 6% behind a fixed 5-token draft). It keeps an estimate of
   the acceptance per draft depth and of the verify time per block size q = 1 + k, both
-  measured, and of the drafter's seconds per token d; it drafts the k <= maximum with the most expected
-  tokens per unit of time, (1 + a1 + a1 a2 + ... + a1...ak) / ((t(1 + k) + k d) / t(1)), or nothing
+  measured, and of the drafter's seconds d(k) per draft size; it drafts the k <= maximum with the most expected
+  tokens per unit of time, (1 + a1 + a1 a2 + ... + a1...ak) / ((t(1 + k) + d(k)) / t(1)), or nothing
   when no k beats plain decoding. The a_i are the measured acceptance at depth i given depth i - 1
   was accepted (a chain is a tree of one rank: the same table as Sequoia's below), not one alpha:
   copied chains that match once go on matching (0.37 at depth 1, ~0.9 from depth 6 on Spec-Bench),
@@ -111,7 +111,7 @@ class _ClassState:
     """What the controller has learned about one draft class."""
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
-                 "values", "idle", "draft_time", "draft_by_size")
+                 "values", "idle", "draft_by_size")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
@@ -129,12 +129,10 @@ class _ClassState:
         self.positions = sequoia.PositionalAcceptance(decay=config.tree_decay)
         self.values: list[float] | None = None
         self.idle = 0  # steps this class was a candidate (``choose``) and another was picked
-        # running mean seconds per drafted token of this class's drafter, None until it drafted (with
-        # several sources a prompt-lookup token costs ~0 and a self-speculation token a forward)
-        self.draft_time: float | None = None
-        # running mean seconds of a whole draft per size drafted (nodes, the longest row's): an EAGLE
-        # tree costs a head forward per level, not per node, so per-token times from small trees
-        # overpriced big ones (the controller drafted 1-2 nodes where a fixed 6 was 5% faster)
+        # running mean seconds of a whole draft per size drafted (nodes, the longest row's), the class's
+        # own (``draft_cost``): a prompt-lookup draft costs ~0, a self-speculation token a forward, an
+        # EAGLE tree a head forward per level, not per node (per-token prices from small trees
+        # overpriced big ones: the controller drafted 1-2 nodes where a fixed 6 was 5% faster)
         self.draft_by_size: dict[int, float] = {}
 
 
@@ -147,8 +145,8 @@ class DraftLengthController:
         self._step_times: dict[int, dict[int, float]] = {1: {}}  # batch size -> (q -> seconds)
         self.step_time: dict[int, float] = self._step_times[1]  # the live batch's: q -> mean verify seconds
         self.batch_size = 1
-        # running mean seconds per drafted token over every class: a class's own figure once it has
-        # drafted (``draft_time_of``), this before
+        # running mean seconds per drafted token over every class: the price of a class that has not
+        # drafted yet (``draft_cost``)
         self.draft_time: float = 0.0
 
     def new_run(self, batch_size: int) -> None:
@@ -199,23 +197,17 @@ class DraftLengthController:
     def length(self) -> int:
         return self.state().length
 
-    def draft_time_of(self, key: Hashable = None) -> float:
-        """Seconds per drafted token of class ``key``'s drafter: its own running mean once it has
-        drafted, else the mean over every class."""
-        own = self.state(key).draft_time
-        return self.draft_time if own is None else own
-
     def draft_cost(self, n: int, key: Hashable = None) -> float:
         """Seconds to draft n nodes in class ``key``: the size's own running mean if it was timed, else
         the line a + b n fitted to the timed sizes (least squares, a, b >= 0: EAGLE pays a head
         forward per level, so a is large and b small; self-speculation pays a forward per token, a ~0),
-        through the origin from one timed size, n x the per-token mean before any.
+        through the origin from one timed size, n x the per-token mean over every class before any.
         Example: timed {1: 2 ms, 2: 3 ms} -> n = 6: 1 + 6 x 1 = 7 ms; timed {2: 4 ms} -> n = 6: 12 ms."""
         sizes = self.state(key).draft_by_size
         if n in sizes:
             return sizes[n]
         if not sizes:
-            return n * self.draft_time_of(key)
+            return n * self.draft_time
         if len(sizes) == 1:
             (m, t), = sizes.items()
             return t * n / m
@@ -263,7 +255,7 @@ class DraftLengthController:
         if st.positions.observed == 0 or t1 is None:
             return k_max  # not measured yet: try it
         k_max = min(k_max, self.explored())
-        # MagicDec's estimate (T_target = t(1), T_verify(k) = t(1 + k), T_draft = k x draft time) with
+        # MagicDec's estimate (T_target = t(1), T_verify(k) = t(1 + k), T_draft = draft_cost(k)) with
         # the acceptance per depth in place of one alpha: a chain is a tree of one rank (Sequoia)
         return sequoia.best_budget(sequoia.chain_values(st.positions.chain(k_max)),
                                    lambda q: self.cost_ratio(q) * t1, lambda k: self.draft_cost(k, key))
@@ -379,7 +371,6 @@ class DraftLengthController:
         if draft_time is not None:
             per_token = draft_time / max(num_drafted)
             self.draft_time = c.decay * self.draft_time + (1 - c.decay) * per_token
-            st.draft_time = per_token if st.draft_time is None else c.decay * st.draft_time + (1 - c.decay) * per_token
             n = max(num_drafted)
             st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, c.decay)
         st.skipped = 0

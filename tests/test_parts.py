@@ -218,9 +218,9 @@ def test_draft_time_is_each_classs_own():
         _chain_step(c, [2], [1], verify_time=1.36, draft_time=2.0, key="self")
     c.step_time = {1: 1.0, 2: 1.36, 3: 1.36, 4: 1.36, 5: 1.8}
     assert c.state("lookup").alpha == c.state("self").alpha == pytest.approx(0.5)
-    assert c.draft_time_of("lookup") == 0.0 and c.draft_time_of("self") == pytest.approx(1.0)
+    assert c.draft_cost(1, "lookup") == 0.0 and c.draft_cost(1, "self") == pytest.approx(1.0)
     assert c.best_length(4, "lookup") > 0 and c.best_length(4, "self") == 0
-    assert c.draft_time_of("new") == c.draft_time  # a class that never drafted: the mean over all
+    assert c.draft_cost(1, "new") == c.draft_time  # a class that never drafted: the mean over all
 
 
 def test_verify_cost_in_decoder_times_each_block_and_stays_exact(target):
