@@ -18,8 +18,10 @@ it is accepted, and only as much of it as the measured cost curve allows. Two ru
   copied chains that match once go on matching (0.37 at depth 1, ~0.9 from depth 6 on Spec-Bench),
   and the geometric 1 + alpha + ... + alpha^k with alpha ~0.5 stopped prompt lookup's drafts at ~3
   tokens where 7 paid (the controller ran 5% behind a fixed 7-token draft).
-  While drafting is off, a one-token probe every ``explore_every`` steps (doubling while probes
-  fail, up to 8x) keeps acceptance current (text changes: a summary starts quoting its source).
+  While drafting is off, a probe every ``explore_every`` steps (doubling while probes fail, up to
+  8x) keeps acceptance current (text changes: a summary starts quoting its source): one token per
+  row at a batch; at batch 1 one token, two more after each probe taken whole (so deeper depths are
+  re-measured too). A probe whose step paid restarts the gain's measurement.
 
 Drafters that size their own drafts (EAGLE-2 trees rank nodes by draft score) skip the length rule
 and take ``gate``: draft while a drafting step's measured gain (tokens it yields per sequence over its
@@ -111,7 +113,7 @@ class _ClassState:
     """What the controller has learned about one draft class."""
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
-                 "values", "idle", "draft_by_size")
+                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
@@ -134,6 +136,9 @@ class _ClassState:
         # EAGLE tree a head forward per level, not per node (per-token prices from small trees
         # overpriced big ones: the controller drafted 1-2 nodes where a fixed 6 was 5% faster)
         self.draft_by_size: dict[int, float] = {}
+        self.probing = False  # the step being drafted is a probe (the gate or the length rule said no)
+        self.probe_length = 1  # a chain probe's length at batch 1: +step_up after one taken whole
+        self.whole = 0  # the length of the last draft if it was taken whole (every row), else 0
 
 
 class DraftLengthController:
@@ -157,7 +162,7 @@ class DraftLengthController:
         self.set_batch(batch_size)
         for st in self.classes.values():
             st.length, st.shrinks = self.config.initial, 0
-            st.skipped, st.interval = 0, self.config.explore_every
+            st.skipped, st.interval, st.probe_length = 0, self.config.explore_every, 1
             # a new text: the measured gain weighs as min_samples - 1 steps, so each class drafts at
             # least once in this answer and its first steps here move the gain a third, a quarter, ...
             # (a gain carried at full weight from an answer where EAGLE lost kept its gate shut
@@ -273,8 +278,20 @@ class DraftLengthController:
         k = self.best_length(st.length if st.positions.observed == 0 else self.config.maximum, key)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
+            if self.batch_size == 1 and st.whole >= k:
+                # the last draft, at least as long, was taken whole: one token past it, the depth
+                # the table knows least about (one_step_beyond's optimism, for a chain; BASS's step
+                # up). A miss at depth 2 in an answer's first step otherwise held StreamingLLM to
+                # one- and two-token drafts for dozens of steps of whole acceptance
+                k = min(st.whole + 1, self.config.maximum)
             return k
-        return 1 if self._probe(st) else 0  # a one-token probe: the cheapest way to re-measure alpha
+        if not self._probe(st):
+            return 0
+        # a probe: at a batch one token per row (B x 2 verify rows already cost up to 2x a step); at
+        # batch 1 one token, two more after each probe taken whole: one-token probes re-measure depth
+        # 1 only, and a miss at depth 2 in an answer's first step then priced every longer draft out
+        # of the answer (StreamingLLM at 7k drafted 7 steps of 250; fixed k = 2 was 15% faster)
+        return 1 if self.batch_size > 1 else st.probe_length
 
     def _pays(self, st: _ClassState) -> bool:
         """The measured gain of this class's drafting steps (not the model's prediction) beats plain
@@ -348,7 +365,8 @@ class DraftLengthController:
         if st.skipped < max(st.interval, spacing):
             return False
         st.skipped = 0
-        st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off
+        st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off (reset if it wins)
+        st.probing = True
         return True
 
     def update(self, num_drafted: list[int], num_accepted: list[int], verify_time: float | None = None,
@@ -356,6 +374,7 @@ class DraftLengthController:
         """After a verified step: per-sequence drafted and accepted counts, the step's verify and
         draft seconds, the class of its draft, whether the step grew the target's store."""
         c, st = self.config, self.state(key)
+        probe, st.probing = st.probing, False
         q = 1 + max(num_drafted, default=0)
         # a step that grew the store (one in T: a copy of its rows that every block size pays alike)
         # is not a sample of its size's cost, unless the size has none yet (T = 1 grows every step)
@@ -386,11 +405,22 @@ class DraftLengthController:
             w = max(1.0 - c.gate_decay, 1.0 / (st.gain_samples + 1))
             st.gain = gain if st.gain is None else (1.0 - w) * st.gain + w * gain
             st.gain_samples += 1
+            if probe and gain > 1.0:
+                # a probe that paid: the text has changed since the gate closed (a summary's first
+                # sentence is not the source, its body quotes it), so the gain is measured afresh and
+                # probes come often again; kept, the mean of the poor start needed ~12 winning
+                # probes, spaced up to 64 steps apart, to reopen the gate (never, in an answer)
+                st.gain, st.gain_samples = gain, 1
+                st.interval = c.explore_every
         # alpha: accepted tokens over tokens the target judged (a rejection ends the judging)
         hits = sum(num_accepted)
         trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)
         rate = hits / max(1, trials)
         st.alpha = rate if st.alpha is None else c.decay * st.alpha + (1 - c.decay) * rate
+        whole = all(a == d for d, a in zip(num_drafted, num_accepted))
+        st.whole = max(num_drafted) if whole else 0
+        if probe:
+            st.probe_length = min(c.maximum, st.probe_length + c.step_up) if whole else max(1, max(num_accepted))
         if not c.adaptive:
             return
         if any(d > 0 and a == d for d, a in zip(num_drafted, num_accepted)):

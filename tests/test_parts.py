@@ -137,7 +137,7 @@ def test_corrupt_gguf_file_is_named(tmp_path, monkeypatch):
 
 
 def _cost_aware(**kw):
-    return DraftLengthController(DraftLengthConfig(initial=4, minimum=1, maximum=8, **kw))
+    return DraftLengthController(DraftLengthConfig(**{"initial": 4, "minimum": 1, "maximum": 8, **kw}))
 
 
 def _chain_step(c, drafted, accepted, key=None, **times):
@@ -306,7 +306,8 @@ def test_gate_judges_a_class_after_min_samples_and_reopens_after_good_probes():
     """The first drafting step of an answer often misses (0.6x a plain step's rate): one step is not
     a measurement, the gate stays open until ``min_samples`` (3) are in, then judges their plain
     mean. Three poor steps close it; one winning probe (2.7x) reopens it at once (with the long
-    running mean alone, a poor start kept it shut for ~14 winning probes)."""
+    running mean alone, a poor start kept it shut for ~14 winning probes): its gain is measured
+    afresh from it, and probes come every ``explore_every`` steps again."""
     poor = dict(verify_time=1.4, draft_time=0.2)  # 1 token per 1.6 steps: gain 0.625
     good = dict(verify_time=1.4, draft_time=0.1)  # 4 tokens per 1.5 steps: gain 2.67
     c = _cost_aware(explore_every=2)
@@ -322,8 +323,53 @@ def test_gate_judges_a_class_after_min_samples_and_reopens_after_good_probes():
         c.update([5], [0], **poor)
     assert not c.gate() and c.gate()  # closed; a probe at 2
     c.update([5], [3], **good)
-    assert c.state().gain == pytest.approx((3 * 0.625 + 4 / 1.5) / 4) and c.gate()
+    assert c.state().gain == pytest.approx(4 / 1.5) and c.state().gain_samples == 1
+    assert c.gate() and c.state().interval == 2
+    for _ in range(5):
+        c.update([5], [0], **poor)  # the mean of the fresh measurement: (2.67 + 5 x 0.625) / 6 < 1
+    assert [c.gate() for _ in range(2)] == [False, True]  # closed again, a probe at 2
 
+
+def test_chain_drafts_climb_back_after_a_poor_start():
+    """StreamingLLM at 7k tokens, as traced: a draft costs 0.55 plain steps per token, a verify 1 +
+    0.07 per extra row. The answer's first two drafts miss (1 of 3, 0 of 1), then every draft would
+    be taken whole. One-token probes re-measured depth 1 only and the early miss at depth 2 priced
+    longer drafts out, while the poor first mean held the gate shut (7 drafting steps in 250). Now
+    the first winning probe restarts the gain, and each draft taken whole is followed by one a
+    token longer, up to the maximum."""
+    c = _cost_aware(explore_every=8, maximum=10)
+    verify = lambda q: 1.0 + 0.07 * (q - 1)  # noqa: E731
+    c.update([0], [0], verify_time=verify(1))
+    drafted = []
+    for i in range(100):
+        k = [3, 1][i] if i < 2 else c.budget()
+        _chain_step(c, [k], [[1, 0][i] if i < 2 else k], verify_time=verify(1 + k), draft_time=0.55 * k or None)
+        drafted.append(k)
+    first = next(i for i in range(2, 100) if drafted[i])
+    assert first == 9 and drafted[first] == 1  # one probe, 8 steps after the gate closed
+    assert drafted[first + 1 : first + 10] == list(range(2, 11))  # each one longer than the last
+    assert min(drafted[first:]) >= 1 and drafted[-50:] == [10] * 50
+
+
+def test_chain_probes_lengthen_while_taken_whole():
+    """Where a verify is dear (each extra row 1.5x a step) a probe taken whole still loses, so the
+    gate stays shut; the next probe is two tokens longer (1, 3, 5), re-measuring deeper depths, and a
+    probe that misses starts again from what it got (at a batch every probe is one token per row)."""
+    c = _cost_aware(explore_every=2, maximum=10)
+    c.update([0], [0], verify_time=1.0)
+    for _ in range(3):
+        _chain_step(c, [2], [0], verify_time=2.5, draft_time=0.1)
+    probes = []
+    for i in range(400):  # probes cost 1.5 steps: probe_share spaces them 75 steps apart
+        k = c.budget()
+        if k:
+            probes.append(k)
+            got = k if len(probes) < 3 else 1
+            _chain_step(c, [k], [got], verify_time=1.0 + 1.5 * k, draft_time=0.1 * k)
+    assert probes[:4] == [1, 3, 5, 1]
+    c.set_batch(4)
+    c.update([0] * 4, [0] * 4, verify_time=1.0)
+    assert {c.budget() for _ in range(200)} == {0, 1}
 
 def test_at_a_batch_measured_gain_vetoes_the_prediction():
     """Batch of 4, one row drafts 3 tokens and gets them all (alpha = 1: the model predicts a win),
