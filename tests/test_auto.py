@@ -11,6 +11,7 @@ from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.self_spec import StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.registry import make_drafter
+from specdec.tree import DraftTree
 
 
 def test_choose_on_scripted_gains():
@@ -34,6 +35,42 @@ def test_choose_on_scripted_gains():
     picks = [c.choose(keys) for _ in range(5)]
     assert picks.count(("eagle", None)) == 4
     assert c.choose([("lookup", 2)]) == ("lookup", 2)  # a class never seen is tried
+
+
+class _Scripted(AutoDrafter):
+    """Two sources that always have a chain to draft; what each proposes is recorded."""
+
+    def __init__(self) -> None:
+        super().__init__({"a": PromptLookupDrafter(), "b": PromptLookupDrafter()})
+        self.proposed = []
+
+    def candidates(self):
+        return [("a", 1), ("b", 1)]
+
+    def propose(self, budget):
+        self.proposed.append((self._key, budget))
+        return DraftTree.chain(torch.ones(1, budget, dtype=torch.long))
+
+
+def test_a_source_gated_off_gives_its_turn_to_the_next():
+    """("a", 1) missed its only draft: measured fewer than min_samples times it is chosen first, but
+    its own rule drafts nothing (no probe due); ("b", 1), measured and paying, drafts instead (the
+    step was plain before: a 1-gram class held auto at plain steps while a suffix match waited)."""
+    decoder = SpecDecoder(tiny_llama(0), _Scripted())
+    c = decoder.controller
+    c.update([0], [0], verify_time=1.0)
+    c.update([3], [0], verify_time=1.1, draft_time=0.0, key=("a", 1))
+    c.observe_tree([[-1, 0, 1]], [[]], ("a", 1))
+    for _ in range(3):
+        c.update([3], [3], verify_time=1.1, draft_time=0.0, key=("b", 1))
+        c.observe_tree([[-1, 0, 1]], [[0, 1, 2]], ("b", 1))
+    assert c.choose([("a", 1), ("b", 1)]) == ("a", 1) and c.budget(("a", 1)) == 0
+    key, tree = decoder._draft(c, 1, wanted=8)
+    assert key == ("b", 1) and int(tree.num_nodes[0]) > 0 and decoder.drafter.proposed[-1][0] == ("b", 1)
+    c.state(("b", 1)).gain, c.state(("b", 1)).gain_samples = 0.5, 10  # now b does not pay either
+    c.state(("b", 1)).skipped = -100  # and no probe is due
+    key, tree = decoder._draft(c, 1, wanted=8)
+    assert int(tree.num_nodes[0]) == 0 and len(decoder.drafter.proposed) == 1
 
 
 def _sources(target, seed):
