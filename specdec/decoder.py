@@ -317,27 +317,16 @@ class SpecDecoder:
         options = self.drafter.candidates()
         if options is None:
             key = self.drafter.draft_class()
-            budget = self._budget(controller, key, wanted)
-        else:
-            # several sources: the one measured fastest (or not measured enough, or due a probe) whose
-            # own rule drafts now, else the next: a 1-gram class gated off after one miss, but not
-            # yet measured min_samples times, was chosen step after step and drafted nothing while a
-            # suffix match waited (auto 11% behind prompt lookup on a 2k-token book)
-            key, budget = None, 0
-            while options and budget <= 0:
-                key = controller.choose(options)
-                self.drafter.use(key)
-                budget = self._budget(controller, key, wanted)
-                options = [o for o in options if o != key]
-            if key is None:  # no source has anything to draft
+        else:  # several sources: the one measured fastest (or due a probe); none with anything to draft
+            key = controller.choose(options)
+            if key is None:
                 return None, DraftTree.empty(batch_size)
-        return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size))
-
-    def _budget(self, controller: DraftLengthController, key, wanted: int) -> int:
+            self.drafter.use(key)
         if self.drafter.follows_controller:
-            return min(controller.budget(key), wanted)
-        # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
-        return controller.tree_budget(wanted, key)
+            budget = min(controller.budget(key), wanted)
+        else:  # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
+            budget = controller.tree_budget(wanted, key)
+        return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size))
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):
         """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path

@@ -30,7 +30,8 @@ def make_auto(target) -> AutoDrafter:
     except ValueError:
         pass  # no head for this target: the model-free sources only
     sources["streaming"] = StreamingDrafter(target, budget=512)
-    return AutoDrafter(sources, min_prompt={"streaming": 4 * 512}, max_prompt={"eagle": 4 * 512 - 1})
+    return AutoDrafter(sources, min_prompt={"streaming": 4 * 512}, max_prompt={"eagle": 4 * 512 - 1},
+                       by_match=("eagle",) if "eagle" in sources else ())
 
 
 DRAFTERS: dict[str, DrafterFactory] = {

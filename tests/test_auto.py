@@ -8,10 +8,10 @@ from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.drafters.auto import AutoDrafter
+from specdec.drafters.base import Prompt
 from specdec.drafters.self_spec import StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.registry import make_drafter
-from specdec.tree import DraftTree
 
 
 def test_choose_on_scripted_gains():
@@ -35,42 +35,6 @@ def test_choose_on_scripted_gains():
     picks = [c.choose(keys) for _ in range(5)]
     assert picks.count(("eagle", None)) == 4
     assert c.choose([("lookup", 2)]) == ("lookup", 2)  # a class never seen is tried
-
-
-class _Scripted(AutoDrafter):
-    """Two sources that always have a chain to draft; what each proposes is recorded."""
-
-    def __init__(self) -> None:
-        super().__init__({"a": PromptLookupDrafter(), "b": PromptLookupDrafter()})
-        self.proposed = []
-
-    def candidates(self):
-        return [("a", 1), ("b", 1)]
-
-    def propose(self, budget):
-        self.proposed.append((self._key, budget))
-        return DraftTree.chain(torch.ones(1, budget, dtype=torch.long))
-
-
-def test_a_source_gated_off_gives_its_turn_to_the_next():
-    """("a", 1) missed its only draft: measured fewer than min_samples times it is chosen first, but
-    its own rule drafts nothing (no probe due); ("b", 1), measured and paying, drafts instead (the
-    step was plain before: a 1-gram class held auto at plain steps while a suffix match waited)."""
-    decoder = SpecDecoder(tiny_llama(0), _Scripted())
-    c = decoder.controller
-    c.update([0], [0], verify_time=1.0)
-    c.update([3], [0], verify_time=1.1, draft_time=0.0, key=("a", 1))
-    c.observe_tree([[-1, 0, 1]], [[]], ("a", 1))
-    for _ in range(3):
-        c.update([3], [3], verify_time=1.1, draft_time=0.0, key=("b", 1))
-        c.observe_tree([[-1, 0, 1]], [[0, 1, 2]], ("b", 1))
-    assert c.choose([("a", 1), ("b", 1)]) == ("a", 1) and c.budget(("a", 1)) == 0
-    key, tree = decoder._draft(c, 1, wanted=8)
-    assert key == ("b", 1) and int(tree.num_nodes[0]) > 0 and decoder.drafter.proposed[-1][0] == ("b", 1)
-    c.state(("b", 1)).gain, c.state(("b", 1)).gain_samples = 0.5, 10  # now b does not pay either
-    c.state(("b", 1)).skipped = -100  # and no probe is due
-    key, tree = decoder._draft(c, 1, wanted=8)
-    assert int(tree.num_nodes[0]) == 0 and len(decoder.drafter.proposed) == 1
 
 
 def _sources(target, seed):
@@ -105,6 +69,27 @@ def test_auto_in_a_ragged_batch_outside_sources_prompt_ranges():
     # streaming not started: every prompt too short; model not started: the longest (45) too long
     assert drafter.active == ["lookup", "suffix"]
     assert set(drafter.drafts) <= {"lookup", "suffix"}
+
+
+def test_a_model_source_is_keyed_by_the_lookup_match_and_stays_exact():
+    """by_match: the model drafter's class is the length of prompt lookup's n-gram match (0, 1, 2+),
+    so the controller weighs its guesses against copies at the same kind of position."""
+    target = tiny_llama(3)
+    sources = {"lookup": PromptLookupDrafter(), "model": ModelDrafter(perturbed(target, 0.3, seed=3))}
+    drafter = AutoDrafter(sources, by_match=("model",))
+    drafter.begin(Prompt(torch.tensor([[5, 6, 7, 8, 9, 1, 6, 7]]), torch.tensor([8])))
+    assert ("model", ("match", 2)) in drafter.candidates() and ("lookup", 2) in drafter.candidates()
+    drafter.begin(Prompt(torch.tensor([[5, 6, 7, 4]]), torch.tensor([4])))
+    assert drafter.candidates() == [("model", ("match", 0))]  # lookup has nothing to copy
+    with pytest.raises(ValueError, match="'lookup' source"):
+        AutoDrafter({"model": sources["model"]}, by_match=("model",))
+    with pytest.raises(ValueError, match="names no source"):
+        AutoDrafter(sources, by_match=("eagle",))
+    g = torch.Generator().manual_seed(3)
+    base = torch.randint(0, 128, (1, 30), generator=g)
+    ids = torch.cat([base, base[:, :20]], dim=1)
+    out = SpecDecoder(target, drafter).generate(ids, max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 40))
 
 
 def test_auto_refuses_sources_of_different_vocabularies():
