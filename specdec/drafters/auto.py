@@ -11,7 +11,7 @@ gets a probe turn, as the text changes. A source in ``by_match`` (EAGLE, from th
 keyed by how long an n-gram prompt lookup matched (0, 1, 2+): measured only where it was chosen, one
 EAGLE class had its gain taken at the positions where nothing matched (the hardest), and on a
 translation the 1-gram copies, carried in from answers where they paid, kept winning the 1-gram
-positions (EAGLE alone was 18-27% faster than ``auto`` there in two runs; 5% slower since). After
+positions (EAGLE alone was 18-27% faster than ``auto`` there in two runs; level with it since). After
 the choice the usual per-class rules size the draft (length or tree budget) or turn drafting off
 when even the best source does not beat plain decoding.
 
