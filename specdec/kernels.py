@@ -144,10 +144,11 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 7, vocab: i
     and one wide [``vocab``, K] one, the shape of a vocabulary projection: on the MLP shape alone
     F.linear could win 1 row, and it then ran the default model's 49k-row lm_head at 6.4 ms against
     MKL's 2.3 ms (``W @ x^T``): plain steps at 2k tokens cost 42 ms instead of 27 for a whole run.
-    They are cycled so no call finds its weight cached by the previous one; rounds alternate the routes, and
-    each keeps its fastest round (noise only ever adds time: a median let one busy moment at process
-    start send 1-row steps down F.linear for a whole benchmark run). ~0.7 s. A route that is slower than torch's own for a size is never used
-    for it: that is the guard against a kernel shape that suits another CPU (see the module doc).
+    They are cycled so no call finds its weight cached by the previous one; rounds alternate the
+    routes, and each keeps its fastest round (noise only ever adds time: a median let one busy moment
+    at process start send 1-row steps down F.linear for a whole benchmark run). ~0.7 s. A route that
+    is slower than torch's own for a size is never used for it: that is the guard against a kernel
+    shape that suits another CPU (see the module doc).
     """
     global _routes
     if _routes is not None or os.environ.get("SPECDEC_KERNEL_CALIBRATE") == "0":

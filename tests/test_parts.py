@@ -371,6 +371,7 @@ def test_chain_probes_lengthen_while_taken_whole():
     c.update([0] * 4, [0] * 4, verify_time=1.0)
     assert {c.budget() for _ in range(200)} == {0, 1}
 
+
 def test_at_a_batch_measured_gain_vetoes_the_prediction():
     """Batch of 4, one row drafts 3 tokens and gets them all (alpha = 1: the model predicts a win),
     but the step costs 2x a plain one and the other rows yield 1 token each: 1.75 tokens per row in
