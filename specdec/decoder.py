@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec import kernels
+from specdec import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
@@ -173,6 +173,7 @@ class SpecDecoder:
         self.vocab_size = vocab_size_of(target)
         cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         self.context_window = getattr(cfg, "max_position_embeddings", None)
+        self.sliding_window = _sliding_window(cfg)
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
         self.controller = DraftLengthController(config.draft_length)
         if drafter is not None and drafter.vocab_size not in (None, self.vocab_size):
@@ -204,6 +205,11 @@ class SpecDecoder:
         max_new_tokens is clipped to the room left in the context window by the longest prompt.
         """
         ids, prompts = self._check_input(input_ids, attention_mask)
+        longest = max(len(p) for p in prompts) + max_new_tokens
+        if self.sliding_window is not None and longest > self.sliding_window:
+            raise ValueError(f"the target attends within a sliding window of {self.sliding_window} tokens, which "
+                             f"specdec's KV store does not implement: a prompt of {longest - max_new_tokens} tokens "
+                             f"+ max_new_tokens {max_new_tokens} would pass it (keep both within the window)")
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"a streamer takes one sequence (HF streamers are batch-1); got {len(prompts)}: "
                              "use callback=, whose events name their sequence")
@@ -216,7 +222,11 @@ class SpecDecoder:
             seed = int(torch.randint(2**62, ())) if seed is None else seed
             generator = torch.Generator().manual_seed(seed)  # CPU: the verifier samples on the CPU
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
-        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows):
+        # Llama-shaped models run the lean forward (specdec.fastpath), built and checked here, not in step 1
+        paths = [p for p in map(fastpath.get, modules) if p is not None]
+        replaced = [m for p in paths for m in p.replaced()]
+        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows, skip=replaced):
+            kernels.prepack([w for p in paths for w in p.fused_weights()], self.config.skinny_rows)
             batch, steps = self._generate(prompts, max_new_tokens, _eos_set(eos_token_id, self.target),
                                           streamer, callback, _Acceptance(sampling, generator))
         new = [batch.new[s] for s in range(len(prompts))]
@@ -445,6 +455,15 @@ def _make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None
         tokens[:, :A] = torch.where(ver.accepted >= 0, path_tokens, 0)
     tokens[torch.arange(B), ver.num_accepted] = ver.next_token.cpu()
     return Commit(tokens, ver.num_accepted + 1, ver.num_accepted, hidden)
+
+
+def _sliding_window(cfg) -> int | None:
+    """The window of a target whose attention (in any layer) is restricted to its last W tokens, or None."""
+    w = getattr(cfg, "sliding_window", None)
+    if w is None or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    return int(w) if types is None or "sliding_attention" in types else None
 
 
 def _eos_set(eos_token_id, target) -> set[int]:

@@ -29,6 +29,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from specdec import fastpath
 from specdec.kv.bmc import BMCCache
 
 PAD, SPLIT = "specdec_pad", "specdec_split"  # the attention implementation names the blocks run under
@@ -120,11 +121,16 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     saved = config._attn_implementation
     split = split and cache.batch_size > 1
     ours = split or saved == "sdpa"  # other implementations (flash, flex) are left as the user chose
+    path = fastpath.get(model, check=False) if ours else None
     if ours:
         ends = _split_ends.set([n + input_ids.shape[1] for n in cache.lengths] if split else None)
         masks = _grouped_masks.set({})
         config._attn_implementation = SPLIT if split else PAD
     try:
+        if path is not None:  # a Llama-shaped target: the same ops without HF's per-module Python
+            logits, hidden = path(cache, input_ids.to(model.device), inputs.position_ids, inputs.attention_mask,
+                                  _split_attention if split else grouped_attention)
+            return BlockOutput(logits, hidden if want_hidden else None)
         out = model(
             input_ids=input_ids.to(model.device),
             position_ids=inputs.position_ids,
@@ -155,6 +161,14 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False) -> Prefil
     DynamicCache, no explicit mask (SDPA's causal fast path: a 4D bias at 7k tokens took attention's
     masked path, ~2x HF's time), logits for the last position only (the lm_head over 49k tokens x P
     rows would cost more than the prompt's attention). The caller copies the K/V into its store."""
+    path = fastpath.get(model, check=False) if model.config._attn_implementation == "sdpa" else None
+    if path is not None:  # the lean forward: the same ops, and the hidden states without keeping every layer's
+        cache = DynamicCache(config=model.config)
+        G, P = input_ids.shape
+        logits, hidden = path(cache, input_ids.to(model.device), torch.arange(P, device=model.device).expand(G, P),
+                              None, grouped_attention, logits_rows=1)
+        return Prefill(logits[:, -1], hidden if want_hidden else None,
+                       [(layer.keys, layer.values) for layer in cache.layers])
     cache = DynamicCache()
     out = model(input_ids=input_ids.to(model.device), use_cache=True, output_hidden_states=want_hidden,
                 logits_to_keep=1, **{cache_arg(model): cache})

@@ -38,6 +38,7 @@ block that needs gradients keeps F.linear's autograd.
 
 from __future__ import annotations
 
+import contextvars
 import hashlib
 import logging
 import os
@@ -114,6 +115,7 @@ def _build(name: str):
         return None
 
 
+_max_rows: contextvars.ContextVar[int] = contextvars.ContextVar("specdec_max_rows", default=MAX_ROWS)
 _routes: tuple[str, ...] | None = None  # route per block size 1..MAX_ROWS, once calibrated
 
 
@@ -240,27 +242,45 @@ def prepare() -> None:
     calibrate()
 
 
+def prepack(weights, max_rows: int = MAX_ROWS) -> None:
+    """Pack fp32 CPU weights for the kernel now, if some block size up to max_rows routes to it (a
+    direct caller of ``linear`` would otherwise pack at its first block, inside a timed step)."""
+    if "packed" in routes()[:max_rows]:
+        for w in weights:
+            if w.dtype == torch.float32 and w.device.type == "cpu":
+                packed(w)
+
+
 @contextmanager
-def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS):
+def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=()):
     """Route every plain ``nn.Linear`` under ``roots`` through ``linear`` while the block runs.
 
     The modules are patched per instance (no Python in the other ops of the forward) and restored
-    on exit; a module another ``skinny_linears`` already patched is left to that one. Their fp32 CPU
-    weights are packed for the kernel here, once per weight (not in the middle of a timed step).
+    on exit; a module another ``skinny_linears`` already patched is left to that one, and so are the
+    modules in ``skip`` (linears a ``fastpath.FastPath`` replaced by fused copies: not packed twice).
+    Their fp32 CPU weights are packed for the kernel here, once per weight (not in the middle of a
+    timed step).
     """
     patched = []
+    skip = {id(m) for m in skip}
+    token = _max_rows.set(max_rows)
     if max_rows > 0:
         calibrate()  # once per process, before any timed step
         for root in roots:
             for m in root.modules():
-                if type(m) is nn.Linear and "forward" not in m.__dict__:
+                if type(m) is nn.Linear and "forward" not in m.__dict__ and id(m) not in skip:
                     m.forward = partial(_forward, m, max_rows)
                     patched.append(m)
-                    if "packed" in routes()[:max_rows] and m.weight.dtype == torch.float32 \
-                            and m.weight.device.type == "cpu":
-                        packed(m.weight)
+                    prepack([m.weight], max_rows)
     try:
         yield
     finally:
         for m in patched:
             del m.forward
+        _max_rows.reset(token)
+
+
+def max_rows() -> int:
+    """The max_rows of the innermost ``skinny_linears`` block running (MAX_ROWS outside any): what a
+    direct caller of ``linear`` inside one (``fastpath``) passes on."""
+    return _max_rows.get()
