@@ -115,7 +115,9 @@ def _build(name: str):
         return None
 
 
-_max_rows: contextvars.ContextVar[int] = contextvars.ContextVar("specdec_max_rows", default=MAX_ROWS)
+# 0 outside any skinny_linears block: there a direct caller that follows it (fastpath) takes torch's
+# linears, as HF's unpatched modules would
+_max_rows: contextvars.ContextVar[int] = contextvars.ContextVar("specdec_max_rows", default=0)
 _routes: tuple[str, ...] | None = None  # route per block size 1..MAX_ROWS, once calibrated
 
 
@@ -281,6 +283,6 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=()):
 
 
 def max_rows() -> int:
-    """The max_rows of the innermost ``skinny_linears`` block running (MAX_ROWS outside any): what a
-    direct caller of ``linear`` inside one (``fastpath``) passes on."""
+    """The max_rows of the innermost ``skinny_linears`` block running (0 outside any: torch's linears):
+    what a direct caller of ``linear`` that follows the block (``fastpath``) passes on."""
     return _max_rows.get()
