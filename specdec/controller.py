@@ -348,6 +348,10 @@ class DraftLengthController:
         t1 = self.step_time[1]
         n = sequoia.best_budget(st.values[: min(cap, self.explored()) + 1], lambda q: self.cost_ratio(q) * t1,
                                 lambda k: self.draft_cost(k, key))
+        if st.probing:  # a probe is sized as a chain's: one node per row at a batch, probe_length at batch 1
+            # (a full EAGLE tree as the probe of a gated-off class cost ~1.6 plain steps on a summary
+            # where nothing was accepted; one node costs ~1.1)
+            return 1 if self.batch_size > 1 else max(1, min(n, st.probe_length))
         return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
 
     def observe_tree(self, parents: list[list[int]], accepted: list[list[int]], key: Hashable = None) -> None:

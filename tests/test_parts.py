@@ -1,6 +1,7 @@
 """Pure parts with hand-built tables: chain verification, prompt lookup, the draft-length controller,
 and the GGUF cache's corruption check."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -370,6 +371,28 @@ def test_chain_probes_lengthen_while_taken_whole():
     c.set_batch(4)
     c.update([0] * 4, [0] * 4, verify_time=1.0)
     assert {c.budget() for _ in range(200)} == {0, 1}
+
+
+def test_tree_probes_are_sized_as_chain_probes():
+    """A tree drafter whose gate closed probes with one node (then more while probes are taken whole),
+    not a whole Sequoia tree; at a batch one node per row."""
+    c = _cost_aware(explore_every=2)
+    c.update([0], [0], verify_time=1.0)
+    verify = lambda n: 1.0 + 0.01 * n  # noqa: E731  (a probe costs 1% of a step: spaced by explore_every)
+    tree = [-1, 0, 1, -1, 3, 3]  # two branches of three levels, six nodes
+    for _ in range(3):  # three trees that win nothing, each drafting 0.3 of a step: the gate closes
+        n = c.tree_budget(6, key="t")
+        c.update([n], [0], verify_time=verify(n), draft_time=0.3, key="t")
+        c.observe_tree([tree[:n]], [[]], key="t")
+    c.state("t").values = [0.0, 1.0, 1.5, 1.8, 2.0, 2.1, 2.2]  # as if Sequoia wanted all six nodes
+    c.config = dataclasses.replace(c.config, retree_every=10**6)
+    assert [c.tree_budget(6, key="t") for _ in range(3)] == [0, 1, 0]  # closed; a one-node probe at 2
+    c.update([1], [1], verify_time=verify(1), draft_time=1.2, key="t")  # taken whole, still a loss
+    sizes = [c.tree_budget(6, key="t") for _ in range(4)]
+    assert sizes == [0, 0, 0, 3]  # the next probe, 4 steps on, three nodes (not six)
+    c.set_batch(4)
+    c.update([0] * 4, [0] * 4, verify_time=1.0)
+    assert {c.tree_budget(6, key="t") for _ in range(200)} == {0, 1}
 
 
 def test_at_a_batch_measured_gain_vetoes_the_prediction():
