@@ -272,7 +272,9 @@ class SpecDecoder:
             stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
                               list(batch.rows), split)
             # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
-            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, stats.draft_time, key,
+            # a drafter's catch-up (EAGLE's head fed a whole prompt) is not the price of this draft's size
+            drafted = stats.draft_time - (self.drafter.catch_up_seconds() if self.drafter is not None else 0.0)
+            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, max(0.0, drafted), key,
                               grew=cache.num_allocations != allocations)
             if any(stats.num_drafted):
                 controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],

@@ -105,6 +105,46 @@ def test_head_store_keeps_only_committed_pairs(target):
     assert torch.equal(first.tokens, again.tokens) and torch.equal(first.parents, again.parents)
 
 
+def test_catching_up_on_pairs_is_reported_apart_from_drafting(target, monkeypatch):
+    """The pairs fed before a tree (a whole prompt first) are the drafter's catch-up, not the tree's
+    price: propose reports the seconds it spent feeding them, accept clears them."""
+    head = _random_head(target)
+    ids, hidden = _prompt_with_features(target)
+    d = EagleDrafter(target, head, EagleConfig(total_tokens=4, depth=2, top_k=2))
+    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
+    clock = iter([10.0, 10.375])
+    monkeypatch.setattr("specdec.drafters.eagle.time.perf_counter", lambda: next(clock))
+    d.propose(4)
+    assert d.catch_up_seconds() == 0.375
+    d.accept(Commit(torch.tensor([[7]]), torch.tensor([1]), torch.tensor([0]), torch.randn(1, 1, 64).double()))
+    assert d.catch_up_seconds() == 0.0
+
+
+def test_the_controller_prices_drafts_without_the_drafters_catch_up(target, monkeypatch):
+    """What the decoder tells the controller a draft cost: the step's draft seconds minus the catch-up
+    the drafter reports (a fake clock: every draft takes 1 s, 0.25 s of it catching up)."""
+    import types
+
+    import specdec.decoder as decoder_module
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    class CatchingUp(PromptLookupDrafter):
+        def catch_up_seconds(self) -> float:
+            return 0.25
+
+    ticks = iter(range(10**6))
+    monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    dec = SpecDecoder(target, CatchingUp())
+    seen = []
+    update = dec.controller.update
+    monkeypatch.setattr(dec.controller, "update", lambda *a, **k: (seen.append(a[3]), update(*a, **k)))
+    ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    out = dec.generate(ids, max_new_tokens=8)
+    assert seen and all(t == 0.75 for t in seen)  # 1 s of draft time per step, less the 0.25 s
+    assert all(s.draft_time == 1.0 for s in out.steps[1:])  # the step's own figures are left whole
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 8))
+
+
 def test_missing_features_are_an_error(target):
     d = EagleDrafter(target, _random_head(target))
     ids = torch.randint(0, 128, (1, 5))

@@ -85,6 +85,9 @@ class AutoDrafter(Drafter):
                 out.append((name, cls))
         return out
 
+    def catch_up_seconds(self) -> float:
+        return 0.0 if self._chosen is None else self.sources[self._chosen].catch_up_seconds()
+
     def use(self, key: Hashable) -> None:
         self._chosen, self._key = key[0], key
 

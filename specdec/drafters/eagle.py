@@ -49,6 +49,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import time
 import warnings
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -227,9 +228,13 @@ class EagleDrafter(Drafter):
         self._has_root: torch.Tensor | None = None  # [B] bool: the row has stored at least one pair
         self.sampling: SamplingParams | None = None  # from the prompt: None = greedy top-k trees
         self.generator: torch.Generator | None = None
+        self._catch_up = 0.0  # seconds the last propose spent feeding pairs (catch_up_seconds)
 
     def torch_modules(self) -> list:
         return [self.head]
+
+    def catch_up_seconds(self) -> float:
+        return self._catch_up
 
     # -- the three methods of the contract
 
@@ -252,6 +257,7 @@ class EagleDrafter(Drafter):
         for b, n in enumerate(commit.num_new.tolist()):
             self._feats[b].append(commit.hidden[b, :n])  # hidden[j] is the feature before tokens[j]
             self._toks[b].extend(commit.tokens[b, :n].tolist())
+        self._catch_up = 0.0
 
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
@@ -264,7 +270,9 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, budget: int) -> DraftTree:
         B = len(self._toks)
+        t0 = time.perf_counter()
         self._feed_pairs()
+        self._catch_up = time.perf_counter() - t0
         n_nodes = min(self.config.total_tokens, budget)
         if n_nodes <= 0 or self._root is None or not bool(self._has_root.all()):
             # nothing to draft from yet: a one-token prompt has no feature before its first step
