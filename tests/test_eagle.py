@@ -106,18 +106,21 @@ def test_head_store_keeps_only_committed_pairs(target):
 
 
 def test_catching_up_on_pairs_is_reported_apart_from_drafting(target, monkeypatch):
-    """The pairs fed before a tree (a whole prompt first) are the drafter's catch-up, not the tree's
-    price: propose reports the seconds it spent feeding them, accept clears them."""
+    """The pairs fed before a tree are the drafter's catch-up, not the tree's price, when there are more
+    than one step commits (a whole prompt first): propose reports the seconds it spent feeding them,
+    accept clears them; a step's own few pairs are part of the draft's cost."""
     head = _random_head(target)
     ids, hidden = _prompt_with_features(target)
     d = EagleDrafter(target, head, EagleConfig(total_tokens=4, depth=2, top_k=2))
     d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
-    clock = iter([10.0, 10.375])
+    clock = iter([10.0, 10.375, 11.0, 11.5])
     monkeypatch.setattr("specdec.drafters.eagle.time.perf_counter", lambda: next(clock))
     d.propose(4)
-    assert d.catch_up_seconds() == 0.375
-    d.accept(Commit(torch.tensor([[7]]), torch.tensor([1]), torch.tensor([0]), torch.randn(1, 1, 64).double()))
+    assert d.catch_up_seconds() == 0.375  # 11 prompt pairs
+    d.accept(Commit(torch.tensor([[7, 9]]), torch.tensor([2]), torch.tensor([1]), torch.randn(1, 2, 64).double()))
     assert d.catch_up_seconds() == 0.0
+    d.propose(4)
+    assert d.catch_up_seconds() == 0.0  # the 2 pairs one step committed
 
 
 def test_the_controller_prices_drafts_without_the_drafters_catch_up(target, monkeypatch):

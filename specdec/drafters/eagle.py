@@ -228,7 +228,7 @@ class EagleDrafter(Drafter):
         self._has_root: torch.Tensor | None = None  # [B] bool: the row has stored at least one pair
         self.sampling: SamplingParams | None = None  # from the prompt: None = greedy top-k trees
         self.generator: torch.Generator | None = None
-        self._catch_up = 0.0  # seconds the last propose spent feeding pairs (catch_up_seconds)
+        self._catch_up = 0.0  # seconds the last propose spent catching up on pairs (catch_up_seconds)
 
     def torch_modules(self) -> list:
         return [self.head]
@@ -270,9 +270,12 @@ class EagleDrafter(Drafter):
     @torch.inference_mode()
     def propose(self, budget: int) -> DraftTree:
         B = len(self._toks)
+        # more pairs than one step can commit (a prompt, or the steps of a pause): a catch-up, not the
+        # price of this tree; a step's own 1-4 pairs are part of every draft's cost
+        behind = max((len(t) for t in self._toks), default=0) > self.config.depth + 1
         t0 = time.perf_counter()
         self._feed_pairs()
-        self._catch_up = time.perf_counter() - t0
+        self._catch_up = time.perf_counter() - t0 if behind else 0.0
         n_nodes = min(self.config.total_tokens, budget)
         if n_nodes <= 0 or self._root is None or not bool(self._has_root.all()):
             # nothing to draft from yet: a one-token prompt has no feature before its first step
