@@ -30,7 +30,7 @@ plainly and probe on the same schedule. The same measured gain also vetoes the l
 prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
 With several sources (``drafters.auto``) ``choose`` first picks the class with the best measured
-gain among those that can draft now. When the gate is open, ``tree_budget`` sizes the tree
+gain among those that can draft now and whose own rule drafts something. When the gate is open, ``tree_budget`` sizes the tree
 (Sequoia, specdec.sequoia): from the acceptance per depth and sibling rank measured on the trees
 verified so far, the node budget with the most expected tokens per second given the verify times
 of this batch size (more nodes where a verify is cheap relative to a step, fewer where it is not).
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Hashable
+from typing import Callable, Hashable
 
 from specdec import sequoia
 
@@ -312,24 +312,39 @@ class DraftLengthController:
             return True
         return self._probe(st)
 
-    def choose(self, keys: list[Hashable]) -> Hashable | None:
-        """Which of several sources' draft classes to draft in this step (``drafters.auto``): one with
-        fewer than ``min_samples`` measured drafting steps first (the least measured), then one passed
-        over ``revisit_every`` times (its gain may be stale), else
-        the one with the highest measured gain (tokens per sequence per plain-step time). None when
-        no source has anything to draft. The chosen class's own gate or budget then still decides
-        whether and how much it drafts, so the best source below plain decoding drafts nothing.
-        Example: gains {"lookup": 1.4, "eagle": 1.1} -> "lookup"; after 64 such steps, "eagle" once."""
+    def choose(self, keys: list[Hashable], size: Callable[[Hashable], int]) -> tuple[Hashable | None, int]:
+        """Which of several sources' draft classes to draft in this step (``drafters.auto``), and how
+        much: (class, ``size(class)``), or (None, 0) when none drafts. Classes are asked in this order
+        what they would draft (``size``: the class's length rule or tree budget, whose gate may say 0):
+        those with fewer than ``min_samples`` measured drafting steps (the least measured first), those
+        passed over ``revisit_every`` times (their gain may be stale), then the rest by measured gain
+        (tokens per sequence per plain-step time), best first. The first that drafts is used. A class
+        that says 0 passes the step on, until one whose measured gain does not beat plain decoding
+        said 0: every class after it gains less (so the best source below plain decoding drafts
+        nothing, apart from its probes). Before, the first class in that order was used whatever it
+        said: a fresh 1-gram copy class that its length rule priced out held the step, and the
+        sources that paid there, for the ~8 steps until its probe.
+        Example: gains {"lookup": 1.4, "eagle": 1.1} -> "lookup"; after 64 such steps, "eagle" once;
+        lookup's length rule says 0 -> "eagle"."""
         if not keys:
-            return None
-        states = {k: self.state(k) for k in keys}
-        fresh = sorted((k for k, st in states.items() if st.gain_samples < self.config.min_samples),
+            return None, 0
+        c, states = self.config, {k: self.state(k) for k in keys}
+        fresh = sorted((k for k, st in states.items() if st.gain_samples < c.min_samples),
                        key=lambda k: states[k].gain_samples)
-        due = [k for k, st in states.items() if st.idle >= self.config.revisit_every]
-        pick = (fresh or due or [max(keys, key=lambda k: states[k].gain or 0.0)])[0]
+        due = [k for k, st in states.items() if st.idle >= c.revisit_every and k not in fresh]
+        rest = sorted((k for k in keys if k not in fresh and k not in due), key=lambda k: -(states[k].gain or 0.0))
+        asked, pick, n = [], None, 0
+        for k in fresh + due + rest:
+            asked.append(k)
+            n = size(k)
+            if n > 0:
+                pick = k
+                break
+            if k in rest and not self._pays(states[k]):
+                break
         for k, st in states.items():
-            st.idle = 0 if k == pick else st.idle + 1
-        return pick
+            st.idle = 0 if k in asked else st.idle + 1
+        return pick, (n if pick is not None else 0)
 
     def tree_budget(self, cap: int, key: Hashable = None) -> int:
         """Nodes a tree drafter may propose next (0 = do not draft): the gate, then the Sequoia budget

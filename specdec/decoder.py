@@ -327,17 +327,23 @@ class SpecDecoder:
         if self.drafter is None or wanted <= 0:
             return None, DraftTree.empty(batch_size)
         options = self.drafter.candidates()
+
+        def size(key) -> int:
+            if options is not None:
+                self.drafter.use(key)  # several sources: the class's own source drafts it
+            if self.drafter.follows_controller:
+                return min(controller.budget(key), wanted)
+            # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
+            return controller.tree_budget(wanted, key)
+
         if options is None:
             key = self.drafter.draft_class()
-        else:  # several sources: the one measured fastest (or due a probe); none with anything to draft
-            key = controller.choose(options)
+            budget = size(key)
+        else:  # several sources: the one measured fastest that drafts (or one due a turn); or none
+            key, budget = controller.choose(options, size)
             if key is None:
                 return None, DraftTree.empty(batch_size)
             self.drafter.use(key)
-        if self.drafter.follows_controller:
-            budget = min(controller.budget(key), wanted)
-        else:  # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
-            budget = controller.tree_budget(wanted, key)
         return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size))
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):

@@ -14,27 +14,59 @@ from specdec.drafters.suffix import SuffixDrafter
 from specdec.registry import make_drafter
 
 
+def _pick(c, keys, say=lambda k: 1):
+    return c.choose(keys, say)[0]
+
+
 def test_choose_on_scripted_gains():
     """Classes measured fewer than min_samples times first (the least measured), then the best
     measured gain, a passed-over class revisited on schedule."""
     c = DraftLengthController(DraftLengthConfig(revisit_every=4, min_samples=2))
-    assert c.choose([]) is None
+    assert c.choose([], lambda k: 1) == (None, 0)
     keys = [("lookup", 3), ("eagle", None)]
-    assert c.choose(keys) == ("lookup", 3)  # neither measured: the first
+    assert _pick(c, keys) == ("lookup", 3)  # neither measured: the first
     c.update([0], [0], verify_time=1.0)
     for _ in range(2):
         c.update([3], [3], verify_time=1.1, draft_time=0.0, key=("lookup", 3))  # 4 tokens in 1.1 steps
-        assert c.choose(keys) == ("eagle", None)  # eagle measured less: tried next
+        assert _pick(c, keys) == ("eagle", None)  # eagle measured less: tried next
         c.update([6], [1], verify_time=1.3, draft_time=0.2, key=("eagle", None))  # 2 tokens in 1.5 steps
-    picks = [c.choose(keys) for _ in range(10)]
+    picks = [_pick(c, keys) for _ in range(10)]
     assert picks == [("lookup", 3)] * 4 + [("eagle", None)] + [("lookup", 3)] * 4 + [("eagle", None)]
     # the measured gains turn: eagle wins from then on (lookup revisited every 4 steps)
     for _ in range(30):
         c.update([3], [0], verify_time=1.1, draft_time=0.0, key=("lookup", 3))
         c.update([6], [4], verify_time=1.3, draft_time=0.2, key=("eagle", None))
-    picks = [c.choose(keys) for _ in range(5)]
+    picks = [_pick(c, keys) for _ in range(5)]
     assert picks.count(("eagle", None)) == 4
-    assert c.choose([("lookup", 2)]) == ("lookup", 2)  # a class never seen is tried
+    assert _pick(c, [("lookup", 2)]) == ("lookup", 2)  # a class never seen is tried
+
+
+def test_a_class_that_drafts_nothing_passes_the_step_on():
+    """A fresh class whose length rule says 0, or the best-gain class whose rule says 0, hands the
+    step to the next class that drafts; after a class whose measured gain loses, nobody is asked."""
+    c = DraftLengthController(DraftLengthConfig(min_samples=1))
+    c.update([0], [0], verify_time=1.0)
+    good, poor, new = ("eagle", 0), ("lookup", 1), ("suffix", 1)
+    c.update([6], [3], verify_time=1.2, draft_time=0.1, key=good)  # 4 tokens in 1.3 steps: gain 3.1
+    c.update([2], [0], verify_time=1.1, draft_time=0.0, key=poor)  # 1 token in 1.1 steps: gain 0.9
+    asked = []
+
+    def say(sizes):
+        return lambda k: asked.append(k) or sizes.get(k, 0)
+
+    assert c.choose([poor, new, good], say({good: 5})) == (good, 5)  # new (fresh) said 0: passed on
+    assert asked == [new, good]
+    asked.clear()
+    assert c.choose([poor, good], say({})) == (None, 0)  # good says 0, then poor (a loser) too
+    assert asked == [good, poor]
+    assert c.choose([poor, good], say({poor: 1})) == (poor, 1)  # ... unless it is due a probe
+    asked.clear()
+    assert c.choose([poor, good, new], say({new: 3})) == (new, 3)
+    c.update([3], [0], verify_time=1.1, draft_time=0.0, key=new)  # measured now: gain 0.9
+    asked.clear()
+    assert c.choose([poor, new, good], say({})) == (None, 0)
+    assert asked == [good, poor]  # good said 0, poor lost: new (gain below poor's) not asked
+    assert c.state(new).idle == 1 and c.state(good).idle == 0
 
 
 def _sources(target, seed):
