@@ -32,6 +32,7 @@ from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block, prefill
 from specdec.kv import period
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.models import sliding_window
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths
 from specdec.verifiers.sampling import verify_sampling
@@ -173,7 +174,7 @@ class SpecDecoder:
         self.vocab_size = vocab_size_of(target)
         cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         self.context_window = getattr(cfg, "max_position_embeddings", None)
-        self.sliding_window = _sliding_window(cfg)
+        self.sliding_window = sliding_window(cfg)
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
         self.controller = DraftLengthController(config.draft_length)
         if drafter is not None and drafter.vocab_size not in (None, self.vocab_size):
@@ -463,15 +464,6 @@ def _make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None
         tokens[:, :A] = torch.where(ver.accepted >= 0, path_tokens, 0)
     tokens[torch.arange(B), ver.num_accepted] = ver.next_token.cpu()
     return Commit(tokens, ver.num_accepted + 1, ver.num_accepted, hidden)
-
-
-def _sliding_window(cfg) -> int | None:
-    """The window of a target whose attention (in any layer) is restricted to its last W tokens, or None."""
-    w = getattr(cfg, "sliding_window", None)
-    if w is None or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    return int(w) if types is None or "sliding_attention" in types else None
 
 
 def _eos_set(eos_token_id, target) -> set[int]:

@@ -36,6 +36,7 @@ from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec import kernels
+from specdec.models import sliding_window
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 log = logging.getLogger(__name__)
@@ -162,7 +163,7 @@ def supported(model) -> bool:
         return False
     if getattr(cfg, "pretraining_tp", 1) != 1 or getattr(cfg, "hidden_act", None) != "silu":
         return False
-    if getattr(cfg, "sliding_window", None) is not None and getattr(cfg, "use_sliding_window", True):
+    if sliding_window(cfg) is not None:  # the path attends to every row
         return False
     if type(model.get_output_embeddings()) is not nn.Linear:
         return False

@@ -125,7 +125,8 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     if ours:
         ends = _split_ends.set([n + input_ids.shape[1] for n in cache.lengths] if split else None)
         masks = _grouped_masks.set({})
-        config._attn_implementation = SPLIT if split else PAD
+        if path is None:  # HF's layers look the function up; the lean path is handed it
+            config._attn_implementation = SPLIT if split else PAD
     try:
         if path is not None:  # a Llama-shaped target: the same ops without HF's per-module Python
             logits, hidden = path(cache, input_ids.to(model.device), inputs.position_ids, inputs.attention_mask,

@@ -32,6 +32,15 @@ class LoadedModel:
     name: str  # what was loaded, for reports
 
 
+def sliding_window(cfg) -> int | None:
+    """The window of a model whose attention (in any layer) sees only its last W tokens, or None."""
+    w = getattr(cfg, "sliding_window", None)
+    if w is None or getattr(cfg, "use_sliding_window", True) is False:
+        return None
+    types = getattr(cfg, "layer_types", None)
+    return int(w) if types is None or "sliding_attention" in types else None
+
+
 class ModelLoadError(ValueError):
     """A model source that is missing, unreadable or corrupt; the message names the file."""
 
