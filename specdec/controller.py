@@ -389,9 +389,12 @@ class DraftLengthController:
         return True
 
     def update(self, num_drafted: list[int], num_accepted: list[int], verify_time: float | None = None,
-               draft_time: float | None = None, key: Hashable = None, grew: bool = False) -> None:
+               draft_time: float | None = None, key: Hashable = None, grew: bool = False,
+               resume: float = 0.0) -> None:
         """After a verified step: per-sequence drafted and accepted counts, the step's verify and
-        draft seconds, the class of its draft, whether the step grew the target's store."""
+        draft seconds, the class of its draft, whether the step grew the target's store, and the
+        seconds the drafter spent catching up after a pause (``Drafter.resume_seconds``: in the
+        step's gain, not in the draft size's price)."""
         c, st = self.config, self.state(key)
         probe, st.probing = st.probing, False
         q = 1 + max(num_drafted, default=0)
@@ -417,7 +420,7 @@ class DraftLengthController:
             # per sequence: tokens this step yielded over its seconds in units of a plain step (which
             # yields 1 token per sequence); at B = 1: (1 + accepted) / ((verify + draft) / t1)
             per_row = sum(1 + a for a in num_accepted) / len(num_accepted)
-            gain = per_row / ((verify_time + draft_time) / t1)
+            gain = per_row / ((verify_time + draft_time + resume) / t1)
             # the plain mean of the first 1 / (1 - gate_decay) steps, the running mean after: a gate
             # closed by one poor first step (an answer's first tokens) reopens after a good probe or
             # two, not after ~14 probes spaced up to 64 steps apart (that is: never, in an answer)

@@ -273,10 +273,13 @@ class SpecDecoder:
             stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
                               list(batch.rows), split)
             # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
-            # a drafter's catch-up (EAGLE's head fed a whole prompt) is not the price of this draft's size
-            drafted = stats.draft_time - (self.drafter.catch_up_seconds() if self.drafter is not None else 0.0)
-            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time, max(0.0, drafted), key,
-                              grew=cache.num_allocations != allocations)
+            # a drafter's catch-up (EAGLE's head fed a whole prompt) is not the price of this draft's size;
+            # the part after a pause is a price of drafting again (the step's gain)
+            catch_up, resume = (self.drafter.catch_up_seconds(), self.drafter.resume_seconds()) \
+                if self.drafter is not None else (0.0, 0.0)
+            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time,
+                              max(0.0, stats.draft_time - catch_up), key,
+                              grew=cache.num_allocations != allocations, resume=resume)
             if any(stats.num_drafted):
                 controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
                                         ver.accepted.tolist(), key)

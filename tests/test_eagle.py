@@ -121,6 +121,24 @@ def test_catching_up_on_pairs_is_reported_apart_from_drafting(target, monkeypatc
     assert d.catch_up_seconds() == 0.0
     d.propose(4)
     assert d.catch_up_seconds() == 0.0  # the 2 pairs one step committed
+    assert d.resume_seconds() == 0.0
+
+
+def test_a_feed_after_a_pause_is_reported_as_resuming(target, monkeypatch):
+    """Pairs committed while the drafter did not draft (a pause) are a catch-up too, and the price of
+    drafting again (resume_seconds); the prompt's own pairs are not (paid once per generation)."""
+    head = _random_head(target)
+    ids, hidden = _prompt_with_features(target)
+    d = EagleDrafter(target, head, EagleConfig(total_tokens=4, depth=2, top_k=2))
+    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
+    clock = iter([10.0, 10.375, 11.0, 11.25])
+    monkeypatch.setattr("specdec.drafters.eagle.time.perf_counter", lambda: next(clock))
+    d.propose(4)
+    assert (d.catch_up_seconds(), d.resume_seconds()) == (0.375, 0.0)  # the prompt
+    for _ in range(3):  # three steps drafted by someone else: 6 pairs behind
+        d.accept(Commit(torch.tensor([[7, 9]]), torch.tensor([2]), torch.tensor([1]), torch.randn(1, 2, 64).double()))
+    d.propose(4)
+    assert (d.catch_up_seconds(), d.resume_seconds()) == (0.25, 0.25)
 
 
 def test_the_controller_prices_drafts_without_the_drafters_catch_up(target, monkeypatch):
@@ -135,15 +153,18 @@ def test_the_controller_prices_drafts_without_the_drafters_catch_up(target, monk
         def catch_up_seconds(self) -> float:
             return 0.25
 
+        def resume_seconds(self) -> float:
+            return 0.125  # of which after a pause: the step's gain pays it
+
     ticks = iter(range(10**6))
     monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     dec = SpecDecoder(target, CatchingUp())
     seen = []
     update = dec.controller.update
-    monkeypatch.setattr(dec.controller, "update", lambda *a, **k: (seen.append(a[3]), update(*a, **k)))
+    monkeypatch.setattr(dec.controller, "update", lambda *a, **k: (seen.append((a[3], k["resume"])), update(*a, **k)))
     ids = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
     out = dec.generate(ids, max_new_tokens=8)
-    assert seen and all(t == 0.75 for t in seen)  # 1 s of draft time per step, less the 0.25 s
+    assert seen and all(t == (0.75, 0.125) for t in seen)  # 1 s of draft time per step, less the 0.25 s
     assert all(s.draft_time == 1.0 for s in out.steps[1:])  # the step's own figures are left whole
     assert torch.equal(out.sequences, hf_greedy(target, ids, 8))
 

@@ -303,6 +303,16 @@ def test_gate_for_self_sized_drafts_follows_measured_throughput():
     assert c.gate() and c.gate()
 
 
+def test_a_drafters_resume_counts_in_the_gain_not_in_the_draft_price():
+    """Seconds a drafter spent catching up after a pause (Drafter.resume_seconds) are a price of
+    drafting again: in the step's gain; a draft size's price (what sizes the next drafts) leaves them out."""
+    c = _cost_aware()
+    c.update([0], [0], verify_time=1.0)
+    c.update([3], [1], verify_time=1.0, draft_time=0.5, resume=0.5)  # 2 tokens in 2 steps' time
+    assert c.state().gain == pytest.approx(1.0)
+    assert c.draft_cost(3) == pytest.approx(0.5)
+
+
 def test_gate_judges_a_class_after_min_samples_and_reopens_after_good_probes():
     """The first drafting step of an answer often misses (0.6x a plain step's rate): one step is not
     a measurement, the gate stays open until ``min_samples`` (3) are in, then judges their plain

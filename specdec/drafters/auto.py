@@ -88,6 +88,9 @@ class AutoDrafter(Drafter):
     def catch_up_seconds(self) -> float:
         return 0.0 if self._chosen is None else self.sources[self._chosen].catch_up_seconds()
 
+    def resume_seconds(self) -> float:
+        return 0.0 if self._chosen is None else self.sources[self._chosen].resume_seconds()
+
     def use(self, key: Hashable) -> None:
         self._chosen, self._key = key[0], key
 

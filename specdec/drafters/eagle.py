@@ -229,12 +229,16 @@ class EagleDrafter(Drafter):
         self.sampling: SamplingParams | None = None  # from the prompt: None = greedy top-k trees
         self.generator: torch.Generator | None = None
         self._catch_up = 0.0  # seconds the last propose spent catching up on pairs (catch_up_seconds)
+        self._resume = 0.0  # ... of which on pairs committed after the prompt (resume_seconds)
 
     def torch_modules(self) -> list:
         return [self.head]
 
     def catch_up_seconds(self) -> float:
         return self._catch_up
+
+    def resume_seconds(self) -> float:
+        return self._resume
 
     # -- the three methods of the contract
 
@@ -257,7 +261,7 @@ class EagleDrafter(Drafter):
         for b, n in enumerate(commit.num_new.tolist()):
             self._feats[b].append(commit.hidden[b, :n])  # hidden[j] is the feature before tokens[j]
             self._toks[b].extend(commit.tokens[b, :n].tolist())
-        self._catch_up = 0.0
+        self._catch_up = self._resume = 0.0
 
     def select(self, rows: list[int]) -> None:
         self.cache.select(rows)
@@ -273,9 +277,11 @@ class EagleDrafter(Drafter):
         # more pairs than one step can commit (a prompt, or the steps of a pause): a catch-up, not the
         # price of this tree; a step's own 1-4 pairs are part of every draft's cost
         behind = max((len(t) for t in self._toks), default=0) > self.config.depth + 1
+        prompt = self._root is None  # the first feed of a generation holds the prompt's pairs
         t0 = time.perf_counter()
         self._feed_pairs()
         self._catch_up = time.perf_counter() - t0 if behind else 0.0
+        self._resume = 0.0 if prompt else self._catch_up
         n_nodes = min(self.config.total_tokens, budget)
         if n_nodes <= 0 or self._root is None or not bool(self._has_root.all()):
             # nothing to draft from yet: a one-token prompt has no feature before its first step

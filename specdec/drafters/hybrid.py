@@ -52,6 +52,9 @@ class LookupHybridDrafter(Drafter):
     def catch_up_seconds(self) -> float:
         return self.lookup.catch_up_seconds() + self.other.catch_up_seconds()
 
+    def resume_seconds(self) -> float:
+        return self.lookup.resume_seconds() + self.other.resume_seconds()
+
     def draft_class(self):
         n = self.lookup.draft_class()  # also matches every row (kept for propose)
         self._use_lookup = [m >= self.config.min_ngram for m, _ in self.lookup._matches]
