@@ -105,16 +105,21 @@ def test_head_store_keeps_only_committed_pairs(target):
     assert torch.equal(first.tokens, again.tokens) and torch.equal(first.parents, again.parents)
 
 
+def _drafter_on_a_clock(target, monkeypatch, ticks: list[float]) -> EagleDrafter:
+    """A small EAGLE drafter begun on a 12-token prompt, its clock reading ``ticks`` in turn."""
+    ids, hidden = _prompt_with_features(target)
+    d = EagleDrafter(target, _random_head(target), EagleConfig(total_tokens=4, depth=2, top_k=2))
+    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
+    clock = iter(ticks)
+    monkeypatch.setattr("specdec.drafters.eagle.time.perf_counter", lambda: next(clock))
+    return d
+
+
 def test_catching_up_on_pairs_is_reported_apart_from_drafting(target, monkeypatch):
     """The pairs fed before a tree are the drafter's catch-up, not the tree's price, when there are more
     than one step commits (a whole prompt first): propose reports the seconds it spent feeding them,
     accept clears them; a step's own few pairs are part of the draft's cost."""
-    head = _random_head(target)
-    ids, hidden = _prompt_with_features(target)
-    d = EagleDrafter(target, head, EagleConfig(total_tokens=4, depth=2, top_k=2))
-    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
-    clock = iter([10.0, 10.375, 11.0, 11.5])
-    monkeypatch.setattr("specdec.drafters.eagle.time.perf_counter", lambda: next(clock))
+    d = _drafter_on_a_clock(target, monkeypatch, [10.0, 10.375, 11.0, 11.5])
     d.propose(4)
     assert d.catch_up_seconds() == 0.375  # 11 prompt pairs
     d.accept(Commit(torch.tensor([[7, 9]]), torch.tensor([2]), torch.tensor([1]), torch.randn(1, 2, 64).double()))
@@ -127,12 +132,7 @@ def test_catching_up_on_pairs_is_reported_apart_from_drafting(target, monkeypatc
 def test_a_feed_after_a_pause_is_reported_as_resuming(target, monkeypatch):
     """Pairs committed while the drafter did not draft (a pause) are a catch-up too, and the price of
     drafting again (resume_seconds); the prompt's own pairs are not (paid once per generation)."""
-    head = _random_head(target)
-    ids, hidden = _prompt_with_features(target)
-    d = EagleDrafter(target, head, EagleConfig(total_tokens=4, depth=2, top_k=2))
-    d.begin(Prompt(ids, torch.tensor([12]), hidden[:, :-1]))
-    clock = iter([10.0, 10.375, 11.0, 11.25])
-    monkeypatch.setattr("specdec.drafters.eagle.time.perf_counter", lambda: next(clock))
+    d = _drafter_on_a_clock(target, monkeypatch, [10.0, 10.375, 11.0, 11.25])
     d.propose(4)
     assert (d.catch_up_seconds(), d.resume_seconds()) == (0.375, 0.0)  # the prompt
     for _ in range(3):  # three steps drafted by someone else: 6 pairs behind
