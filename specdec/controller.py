@@ -30,10 +30,11 @@ plainly and probe on the same schedule. The same measured gain also vetoes the l
 prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
 With several sources (``drafters.auto``) ``choose`` first picks the class with the best measured
-gain among those that can draft now and whose own rule drafts something. When the gate is open, ``tree_budget`` sizes the tree
-(Sequoia, specdec.sequoia): from the acceptance per depth and sibling rank measured on the trees
-verified so far, the node budget with the most expected tokens per second given the verify times
-of this batch size (more nodes where a verify is cheap relative to a step, fewer where it is not).
+gain among those that can draft now and whose own rule drafts something. When the gate is open,
+``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance per depth and sibling
+rank measured on the trees verified so far, the node budget with the most expected tokens per second
+given the verify times of this batch size (more nodes where a verify is cheap relative to a step,
+fewer where it is not).
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
 are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
@@ -332,7 +333,8 @@ class DraftLengthController:
         fresh = sorted((k for k, st in states.items() if st.gain_samples < c.min_samples),
                        key=lambda k: states[k].gain_samples)
         due = [k for k, st in states.items() if st.idle >= c.revisit_every and k not in fresh]
-        rest = sorted((k for k in keys if k not in fresh and k not in due), key=lambda k: -(states[k].gain or 0.0))
+        rest = sorted((k for k in keys if k not in fresh and k not in due),
+                      key=lambda k: -(states[k].gain or 0.0))
         asked, pick, n = [], None, 0
         for k in fresh + due + rest:
             asked.append(k)

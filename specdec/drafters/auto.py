@@ -3,17 +3,18 @@
 MagicDec picks its drafter from a cost model; the hybrid (``drafters.hybrid``) picks per row by a
 fixed rule (copy after an n-gram match, else guess). ``AutoDrafter`` leaves the choice to what is
 measured: before each step every source names the draft class it would draft in (prompt lookup: the
-n-gram length it matched; suffix: its match bucket; EAGLE, self-speculation: one class), sources with
-nothing to draft drop out, and the decoder's controller (``DraftLengthController.choose``) picks the
-class whose drafting steps have yielded the most tokens per second so far (per sequence, in plain-step
-units, at the live batch size) among those whose own rule drafts something now. A class not measured
-yet is tried first; one not chosen for a while gets a probe turn, as the text changes. A source in ``by_match`` (EAGLE, from the registry) is
-keyed by how long an n-gram prompt lookup matched (0, 1, 2+): measured only where it was chosen, one
-EAGLE class had its gain taken at the positions where nothing matched (the hardest), and on a
-translation the 1-gram copies, carried in from answers where they paid, kept winning the 1-gram
-positions (EAGLE alone was 18-27% faster than ``auto`` there in two runs; level with it since). After
-the choice the usual per-class rules size the draft (length or tree budget) or turn drafting off
-when even the best source does not beat plain decoding.
+n-gram length it matched; suffix: its match bucket; EAGLE, self-speculation: one class), sources
+with nothing to draft drop out, and the decoder's controller (``DraftLengthController.choose``)
+picks the class whose drafting steps have yielded the most tokens per second so far (per sequence,
+in plain-step units, at the live batch size) among those whose own rule drafts something now. A
+class not measured yet is tried first; one not chosen for a while gets a probe turn, as the text
+changes. A source in ``by_match`` (EAGLE, from the registry) is keyed by how long an n-gram prompt
+lookup matched (0, 1, 2+): measured only where it was chosen, one EAGLE class had its gain taken at
+the positions where nothing matched (the hardest), and on a translation the 1-gram copies, carried
+in from answers where they paid, kept winning the 1-gram positions (EAGLE alone was 18-27% faster
+than ``auto`` there in two runs; level with it since). After the choice the usual per-class rules
+size the draft (length or tree budget) or turn drafting off when even the best source does not beat
+plain decoding.
 
 Every source sees every commit, so a source not used stays in step (EAGLE's head feeds the skipped
 pairs at its next draft, in one forward; self-speculation copies the committed rows into its
