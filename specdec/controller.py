@@ -346,7 +346,7 @@ class DraftLengthController:
                 break
         for k, st in states.items():
             st.idle = 0 if k in asked else st.idle + 1
-        return pick, (n if pick is not None else 0)
+        return pick, n  # n is 0 when no class drafts: the last one asked said so
 
     def tree_budget(self, cap: int, key: Hashable = None) -> int:
         """Nodes a tree drafter may propose next (0 = do not draft): the gate, then the Sequoia budget
