@@ -59,7 +59,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
-from typing import Callable, Hashable
+from typing import Callable, Collection, Hashable
 
 from specdec import sequoia
 
@@ -114,7 +114,7 @@ class _ClassState:
     """What the controller has learned about one draft class."""
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
-                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole")
+                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
@@ -140,6 +140,7 @@ class _ClassState:
         self.probing = False  # the step being drafted is a probe (the gate or the length rule said no)
         self.probe_length = 1  # a chain probe's length at batch 1: +step_up after one taken whole
         self.whole = 0  # the length of the last draft if it was taken whole (every row), else 0
+        self.shadowed = False  # this run scores unverified drafts of the class (observe_shadow)
 
 
 class DraftLengthController:
@@ -163,7 +164,7 @@ class DraftLengthController:
         self.set_batch(batch_size)
         for st in self.classes.values():
             st.length, st.shrinks = self.config.initial, 0
-            st.skipped, st.interval, st.probe_length = 0, self.config.explore_every, 1
+            st.skipped, st.interval, st.probe_length, st.shadowed = 0, self.config.explore_every, 1, False
             # a new text: the measured gain weighs as min_samples - 1 steps, so each class drafts at
             # least once in this answer and its first steps here move the gain a third, a quarter, ...
             # (a gain carried at full weight from an answer where EAGLE lost kept its gate shut
@@ -313,11 +314,15 @@ class DraftLengthController:
             return True
         return self._probe(st)
 
-    def choose(self, keys: list[Hashable], size: Callable[[Hashable], int]) -> tuple[Hashable | None, int]:
+    def choose(self, keys: list[Hashable], size: Callable[[Hashable], int],
+               free: Collection[Hashable] = ()) -> tuple[Hashable | None, int]:
         """Which of several sources' draft classes to draft in this step (``drafters.auto``), and how
         much: (class, ``size(class)``), or (None, 0) when none drafts. Classes are asked in this order
         what they would draft (``size``: the class's length rule or tree budget, whose gate may say 0):
-        those with fewer than ``min_samples`` measured drafting steps (the least measured first), those
+        those with fewer than ``min_samples`` measured drafting steps (the least measured first; not
+        those in ``free``, whose shadow drafts are scored, ``observe_shadow``: measured without
+        drafting, a new 2-token suffix match class drafted 6 steps of a 2k-token answer, none
+        accepted, to be measured), those
         passed over ``revisit_every`` times (their gain may be stale), then the rest by measured gain
         (tokens per sequence per plain-step time), best first. The first that drafts is used. A class
         that says 0 passes the step on, until one whose measured gain does not beat plain decoding
@@ -330,7 +335,7 @@ class DraftLengthController:
         if not keys:
             return None, 0
         c, states = self.config, {k: self.state(k) for k in keys}
-        fresh = sorted((k for k, st in states.items() if st.gain_samples < c.min_samples),
+        fresh = sorted((k for k, st in states.items() if st.gain_samples < c.min_samples and k not in free),
                        key=lambda k: states[k].gain_samples)
         due = [k for k, st in states.items() if st.idle >= c.revisit_every and k not in fresh]
         rest = sorted((k for k in keys if k not in fresh and k not in due),
@@ -356,6 +361,19 @@ class DraftLengthController:
         st = self.state(key)
         if not self.config.cost_aware:
             return min(cap, self.config.tree_nodes) if self.config.tree_nodes else cap
+        n = self._tree_size(cap, key)
+        if st.positions.observed == 0 or 1 not in self.step_time:
+            return n
+        if st.probing:  # a probe is sized as a chain's: one node per row at a batch, probe_length at batch 1
+            # (a full EAGLE tree as the probe of a gated-off class cost ~1.6 plain steps on a summary
+            # where nothing was accepted; one node costs ~1.1)
+            return 1 if self.batch_size > 1 else max(1, min(n, st.probe_length))
+        return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
+
+    def _tree_size(self, cap: int, key: Hashable = None) -> int:
+        """Sequoia's node budget in [0, cap] for a tree of class ``key`` from its measured acceptance
+        per depth and rank and the verify times (no gate)."""
+        st = self.state(key)
         if st.positions.observed == 0 or 1 not in self.step_time:
             # a new class: the drafter's own size at batch 1; at a batch one node per row first (B x
             # 17 verify rows over long rows cost several plain steps before anything is measured)
@@ -363,13 +381,57 @@ class DraftLengthController:
         if st.values is None or st.positions.observed % self.config.retree_every == 0:
             st.values = sequoia.best_trees(sequoia.one_step_beyond(st.positions.table()), 32)[0]
         t1 = self.step_time[1]
-        n = sequoia.best_budget(st.values[: min(cap, self.explored()) + 1], lambda q: self.cost_ratio(q) * t1,
-                                lambda k: self.draft_cost(k, key))
-        if st.probing:  # a probe is sized as a chain's: one node per row at a batch, probe_length at batch 1
-            # (a full EAGLE tree as the probe of a gated-off class cost ~1.6 plain steps on a summary
-            # where nothing was accepted; one node costs ~1.1)
-            return 1 if self.batch_size > 1 else max(1, min(n, st.probe_length))
-        return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
+        return sequoia.best_budget(st.values[: min(cap, self.explored()) + 1], lambda q: self.cost_ratio(q) * t1,
+                                   lambda k: self.draft_cost(k, key))
+
+    def shadow_size(self, cap: int, key: Hashable = None, tree: bool = False) -> int:
+        """Nodes class ``key`` would draft now if it were chosen (its length rule, or Sequoia's budget
+        for a tree), at least 1 and at most ``cap``, counting nothing (no probe is spent): the size of
+        a shadow draft (``observe_shadow``). 0 before a plain step was timed."""
+        st = self.state(key)
+        if cap <= 0 or 1 not in self.step_time:
+            return 0
+        if tree:
+            k = self._tree_size(cap, key)
+        else:
+            k = self.best_length(st.length if st.positions.observed == 0 else self.config.maximum, key)
+        return max(1, min(k, cap))
+
+    def observe_shadow(self, parents: list[int], accepted: list[int], judged: int,
+                       draft_time: float | None = None, key: Hashable = None) -> None:
+        """A draft of class ``key`` that was made but not verified (batch 1, greedy), scored against
+        the ``judged`` tokens the target committed in the step (``tree.path_along``: exactly what
+        the verifier would have kept, as far as those tokens go; a path as long as them is cut there,
+        so the score errs low). Its acceptance enters the class's table and its would-be gain the
+        class's measured gain, priced at the verify time measured for its block size and its draft
+        time: (1 + accepted) / ((t(1 + n) + d(n)) / t(1)).
+
+        Drafters whose drafts cost microseconds and change nothing (prompt lookup, suffix) are
+        shadowed by ``drafters.auto`` at every step another source drafts (or none does), so each of
+        their classes is measured on the whole text, not only where it was chosen. Measured only
+        where chosen, a 512-row StreamingLLM draft at 2k tokens (its drafts cost ~0.85 of a target
+        step a token, gain ~1.1) was chosen at the start of a summary's quotes, where a copy's class
+        had matched 1-2 tokens, and drafted on through them: the copies' classes never saw the
+        quotes, and auto ran 12% behind the suffix drafter alone."""
+        st, n = self.state(key), len(parents)
+        if n == 0:
+            return
+        st.shadowed = True
+        st.positions.observe(parents, accepted, judged)
+        if draft_time is not None:
+            st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, self.config.decay)
+        t1 = self.step_time.get(1)
+        if t1:
+            self._add_gain(st, (1 + len(accepted)) / (self.cost_ratio(1 + n) + self.draft_cost(n, key) / t1))
+
+    def _add_gain(self, st: _ClassState, gain: float) -> None:
+        """One drafting step's gain into the class's mean: the plain mean of the first 1 / (1 -
+        gate_decay) steps, the running mean after. A gate closed by one poor first step (an answer's
+        first tokens) reopens after a good probe or two, not after ~14 probes spaced up to 64 steps
+        apart (that is: never, in an answer)."""
+        w = max(1.0 - self.config.gate_decay, 1.0 / (st.gain_samples + 1))
+        st.gain = gain if st.gain is None else (1.0 - w) * st.gain + w * gain
+        st.gain_samples += 1
 
     def observe_tree(self, parents: list[list[int]], accepted: list[list[int]], key: Hashable = None) -> None:
         """After verifying a draft (a chain is a tree of one rank): each row's real nodes' parents and
@@ -380,7 +442,11 @@ class DraftLengthController:
 
     def _probe(self, st: _ClassState) -> bool:
         """While drafting is off: True once every ``interval`` steps, the interval doubling (to 8x), and
-        never more often than ``probe_share`` allows at the live batch's measured cost of a probe."""
+        never more often than ``probe_share`` allows at the live batch's measured cost of a probe.
+        Never for a class whose shadow drafts are scored this run: they keep its gain current for free
+        (probes of the suffix drafter's 1-token matches were 7 drafts of 256 tokens, none accepted)."""
+        if st.shadowed:
+            return False
         st.skipped += 1
         spacing = math.ceil(self.probe_cost() / self.config.probe_share - 1e-9)
         if st.skipped < max(st.interval, spacing):
@@ -423,12 +489,7 @@ class DraftLengthController:
             # yields 1 token per sequence); at B = 1: (1 + accepted) / ((verify + draft) / t1)
             per_row = sum(1 + a for a in num_accepted) / len(num_accepted)
             gain = per_row / ((verify_time + draft_time + resume) / t1)
-            # the plain mean of the first 1 / (1 - gate_decay) steps, the running mean after: a gate
-            # closed by one poor first step (an answer's first tokens) reopens after a good probe or
-            # two, not after ~14 probes spaced up to 64 steps apart (that is: never, in an answer)
-            w = max(1.0 - c.gate_decay, 1.0 / (st.gain_samples + 1))
-            st.gain = gain if st.gain is None else (1.0 - w) * st.gain + w * gain
-            st.gain_samples += 1
+            self._add_gain(st, gain)
             if probe and gain > 1.0:
                 # a probe that paid: the text has changed since the gate closed (a summary's first
                 # sentence is not the source, its body quotes it), so the gain is measured afresh and

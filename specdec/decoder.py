@@ -34,7 +34,7 @@ from specdec.kv import period
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import sliding_window
 from specdec.sampling import SamplingParams, target_probs
-from specdec.tree import DraftTree, ancestor_mask, node_depths
+from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
 from specdec.verifiers.sampling import verify_sampling
 from specdec.verifiers.tree import Verification, verify_greedy
 
@@ -58,6 +58,9 @@ class SpecDecoderConfig:
     # docs/benchmarks.md "PAD vs SPLIT" (this project's 2-core CPU): at 25% padded columns PAD won a
     # 1-row step by 9% (SPLIT won 4-row blocks by 7%), at 47% SPLIT won both (7%, 35%), at 71%+ by 1.4-8x
     split_waste: float = 0.3
+    # several sources (drafters.auto), batch 1, greedy: the free sources' classes not chosen draft
+    # too, unverified, and are scored against the committed text (DraftLengthController.observe_shadow)
+    shadow_drafts: bool = True
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -72,6 +75,16 @@ class StepStats:
     verify_time: float  # seconds in the target forward, verification and commit
     sequences: list[int] = field(default_factory=lambda: [0])  # which sequence each entry is
     split: bool = False  # the step's attention ran per sequence (SPLIT) rather than padded (PAD)
+
+
+@dataclass(frozen=True)
+class _Shadow:
+    """A draft made and not verified: its class, one row's parents and tokens, and its seconds."""
+
+    key: object
+    parents: list[int]
+    tokens: list[int]
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -263,7 +276,10 @@ class SpecDecoder:
         while batch.rows:
             # 1. draft: never more than the tokens some sequence still wants after its bonus token
             t0 = time.perf_counter()
-            key, tree = self._draft(controller, len(batch.rows), batch.wanted())
+            # shadow drafts are scored against the committed text: batch 1, greedy (a sampled token
+            # that differs from a draft does not mean the draft would have been rejected)
+            shadow = self.config.shadow_drafts and len(batch.rows) == 1 and judge.sampling is None
+            key, tree, shadows = self._draft(controller, len(batch.rows), batch.wanted(), shadow)
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
             allocations = cache.num_allocations
@@ -283,6 +299,10 @@ class SpecDecoder:
             if any(stats.num_drafted):
                 controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
                                         ver.accepted.tolist(), key)
+            text = commit.new_tokens(0) if shadows else []
+            for sh in shadows:
+                controller.observe_shadow(sh.parents, path_along(sh.parents, sh.tokens, text), len(text),
+                                          sh.seconds, sh.key)
             live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
             controller.set_batch(len(live))
             pending = ver.next_token[live, None].to(device)
@@ -326,10 +346,11 @@ class SpecDecoder:
             self.drafter.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
         return ver, _make_commit(DraftTree.empty(B), ver, last)
 
-    def _draft(self, controller: DraftLengthController, batch_size: int, wanted: int):
-        """The draft class and the tree for this step (an empty tree when drafting does not pay)."""
+    def _draft(self, controller: DraftLengthController, batch_size: int, wanted: int, shadow: bool = False):
+        """The draft class and the tree for this step (an empty tree when drafting does not pay), and
+        with several sources and ``shadow``, the free sources' unchosen drafts (``_shadows``)."""
         if self.drafter is None or wanted <= 0:
-            return None, DraftTree.empty(batch_size)
+            return None, DraftTree.empty(batch_size), []
         options = self.drafter.candidates()
 
         def size(key) -> int:
@@ -340,15 +361,32 @@ class SpecDecoder:
             # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
             return controller.tree_budget(wanted, key)
 
+        shadows = []
         if options is None:
             key = self.drafter.draft_class()
             budget = size(key)
         else:  # several sources: the one measured fastest that drafts (or one due a turn); or none
-            key, budget = controller.choose(options, size)
+            free = self.drafter.shadows(options) if shadow else []
+            key, budget = controller.choose(options, size, free)
+            shadows = self._shadows(controller, [k for k in free if k != key], wanted)
             if key is None:
-                return None, DraftTree.empty(batch_size)
+                return None, DraftTree.empty(batch_size), shadows
             self.drafter.use(key)
-        return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size))
+        return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size)), shadows
+
+    def _shadows(self, controller: DraftLengthController, keys: list, wanted: int) -> list[_Shadow]:
+        """Unverified drafts of classes ``keys`` (free sources' classes not chosen, ``drafters.auto``)."""
+        out = []
+        for key in keys:
+            n = controller.shadow_size(wanted, key, tree=self.drafter.sizes_own_tree(key))
+            if n <= 0:
+                continue
+            t0 = time.perf_counter()
+            tree = self.drafter.shadow(key, n)
+            k = int(tree.num_nodes[0])
+            out.append(_Shadow(key, tree.parents[0, :k].tolist(), tree.tokens[0, :k].tolist(),
+                               time.perf_counter() - t0))
+        return out
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):
         """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path

@@ -140,8 +140,10 @@ class PositionalAcceptance:
         self.hits = [[0.0] * max_rank for _ in range(max_depth)]
         self.observed = 0
 
-    def observe(self, parents: Sequence[int], accepted: Sequence[int]) -> None:
-        """One row's tree (parents of its real nodes) and its accepted path (node indices, root down)."""
+    def observe(self, parents: Sequence[int], accepted: Sequence[int], judged: int | None = None) -> None:
+        """One row's tree (parents of its real nodes) and its accepted path (node indices, root down).
+        judged: only nodes down to this depth were judged (a draft scored against the text committed
+        after it, which is that long: ``tree.path_along``); deeper ones count for nothing."""
         if not parents:
             return
         self.observed += 1
@@ -157,7 +159,7 @@ class PositionalAcceptance:
             seen[p] = rank[-1] + 1
         for i, p in enumerate(parents):
             d, r = depth[i] - 1, rank[i]
-            if (p < 0 or p in ok) and d < self.max_depth and r < self.max_rank:
+            if (p < 0 or p in ok) and d < self.max_depth and r < self.max_rank and (judged is None or d < judged):
                 self.trials[d][r] += 1.0
                 self.hits[d][r] += 1.0 if i in ok else 0.0
 

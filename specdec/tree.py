@@ -159,6 +159,21 @@ def path_to(parents: torch.Tensor, node: int) -> list[int]:
     return path[::-1]
 
 
+def path_along(parents: list[int], tokens: list[int], text: list[int]) -> list[int]:
+    """The nodes of one row's tree (parents, tokens of its real nodes) that ``text`` walks down from
+    the root: at each depth the child whose token is the text's next token. Against the tokens a
+    greedy target committed, this is the path the tree verifier would have accepted, as far as the
+    text goes. Example: parents [-1, -1, 0], tokens [5, 7, 9], text [7, 9] -> [1] (node 1 has no
+    children)."""
+    path, node = [], -1
+    for t in text:
+        node = next((i for i, (p, tok) in enumerate(zip(parents, tokens)) if p == node and tok == t), None)
+        if node is None:
+            break
+        path.append(node)
+    return path
+
+
 def chain_mask(batch_size: int, q: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The block mask of a chain (or a prefill): causal, [B, Q, Q] bool."""
     return torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(batch_size, q, q)

@@ -69,6 +69,29 @@ def test_a_class_that_drafts_nothing_passes_the_step_on():
     assert c.state(new).idle == 1 and c.state(good).idle == 0
 
 
+def test_a_shadow_draft_is_measured_without_drafting():
+    """observe_shadow: the draft's acceptance down to the judged depth enters the class's table, its
+    would-be gain (1 + accepted) / (t(1 + n) + d(n)) / t(1) the class's gain; a class measured so
+    is never 'fresh' (tried first to be measured) and never probed; a new answer forgets that."""
+    c = DraftLengthController(DraftLengthConfig(min_samples=2))
+    c.update([0], [0], verify_time=1.0)
+    copy, model = ("lookup", 2), ("eagle", 0)
+    for _ in range(2):
+        c.update([3], [3], verify_time=1.2, draft_time=0.3, key=model)  # 4 tokens in 1.5 steps
+    c.observe_shadow([-1, 0, 1], [0, 1], judged=2, draft_time=0.0, key=copy)
+    st = c.state(copy)
+    assert st.gain == pytest.approx(3 / 1.2) and st.gain_samples == 1  # t(4) = 1.2, d = 0
+    trials = [row[0] for row in st.positions.trials[:3]]
+    assert trials == [1.0, 1.0, 0.0] and st.positions.hits[1][0] == 1.0  # depth 3: not judged
+    assert _pick(c, [copy, model]) == copy  # measured once (< min_samples): tried first
+    assert c.choose([copy, model], lambda k: 1, free=[copy])[0] == model  # by gain: 2.67 > 2.5
+    for _ in range(60):  # the copies stop matching: a gain below 1 (1 / 1.2), and no probe ever
+        c.observe_shadow([-1, 0, 1], [], judged=1, draft_time=0.0, key=copy)
+    assert st.gain < 1 and [c.budget(copy) for _ in range(100)] == [0] * 100
+    c.new_run(1)  # a new answer: measured afresh (its gain weighs min_samples - 1), drafts again
+    assert not st.shadowed and c.budget(copy) > 0
+
+
 def _sources(target, seed):
     return {"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter(),
             "model": ModelDrafter(perturbed(target, 0.3, seed=seed)),
@@ -82,11 +105,37 @@ def test_auto_equals_hf_greedy_and_tries_every_source(seed):
     base = torch.randint(0, 128, (1, 40), generator=g)
     ids = torch.cat([base, base[:, :30]], dim=1)  # repetitive: lookup and suffix find matches
     ref = hf_greedy(target, ids, 40)
-    config = SpecDecoderConfig(draft_length=DraftLengthConfig(revisit_every=3 + seed))
-    drafter = AutoDrafter(_sources(target, seed), min_prompt={"streaming": 48})
-    out = SpecDecoder(target, drafter, config).generate(ids, max_new_tokens=40, eos_token_id=None)
-    assert torch.equal(out.sequences, ref), f"seed {seed}: {dict(drafter.drafts)}"
+    for shadow_drafts in (True, False):  # without shadows every source drafts to be measured
+        config = SpecDecoderConfig(draft_length=DraftLengthConfig(revisit_every=3 + seed), shadow_drafts=shadow_drafts)
+        drafter = AutoDrafter(_sources(target, seed), min_prompt={"streaming": 48})
+        out = SpecDecoder(target, drafter, config).generate(ids, max_new_tokens=40, eos_token_id=None)
+        assert torch.equal(out.sequences, ref), f"seed {seed}: {dict(drafter.drafts)}"
     assert set(drafter.drafts) == {"lookup", "suffix", "model", "streaming"}
+
+
+def test_auto_scores_its_free_sources_unverified_at_batch_1_greedy_only():
+    """Prompt lookup's classes, not chosen, are measured anyway (shadow drafts scored against the
+    committed text): more gain samples than steps it drafted; not when sampling, nor when turned
+    off; exact every way."""
+    target = tiny_llama(5)
+    g = torch.Generator().manual_seed(5)
+    base = torch.randint(0, 128, (1, 30), generator=g)
+    ids = torch.cat([base, base[:, :20]], dim=1)
+    ref = hf_greedy(target, ids, 40)
+
+    def run(shadow_drafts, **kw):
+        drafter = AutoDrafter({"lookup": PromptLookupDrafter(), "model": ModelDrafter(perturbed(target, 0.1, seed=5))})
+        decoder = SpecDecoder(target, drafter, SpecDecoderConfig(shadow_drafts=shadow_drafts))
+        out = decoder.generate(ids, max_new_tokens=40, eos_token_id=None, **kw)
+        samples = sum(st.gain_samples for k, st in decoder.controller.classes.items() if k and k[0] == "lookup")
+        return out, samples, drafter.drafts["lookup"]
+
+    out, samples, drafted = run(True)
+    assert torch.equal(out.sequences, ref) and samples > drafted
+    out, samples, drafted = run(False)
+    assert torch.equal(out.sequences, ref) and samples <= drafted
+    _, samples, drafted = run(True, do_sample=True, seed=0)
+    assert samples <= drafted
 
 
 def test_auto_in_a_ragged_batch_outside_sources_prompt_ranges():

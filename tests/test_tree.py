@@ -14,7 +14,7 @@ from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.tree import (DraftTree, TreeTemplate, ancestor_mask, expected_accepted, from_networkx,
+from specdec.tree import (DraftTree, TreeTemplate, ancestor_mask, expected_accepted, from_networkx, path_along,
                           node_depths, path_to, position_ids, sequoia_tree, to_networkx)
 from specdec.verifiers.tree import accepted_mask, verify_greedy
 
@@ -41,14 +41,18 @@ TOKENS = [5, 7, 6, 8, 9, 3]
 PARENTS = [-1, 0, -1, 2, 3, 2]
 
 
-@pytest.mark.parametrize("case,target_next,ok,accepted,bonus", [
+_TABLE = [
     # target_next[q]: the target's token after block row q (0 = pending, 1 + i = node i)
     ("all along the deepest path", [6, 0, 0, 8, 9, 4, 0], [0, 0, 1, 1, 1, 0], [2, 3, 4], 4),
     ("none accepted", [1, 0, 0, 0, 0, 0, 0], [0, 0, 0, 0, 0, 0], [], 1),
     ("early mismatch", [5, 2, 0, 0, 0, 0, 0], [1, 0, 0, 0, 0, 0], [0], 2),
     ("second child taken", [6, 7, 0, 3, 9, 0, 0], [0, 0, 1, 0, 0, 1], [2, 5], 0),
     ("first branch to its leaf", [5, 7, 11, 8, 9, 4, 0], [1, 1, 0, 0, 0, 0], [0, 1], 11),
-])
+]
+_TABLE = [pytest.param(*case) for case in _TABLE]
+
+
+@pytest.mark.parametrize("case,target_next,ok,accepted,bonus", _TABLE)
 def test_verification_table(case, target_next, ok, accepted, bonus):
     tree = _tree([TOKENS], [PARENTS])
     assert accepted_mask(torch.tensor([target_next]), tree).int().tolist() == [ok], case
@@ -57,6 +61,31 @@ def test_verification_table(case, target_next, ok, accepted, bonus):
     assert ver.accepted[0, : len(accepted)].tolist() == accepted, case
     assert ver.next_token.tolist() == [bonus], case
     assert ver.kept_rows() == [[0] + [a + 1 for a in accepted]], case
+
+
+def test_a_tree_scored_against_the_committed_text_keeps_what_the_verifier_keeps():
+    """path_along (how auto scores a shadow draft, never verified) against the tokens a greedy
+    verify commits (its accepted path's tokens, then the bonus token) is that verify's accepted path,
+    and against a prefix of them, a prefix of it; on the table's cases and 3,000 random trees
+    (siblings hold different tokens, as every drafter's do; 4 of them, so the target agrees often)."""
+    rng = random.Random(11)
+    cases = [(TOKENS, PARENTS, next_) for _, next_, *_ in [c.values for c in _TABLE]]
+    for _ in range(3000):
+        tokens, parents = [], []
+        for _ in range(rng.randint(1, 12)):
+            p = rng.randint(-1, len(tokens) - 1)
+            free = sorted(set(range(4)) - {t for t, q in zip(tokens, parents) if q == p})
+            if free:
+                tokens.append(rng.choice(free))
+                parents.append(p)
+        cases.append((tokens, parents, [rng.randrange(4) for _ in range(len(tokens) + 1)]))
+    for tokens, parents, target_next in cases:
+        ver = verify_greedy(_logits([target_next], vocab=16), _tree([tokens], [parents]))
+        accepted = ver.accepted[0, : int(ver.num_accepted[0])].tolist()
+        text = [tokens[a] for a in accepted] + ver.next_token.tolist()
+        assert path_along(parents, tokens, text) == accepted, (tokens, parents, target_next)
+        for j in range(len(text)):
+            assert path_along(parents, tokens, text[:j]) == accepted[:j]
 
 
 def test_ragged_rows_accept_their_own_count_and_never_padding():

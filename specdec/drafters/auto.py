@@ -86,6 +86,20 @@ class AutoDrafter(Drafter):
                 out.append((name, cls))
         return out
 
+    def shadows(self, options: list[Hashable]) -> list[Hashable]:
+        """Of this step's ``candidates()``, the classes whose source drafts for free
+        (``Drafter.shadow_drafts``): the decoder drafts those not chosen too, unverified, and the
+        controller scores them against what the target commits (``DraftLengthController.observe_shadow``)."""
+        return [k for k in options if k[0] not in self.by_match and self.sources[k[0]].shadow_drafts]
+
+    def shadow(self, key: Hashable, budget: int) -> DraftTree:
+        """A draft of class ``key`` (one of ``shadows``) that will not be verified."""
+        return self.sources[key[0]].propose(budget)
+
+    def sizes_own_tree(self, key: Hashable) -> bool:
+        """Whether class ``key``'s source shapes its own tree (``Drafter.follows_controller`` False)."""
+        return not self.sources[key[0]].follows_controller
+
     def catch_up_seconds(self) -> float:
         return 0.0 if self._chosen is None else self.sources[self._chosen].catch_up_seconds()
 

@@ -58,6 +58,9 @@ class Drafter(ABC):
     # sizes its own drafts (EAGLE-2's dynamic tree ranks nodes by score) sets False: it is capped by
     # the tokens still wanted, and the controller's throughput gate only decides whether it drafts.
     follows_controller: bool = True
+    # True: ``propose`` costs microseconds and changes no state, so a draft may be made and never
+    # verified (``drafters.auto`` scores such shadow drafts against the committed text)
+    shadow_drafts: bool = False
 
     def draft_class(self):
         """A key for the controller's acceptance statistics of the next draft (any hashable; None =
