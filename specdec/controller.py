@@ -30,7 +30,8 @@ plainly and probe on the same schedule. The same measured gain also vetoes the l
 prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
 With several sources (``drafters.auto``) ``choose`` first picks the class with the best measured
-gain among those that can draft now and whose own rule drafts something. When the gate is open,
+gain among those that can draft now and whose own rule drafts something; the free sources' classes
+not chosen are measured too, from drafts scored but never verified (``observe_shadow``). When the gate is open,
 ``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance per depth and sibling
 rank measured on the trees verified so far, the node budget with the most expected tokens per second
 given the verify times of this batch size (more nodes where a verify is cheap relative to a step,
