@@ -31,11 +31,11 @@ prediction (``budget``), which at a batch counts every row as drafting.
 That is MagicDec's choice of drafter, between this drafter and none, made from live timings.
 With several sources (``drafters.auto``) ``choose`` first picks the class with the best measured
 gain among those that can draft now and whose own rule drafts something; the free sources' classes
-not chosen are measured too, from drafts scored but never verified (``observe_shadow``). When the gate is open,
-``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance per depth and sibling
-rank measured on the trees verified so far, the node budget with the most expected tokens per second
-given the verify times of this batch size (more nodes where a verify is cheap relative to a step,
-fewer where it is not).
+not chosen are measured too, from drafts scored but never verified (``observe_shadow``). When the
+gate is open, ``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance per
+depth and sibling rank measured on the trees verified so far, the node budget with the most expected
+tokens per second given the verify times of this batch size (more nodes where a verify is cheap
+relative to a step, fewer where it is not).
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
 are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
@@ -159,9 +159,10 @@ class DraftLengthController:
 
     def new_run(self, batch_size: int) -> None:
         """A new ``generate`` call: keep what was measured (verify times, acceptance, draft times, gains
-        at a reduced weight), restart the per-answer schedules (BASS's length, probe spacing; a source's turn comes after
-        ``revisit_every`` passed-over steps whichever answer they fell in). Without
-        the cost gate nothing measured steers the drafts, so a seeded sampling run repeats."""
+        at a reduced weight), restart the per-answer schedules (BASS's length, probe spacing, which
+        classes are shadowed; a source's turn comes after ``revisit_every`` passed-over steps
+        whichever answer they fell in). Without the cost gate nothing measured steers the drafts,
+        so a seeded sampling run repeats."""
         self.set_batch(batch_size)
         for st in self.classes.values():
             st.length, st.shrinks = self.config.initial, 0
@@ -320,10 +321,10 @@ class DraftLengthController:
         """Which of several sources' draft classes to draft in this step (``drafters.auto``), and how
         much: (class, ``size(class)``), or (None, 0) when none drafts. Classes are asked in this order
         what they would draft (``size``: the class's length rule or tree budget, whose gate may say 0):
-        those with fewer than ``min_samples`` measured drafting steps (the least measured first; not
-        those in ``free``, whose shadow drafts are scored, ``observe_shadow``: measured without
-        drafting, a new 2-token suffix match class drafted 6 steps of a 2k-token answer, none
-        accepted, to be measured), those
+        those with fewer than ``min_samples`` measured drafting steps (the least measured first),
+        except the classes in ``free``, which are measured without drafting (their shadow drafts are
+        scored, ``observe_shadow``; tried first, a new 2-token suffix match class drafted 6 steps of
+        a 2k-token answer, none accepted, to be measured), those
         passed over ``revisit_every`` times (their gain may be stale), then the rest by measured gain
         (tokens per sequence per plain-step time), best first. The first that drafts is used. A class
         that says 0 passes the step on, until one whose measured gain does not beat plain decoding
