@@ -278,8 +278,7 @@ class DraftLengthController:
             return 0  # time one plain step first: every cost below is relative to it
         if st.alpha is None and self.batch_size > 1:
             return 1  # a new class at a batch: a one-token probe first (B x 4 verify rows cost 4x a step)
-        # the cost model's length up to maximum once alpha is measured (BASS's first length before)
-        k = self.best_length(st.length if st.positions.observed == 0 else self.config.maximum, key)
+        k = self._chain_length(key)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
             if self.batch_size == 1 and st.whole >= k:
@@ -296,6 +295,12 @@ class DraftLengthController:
         # 1 only, and a miss at depth 2 in an answer's first step then priced every longer draft out
         # of the answer (StreamingLLM at 7k drafted 7 steps of 250; fixed k = 2 was 15% faster)
         return 1 if self.batch_size > 1 else st.probe_length
+
+    def _chain_length(self, key: Hashable = None) -> int:
+        """The cost model's chain length for class ``key`` up to ``maximum`` once its acceptance is
+        measured (BASS's length before), no gate: ``budget``'s and ``shadow_size``'s rule."""
+        st = self.state(key)
+        return self.best_length(st.length if st.positions.observed == 0 else self.config.maximum, key)
 
     def _pays(self, st: _ClassState) -> bool:
         """The measured gain of this class's drafting steps (not the model's prediction) beats plain
@@ -390,13 +395,9 @@ class DraftLengthController:
         """Nodes class ``key`` would draft now if it were chosen (its length rule, or Sequoia's budget
         for a tree), at least 1 and at most ``cap``, counting nothing (no probe is spent): the size of
         a shadow draft (``observe_shadow``). 0 before a plain step was timed."""
-        st = self.state(key)
         if cap <= 0 or 1 not in self.step_time:
             return 0
-        if tree:
-            k = self._tree_size(cap, key)
-        else:
-            k = self.best_length(st.length if st.positions.observed == 0 else self.config.maximum, key)
+        k = self._tree_size(cap, key) if tree else self._chain_length(key)
         return max(1, min(k, cap))
 
     def observe_shadow(self, parents: list[int], accepted: list[int], judged: int,

@@ -80,6 +80,7 @@ class NgramIndex:
 
 class PromptLookupDrafter(Drafter):
     shadow_drafts = True  # a propose is a dict lookup and a slice
+
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config
         self.rows: list[NgramIndex] | None = None  # per batch row
