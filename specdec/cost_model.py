@@ -16,6 +16,7 @@ Omega = 1 + .8 + .64 + .512 = 2.952, speedup = 2.952 * 100 / (60 + 110) = 1.74.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -53,3 +54,21 @@ def best_gamma(alpha: float, t_target: float, t_draft: float, t_verify: Callable
         if s > best.speedup * tie:
             best = GammaChoice(g, s)
     return best
+
+
+def read_ratio(weight_bytes: int, kv_bytes: int, budget: int, length: int) -> float:
+    """Bytes a self-speculation draft token reads over what a target step reads, at batch 1: the
+    weights plus ``budget`` compressed KV rows against the weights plus ``length`` rows (``kv_bytes``
+    per token over every layer's K and V). A decode step streams both, so this is MagicDec's draft
+    cost ratio T_draft / T_target wherever memory bandwidth bounds a step.
+    Example: 540 MB of weights, 46 KB a token, 512 rows: 0.89 at 2,048 tokens, 0.65 at 7,000."""
+    return (weight_bytes + kv_bytes * budget) / (weight_bytes + kv_bytes * max(length, budget))
+
+
+def shortest_paying_prompt(weight_bytes: int, kv_bytes: int, budget: int, max_ratio: float) -> int:
+    """The shortest prompt at which ``read_ratio`` is at most ``max_ratio`` (below it a compressed-cache
+    draft costs too close to a target step to win). Example: 540 MB, 46 KB, 512, 0.75 -> 4,589."""
+    if not 0.0 < max_ratio < 1.0:
+        raise ValueError(f"max_ratio must be in (0, 1), got {max_ratio}")
+    need = (weight_bytes * (1.0 - max_ratio) + kv_bytes * budget) / (max_ratio * kv_bytes)
+    return math.ceil(need)

@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy, tiny_llama
 from specdec import SpecDecoder
 from specdec.controller import DraftLengthConfig
-from specdec.cost_model import best_gamma, omega, speedup
+from specdec.cost_model import best_gamma, omega, read_ratio, shortest_paying_prompt, speedup
 from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
@@ -100,6 +100,24 @@ def test_best_gamma_trades_acceptance_against_draft_cost():
     assert choice.gamma == max(by_hand, key=by_hand.get) and choice.speedup == pytest.approx(max(by_hand.values()))
     assert best_gamma(0.1, 0.1, 0.09, verify, max_gamma=8).gamma == 0  # a dear draft rarely accepted
     assert best_gamma(1.0, 0.1, 0.0, lambda g: 0.1, max_gamma=5).gamma == 5  # free and always right
+
+
+def test_the_prompt_from_which_a_compressed_draft_reads_few_enough_bytes():
+    """read_ratio by hand: (W + kv budget) / (W + kv length); shortest_paying_prompt the first length
+    at or under the ratio; a StreamingDrafter counts its target's bytes."""
+    assert read_ratio(1000, 10, 50, 150) == pytest.approx(1500 / 2500)
+    assert read_ratio(1000, 10, 50, 20) == 1.0  # a prompt inside the budget: nothing saved
+    n = shortest_paying_prompt(1000, 10, 50, 0.75)  # (250 + 500) / 7.5 = 100
+    assert n == 100 and read_ratio(1000, 10, 50, n) <= 0.75 < read_ratio(1000, 10, 50, n - 1)
+    assert shortest_paying_prompt(1000, 10, 50, 0.99) == 52  # just past the budget (ratio 1 there)
+    with pytest.raises(ValueError, match="max_ratio"):
+        shortest_paying_prompt(1000, 10, 50, 1.0)
+    drafter = StreamingDrafter(TARGET, budget=24, sink=2, overshoot=8)
+    weights = sum(p.numel() * p.element_size() for p in TARGET.parameters())
+    cfg = TARGET.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * TARGET.dtype.itemsize
+    assert drafter.pays_from(0.75) == shortest_paying_prompt(weights, per_token, 28, 0.75)
+    assert drafter.pays_from(0.5) > drafter.pays_from(0.75)
 
 
 def test_cost_model_rejects_an_acceptance_rate_outside_zero_one():

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
+from specdec.cost_model import shortest_paying_prompt
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
 from specdec.forward import cache_arg, forward_block
@@ -50,6 +51,7 @@ class SelfSpecDrafter(Drafter):
         cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
         self.num_layers = cfg.num_hidden_layers
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache: CompressedCache | None = None
         self.source: BMCCache | None = None  # the target's store (read only)
         self._synced: list[int] = []  # per row: target rows already copied (= target.lengths after accept)
@@ -57,6 +59,17 @@ class SelfSpecDrafter(Drafter):
         self._before_propose: list[int] | None = None  # draft slots in use before the last propose
         self.sampling: SamplingParams | None = None
         self.generator: torch.Generator | None = None
+
+    def pays_from(self, max_ratio: float) -> int:
+        """The shortest prompt at which a draft token reads at most ``max_ratio`` of the bytes a target
+        step reads at batch 1 (the weights, and the compressed rows against every row:
+        ``cost_model.shortest_paying_prompt``). For the default model in fp32 (538 MB of weights,
+        46 KB of K/V a token), budget 512, ratio 0.75: ~4,600 tokens."""
+        weights = sum(p.numel() * p.element_size() for p in self.target.parameters())
+        element = next(self.target.parameters()).element_size()
+        per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+        budget = self.cache_config.budget + self.cache_config.overshoot // 2  # between compactions: +32 on average
+        return shortest_paying_prompt(weights, per_token, budget, max_ratio)
 
     # torch_modules() stays []: the draft runs the target's own modules, which the decoder routes.
 
