@@ -79,14 +79,12 @@ class StepStats:
 
 @dataclass(frozen=True)
 class _Shadow:
-    """A draft made and not verified: its class, one row's parents and tokens (all its source had,
-    best first), its seconds, and the nodes the class would draft if chosen (a prefix: ``size``)."""
+    """A draft made and not verified: its class, one row's parents and tokens, and its seconds."""
 
     key: object
     parents: list[int]
     tokens: list[int]
     seconds: float
-    size: int
 
 
 @dataclass(frozen=True)
@@ -304,7 +302,7 @@ class SpecDecoder:
             text = commit.new_tokens(0) if shadows else []
             for sh in shadows:
                 controller.observe_shadow(sh.parents, path_along(sh.parents, sh.tokens, text), len(text),
-                                          sh.seconds, sh.key, size=sh.size)
+                                          sh.seconds, sh.key)
             live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
             controller.set_batch(len(live))
             pending = ver.next_token[live, None].to(device)
@@ -378,8 +376,6 @@ class SpecDecoder:
 
     def _shadows(self, controller: DraftLengthController, keys: list, wanted: int) -> list[_Shadow]:
         """Unverified drafts of classes ``keys`` (free sources' classes not chosen, ``drafters.auto``).
-        Each is as large as its source makes it (a draft is free): every depth the committed text
-        reaches is measured, though the gain is priced at the size the class would draft now.
         Their seconds (0.1-0.5 ms a step for suffix) are part of the step's draft time: auto's price."""
         out = []
         for key in keys:
@@ -387,10 +383,10 @@ class SpecDecoder:
             if n <= 0:
                 continue
             t0 = time.perf_counter()
-            tree = self.drafter.shadow(key, wanted)
+            tree = self.drafter.shadow(key, n)
             k = int(tree.num_nodes[0])
             out.append(_Shadow(key, tree.parents[0, :k].tolist(), tree.tokens[0, :k].tolist(),
-                               time.perf_counter() - t0, min(n, k)))
+                               time.perf_counter() - t0))
         return out
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):

@@ -92,28 +92,6 @@ def test_a_shadow_draft_is_measured_without_drafting():
     assert not st.shadowed and c.budget(copy) > 0
 
 
-def test_a_shadow_is_scored_whole_and_priced_at_the_size_its_class_would_draft():
-    """size: the table learns every judged node of the whole shadow (it was free), the gain counts
-    only the first ``size`` nodes (best first: the draft the class would have made) at their price."""
-    c = DraftLengthController()
-    c.update([0], [0], verify_time=1.0)
-    c.update([4], [0], verify_time=1.5)  # a 5-row verify costs 1.5 plain steps
-    copy = ("lookup", 2)
-    # a 6-token chain, 5 kept by the text (6 judged); the class would draft 4: 4 kept, 5 tokens in 1.5
-    c.observe_shadow(list(range(-1, 5)), [0, 1, 2, 3, 4], judged=6, draft_time=0.0, key=copy, size=4)
-    st = c.state(copy)
-    assert st.gain == pytest.approx(5 / 1.5)
-    assert [row[0] for row in st.positions.trials[:6]] == [1.0] * 6  # every node judged, not 4
-    assert [row[0] for row in st.positions.hits[:6]] == [1.0] * 5 + [0.0]
-    # a tree (best first): nodes 0 and 1 are siblings, 2 is 1's child; the text walks 1 -> 2
-    tree = DraftLengthController()
-    tree.update([0], [0], verify_time=1.0)
-    tree.update([1], [0], verify_time=1.0)
-    tree.update([2], [0], verify_time=1.2)
-    tree.observe_shadow([-1, -1, 1], [1, 2], judged=3, draft_time=0.0, key=copy, size=2)
-    assert tree.state(copy).gain == pytest.approx(2 / 1.2)  # node 2 is outside the first two: 1 kept
-
-
 def _sources(target, seed):
     return {"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter(),
             "model": ModelDrafter(perturbed(target, 0.3, seed=seed)),

@@ -28,7 +28,9 @@ alone; with shadows level with it), and each was drafted in every answer just to
 Every source sees every commit, so a source not used stays in step (EAGLE's head feeds the skipped
 pairs at its next draft, in one forward; self-speculation copies the committed rows into its
 compressed cache). A source can ask for a minimum prompt length (``min_prompt``): self-speculation
-only pays once the prompt is several times its KV budget, and below that it is not even started; or
+only pays once its draft reads clearly fewer bytes than a target step (``registry.make_auto``), and
+below that it is not even started (at 2k tokens, where it reads ~0.9 as much, it made ``auto`` 4-7%
+slower: its first drafts, and drafts where a copy would have done better); or
 a maximum (``max_prompt``, the longest row counts): EAGLE's head, trained on conversations of up to
 1,024 tokens, first feeds the whole prompt through its layer (at 8 x 7k tokens a forward over 56k
 pairs, seconds before its first draft) to draft where its acceptance was never tried.
