@@ -21,25 +21,27 @@ DrafterFactory = Callable[[object], "Drafter | None"]
 
 
 # Self-speculation joins ``auto`` from the prompt length at which its draft token reads at most this
-# share of a target step's bytes (StreamingDrafter.pays_from). Measured on the default model (batch 1,
-# AVX-512 machine): at 2,048 tokens (ratio 0.89) StreamingLLM alone was 1.05-1.07x plain decoding and
-# made ``auto`` 4-7% slower than ``auto`` without it (its first drafts, and drafts where a copy would
-# have done better); at 7,000 (0.65) alone 1.20-1.31x. 0.75 lies between: ~4,600 tokens for it.
-SELF_SPEC_MAX_READ_RATIO = 0.75
+# share of a target step's bytes (StreamingDrafter.pays_from): the weights are read once per step
+# whatever the batch, the K/V per sequence, so a batch reaches it at shorter prompts (MagicDec's
+# regime). Measured on the default model (AVX-512 machine), next to the copy sources: at batch 1 it
+# made ``auto`` 4-7% slower at 2,048 tokens (ratio 0.89) and 6-7% slower at 7,000 (0.65) (alone it
+# was 1.0-1.07x and 1.2-1.4x plain decoding there); at 8 x 7,000 (0.24) it is auto's main gain, 1.4x
+# plain decoding alone. 0.5 lies between: ~12,800 tokens at batch 1, ~2,500 at batch 8.
+SELF_SPEC_MAX_READ_RATIO = 0.5
 
 
 def make_auto(target) -> AutoDrafter:
     """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts under 2,048 tokens, twice
     what its head was trained on) and StreamingLLM self-speculation (prompts long enough that its
-    drafts read at most 0.75 of what a target step reads: ~4,600 tokens for the default model); the
-    controller picks per step (drafters.auto)."""
+    drafts read at most half of what a target step reads, at the batch's size); the controller picks
+    per step (drafters.auto)."""
     sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()}
     try:
         sources["eagle"] = make_eagle(target)
     except ValueError:
         pass  # no head for this target: the model-free sources only
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
-    return AutoDrafter(sources, min_prompt={"streaming": streaming.pays_from(SELF_SPEC_MAX_READ_RATIO)},
+    return AutoDrafter(sources, min_prompt={"streaming": lambda batch: streaming.pays_from(SELF_SPEC_MAX_READ_RATIO, batch)},
                        max_prompt={"eagle": 4 * 512 - 1},
                        by_match=("eagle",) if "eagle" in sources else ())
 

@@ -152,6 +152,20 @@ def test_auto_in_a_ragged_batch_outside_sources_prompt_ranges():
     assert set(drafter.drafts) <= {"lookup", "suffix"}
 
 
+def test_a_source_s_minimum_prompt_can_depend_on_the_batch_size():
+    """min_prompt as a function of the batch: self-speculation pays at shorter prompts in a batch
+    (the weights are read once a step, the K/V per sequence)."""
+    target = tiny_llama(7)
+    prompt = torch.arange(40) % 128
+    drafter = AutoDrafter(_sources(target, 7), min_prompt={"streaming": lambda batch: 100 if batch == 1 else 30})
+    one = SpecDecoder(target, drafter).generate(prompt[None], max_new_tokens=8, eos_token_id=None)
+    assert "streaming" not in drafter.active
+    assert one.generated(0).tolist() == hf_greedy(target, prompt[None], 8)[0, 40:].tolist()
+    two = SpecDecoder(target, drafter).generate([prompt, prompt], max_new_tokens=8, eos_token_id=None)
+    assert "streaming" in drafter.active
+    assert two.generated(1).tolist() == one.generated(0).tolist()
+
+
 def test_a_model_source_is_keyed_by_the_lookup_match_and_stays_exact():
     """by_match: the model drafter's class is the length of prompt lookup's n-gram match (0, 1, 2+),
     so the controller weighs its guesses against copies at the same kind of position."""

@@ -118,6 +118,9 @@ def test_the_prompt_from_which_a_compressed_draft_reads_few_enough_bytes():
     per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * TARGET.dtype.itemsize
     assert drafter.pays_from(0.75) == shortest_paying_prompt(weights, per_token, 28, 0.75)
     assert drafter.pays_from(0.5) > drafter.pays_from(0.75)
+    # a batch of 4 reads the weights once and 4 rows' K/V: as one sequence with 4x the K/V a token
+    assert drafter.pays_from(0.75, batch_size=4) == shortest_paying_prompt(weights, 4 * per_token, 28, 0.75)
+    assert drafter.pays_from(0.75, batch_size=4) < drafter.pays_from(0.75)
 
 
 def test_cost_model_rejects_an_acceptance_rate_outside_zero_one():

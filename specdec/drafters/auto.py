@@ -27,10 +27,11 @@ alone; with shadows level with it), and each was drafted in every answer just to
 
 Every source sees every commit, so a source not used stays in step (EAGLE's head feeds the skipped
 pairs at its next draft, in one forward; self-speculation copies the committed rows into its
-compressed cache). A source can ask for a minimum prompt length (``min_prompt``): self-speculation
-only pays once its draft reads clearly fewer bytes than a target step (``registry.make_auto``), and
-below that it is not even started (at 2k tokens, where it reads ~0.9 as much, it made ``auto`` 4-7%
-slower: its first drafts, and drafts where a copy would have done better); or
+compressed cache). A source can ask for a minimum prompt length (``min_prompt``, a number or a
+function of the batch size): self-speculation only pays once its draft reads far fewer bytes than a
+target step, which takes a longer prompt at batch 1 than at a batch (``registry.make_auto``), and
+below that it is not even started (at batch 1 it made ``auto`` 4-7% slower at 2k tokens and 6-7% at
+7k: its first drafts, and drafts where a copy would have done better); or
 a maximum (``max_prompt``, the longest row counts): EAGLE's head, trained on conversations of up to
 1,024 tokens, first feeds the whole prompt through its layer (at 8 x 7k tokens a forward over 56k
 pairs, seconds before its first draft) to draft where its acceptance was never tried.
@@ -41,14 +42,14 @@ pairs, seconds before its first draft) to draft where its acceptance was never t
 from __future__ import annotations
 
 from collections import Counter
-from typing import Hashable
+from typing import Callable, Hashable
 
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.tree import DraftTree
 
 
 class AutoDrafter(Drafter):
-    def __init__(self, sources: dict[str, Drafter], min_prompt: dict[str, int] | None = None,
+    def __init__(self, sources: dict[str, Drafter], min_prompt: dict[str, int | Callable[[int], int]] | None = None,
                  max_prompt: dict[str, int] | None = None, by_match: tuple[str, ...] = ()) -> None:
         if not sources:
             raise ValueError("AutoDrafter needs at least one source drafter")
@@ -125,8 +126,9 @@ class AutoDrafter(Drafter):
 
     def begin(self, prompt: Prompt) -> None:
         shortest, longest = int(prompt.lengths.min()), int(prompt.lengths.max())
+        need = {n: m(len(prompt.lengths)) if callable(m) else m for n, m in self.min_prompt.items()}
         self.active = [n for n in self.sources
-                       if self.min_prompt.get(n, 0) <= shortest and longest <= self.max_prompt.get(n, longest)]
+                       if need.get(n, 0) <= shortest and longest <= self.max_prompt.get(n, longest)]
         for name in self.active:
             self.sources[name].begin(prompt)
         self._chosen = None
