@@ -57,10 +57,11 @@ def best_gamma(alpha: float, t_target: float, t_draft: float, t_verify: Callable
 
 
 def read_ratio(weight_bytes: int, kv_bytes: int, budget: int, length: int) -> float:
-    """Bytes a self-speculation draft token reads over what a target step reads, at batch 1: the
-    weights plus ``budget`` compressed KV rows against the weights plus ``length`` rows (``kv_bytes``
-    per token over every layer's K and V). A decode step streams both, so this is MagicDec's draft
-    cost ratio T_draft / T_target wherever memory bandwidth bounds a step.
+    """Bytes a self-speculation draft token reads over what a target step reads: the weights plus
+    ``budget`` compressed KV rows against the weights plus ``length`` rows (``kv_bytes`` per token over
+    every layer's K and V; B x that for a batch of B, whose weights are read once). A decode step
+    streams both, so this is MagicDec's draft cost ratio T_draft / T_target wherever memory
+    bandwidth bounds a step.
     Example: 540 MB of weights, 46 KB a token, 512 rows: 0.89 at 2,048 tokens, 0.65 at 7,000."""
     return (weight_bytes + kv_bytes * budget) / (weight_bytes + kv_bytes * max(length, budget))
 

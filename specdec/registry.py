@@ -5,6 +5,7 @@ Each constructor takes the target model and returns a Drafter, or None for plain
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Callable
 
 from specdec.drafters.auto import AutoDrafter
@@ -25,7 +26,7 @@ DrafterFactory = Callable[[object], "Drafter | None"]
 # whatever the batch, the K/V per sequence, so a batch reaches it at shorter prompts (MagicDec's
 # regime). Measured on the default model (AVX-512 machine), next to the copy sources: at batch 1 it
 # made ``auto`` 4-7% slower at 2,048 tokens (ratio 0.89) and 6-7% slower at 7,000 (0.65) (alone it
-# was 1.0-1.07x and 1.2-1.4x plain decoding there); at 8 x 7,000 (0.24) it is auto's main gain, 1.4x
+# was 0.97-1.10x and 1.2-1.4x plain decoding there); at 8 x 7,000 (0.24) it is auto's main gain, 1.4x
 # plain decoding alone. 0.5 lies between: ~12,800 tokens at batch 1, ~2,500 at batch 8.
 SELF_SPEC_MAX_READ_RATIO = 0.5
 
@@ -41,8 +42,8 @@ def make_auto(target) -> AutoDrafter:
     except ValueError:
         pass  # no head for this target: the model-free sources only
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
-    return AutoDrafter(sources, min_prompt={"streaming": lambda batch: streaming.pays_from(SELF_SPEC_MAX_READ_RATIO, batch)},
-                       max_prompt={"eagle": 4 * 512 - 1},
+    streaming_from = partial(streaming.pays_from, SELF_SPEC_MAX_READ_RATIO)  # prompt tokens, given the batch size
+    return AutoDrafter(sources, min_prompt={"streaming": streaming_from}, max_prompt={"eagle": 4 * 512 - 1},
                        by_match=("eagle",) if "eagle" in sources else ())
 
 
