@@ -25,7 +25,7 @@ DrafterFactory = Callable[[object], "Drafter | None"]
 # share of a target step's bytes (StreamingDrafter.pays_from): the weights are read once per step
 # whatever the batch, the K/V per sequence, so a batch reaches it at shorter prompts (MagicDec's
 # regime). Measured on the default model (AVX-512 machine), next to the copy sources: at batch 1 it
-# made ``auto`` 4-7% slower at 2,048 tokens (ratio 0.89) and 6-7% slower at 7,000 (0.65) (alone it
+# made ``auto`` 3-25% slower at 2,048 tokens (ratio 0.89) and 6-7% slower at 7,000 (0.65) (alone it
 # was 0.97-1.10x and 1.2-1.4x plain decoding there); at 8 x 7,000 (0.24) it is auto's main gain, 1.4x
 # plain decoding alone. 0.5 lies between: ~12,800 tokens at batch 1, ~2,500 at batch 8.
 SELF_SPEC_MAX_READ_RATIO = 0.5

@@ -30,7 +30,7 @@ pairs at its next draft, in one forward; self-speculation copies the committed r
 compressed cache). A source can ask for a minimum prompt length (``min_prompt``, a number or a
 function of the batch size): self-speculation only pays once its draft reads far fewer bytes than a
 target step, which takes a longer prompt at batch 1 than at a batch (``registry.make_auto``), and
-below that it is not even started (at batch 1 it made ``auto`` 4-7% slower at 2k tokens and 6-7% at
+below that it is not even started (at batch 1 it made ``auto`` 3-25% slower at 2k tokens and 6-7% at
 7k: its first drafts, and drafts where a copy would have done better); or
 a maximum (``max_prompt``, the longest row counts): EAGLE's head, trained on conversations of up to
 1,024 tokens, first feeds the whole prompt through its layer (at 8 x 7k tokens a forward over 56k
