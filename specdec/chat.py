@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.decoder import SpecDecoder, StepEvent
+from specdec.models import text_config
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import add_sampling_arguments, sampling_arguments
 from specdec.specbench import chat_input_ids, stop_token_ids
@@ -111,8 +112,7 @@ class ChatSession:
             self.sampling["generator"] = torch.Generator().manual_seed(self.sampling.pop("seed"))
         self.eos = stop_token_ids(model, tokenizer)
         self.messages: list[dict] = []
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        self.context_window = getattr(cfg, "max_position_embeddings", None)
+        self.context_window = getattr(text_config(model), "max_position_embeddings", None)
         self.set_drafter(drafter)
 
     def set_drafter(self, name: str) -> None:

@@ -32,7 +32,7 @@ from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block, prefill
 from specdec.kv import period
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.models import sliding_window
+from specdec.models import attention_shape, sliding_window, text_config
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
 from specdec.verifiers.sampling import verify_sampling
@@ -185,7 +185,7 @@ class SpecDecoder:
         self.drafter = drafter
         self.config = config
         self.vocab_size = vocab_size_of(target)
-        cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
+        cfg = text_config(target)
         self.context_window = getattr(cfg, "max_position_embeddings", None)
         self.sliding_window = sliding_window(cfg)
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
@@ -530,7 +530,5 @@ def _pad_id(pad_token_id, eos_token_id, target) -> int:
 
 def _period_model(target):
     """The BMC period model for the target's attention shape (calibrated once per process)."""
-    cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    _, kv_heads, head_dim = attention_shape(target)
     return period.machine_model(kv_heads, head_dim, target.dtype)

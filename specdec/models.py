@@ -32,6 +32,20 @@ class LoadedModel:
     name: str  # what was loaded, for reports
 
 
+def text_config(model):
+    """The config of a model's language part (a multimodal model's text config; else its own)."""
+    cfg = model.config
+    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+
+
+def attention_shape(model) -> tuple[int, int, int]:
+    """(layers, K/V heads, head dim) of a model's attention: what one token's K/V rows are."""
+    cfg = text_config(model)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    return cfg.num_hidden_layers, kv_heads, head_dim
+
+
 def sliding_window(cfg) -> int | None:
     """The window of a model whose attention (in any layer) sees only its last W tokens, or None."""
     w = getattr(cfg, "sliding_window", None)

@@ -37,6 +37,7 @@ import torch
 
 from specdec.bench.batch import left_padded, until_eos
 from specdec.decoder import SpecDecoder
+from specdec.models import text_config
 from specdec.questions import TASKS, Question, load_questions, select_questions, task_of
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import sampling_kwargs
@@ -331,8 +332,7 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     answerers = {BASELINE: hf_generate_answerer(model, eos, pad, config.temperature)}
     answerers.update({d: specdec_answerer(model, d, eos, config.temperature) for d in config.drafters})
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    context_window = getattr(cfg, "max_position_embeddings", None)
+    context_window = getattr(text_config(model), "max_position_embeddings", None)
 
     if config.batch_size > 1:
         return _answer_all_batched(model, tokenizer, model_name, questions, config, files, todo, total, eos, pad,

@@ -33,9 +33,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec.drafters.eagle import (EagleHead, EagleHeadConfig, _text_config, causal_bias, load_head,
-                                    save_head)
+from specdec.drafters.eagle import EagleHead, EagleHeadConfig, causal_bias, load_head, save_head
 from specdec.jsonl import read_jsonl
+from specdec.models import text_config
 
 PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "eagle_prompts.txt"
 STATE_FORMAT = 1
@@ -416,7 +416,7 @@ def train_head(target, data_dir: str | os.PathLike, out_dir: str | os.PathLike,
     """Train (or resume training) a head on the conversations in ``data_dir``; checkpoints go to
     ``out_dir/checkpoint`` and the final head to ``out_dir/head``."""
     convs = load_data(data_dir)
-    D = _text_config(target).hidden_size
+    D = text_config(target).hidden_size
     if convs[0].hidden.shape[1] != D:
         raise ValueError(f"{data_dir} holds features of width {convs[0].hidden.shape[1]}, the target's are {D}: "
                          "the data was made by another model")

@@ -61,6 +61,7 @@ from specdec import kernels
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.forward import cache_arg
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.models import text_config
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, chain_mask
 
@@ -90,11 +91,6 @@ class EagleConfig:
             raise ValueError(f"EAGLE needs total_tokens, depth, top_k >= 1, got {self}")
 
 
-def _text_config(model):
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
 def _decoder(model):
     return model.get_decoder() if hasattr(model, "get_decoder") else model.model
 
@@ -114,7 +110,7 @@ class EagleHead(nn.Module):
                  draft_vocab: torch.Tensor | None = None) -> None:
         super().__init__()
         self.config = config
-        tcfg = _text_config(target)
+        tcfg = text_config(target)
         D = tcfg.hidden_size
         layer_cfg = copy.deepcopy(tcfg)
         layer_cfg.num_hidden_layers = 1
@@ -218,9 +214,9 @@ class EagleDrafter(Drafter):
         self.head = head.eval()
         self.config = config
         self.vocab_size = head.vocab_size
-        if head.hidden_size != _text_config(target).hidden_size:
+        if head.hidden_size != text_config(target).hidden_size:
             raise ValueError(f"EAGLE head of width {head.hidden_size} does not fit a target of hidden "
-                             f"size {_text_config(target).hidden_size}")
+                             f"size {text_config(target).hidden_size}")
         self.cache: BMCCache | None = None
         self._feats: list[list[torch.Tensor]] = []  # per row: pair features not yet in the store
         self._toks: list[list[int]] = []  # per row: their tokens
@@ -483,7 +479,7 @@ def load_head(path: str | os.PathLike, target) -> EagleHead:
     meta = json.loads((d / HEAD_JSON).read_text())
     if meta.get("format") != HEAD_FORMAT:
         raise ValueError(f"{d / HEAD_JSON}: head format {meta.get('format')}, this specdec reads {HEAD_FORMAT}")
-    tcfg = _text_config(target)
+    tcfg = text_config(target)
     want = meta["target"]
     have = {"model_type": tcfg.model_type, "hidden_size": tcfg.hidden_size,
             "vocab_size": target.get_output_embeddings().weight.shape[0],
@@ -534,9 +530,9 @@ def import_eagle(path: str | os.PathLike, target) -> EagleHead:
         raise FileNotFoundError(f"no model.safetensors in {d} (pickled pytorch_model.bin is not read)")
     cfg = json.loads((d / "config.json").read_text()) if (d / "config.json").is_file() else {}
     tensors = load_file(str(d / "model.safetensors"))
-    if tensors["fc.weight"].shape[1] != 2 * _text_config(target).hidden_size:
+    if tensors["fc.weight"].shape[1] != 2 * text_config(target).hidden_size:
         raise ValueError(f"{d}: fc.weight {tuple(tensors['fc.weight'].shape)} is not an EAGLE-1/2 head "
-                         f"for hidden size {_text_config(target).hidden_size}")
+                         f"for hidden size {text_config(target).hidden_size}")
     head = EagleHead(target, EagleHeadConfig(fc_bias=bool(cfg.get("bias", "fc.bias" in tensors)),
                                              input_norm="layers.0.input_layernorm.weight" in tensors))
     names = {new: old for old, new in _eagle_names(head).items()}

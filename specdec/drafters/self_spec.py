@@ -36,6 +36,7 @@ from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
+from specdec.models import attention_shape
 from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
                                    streaming_keep)
@@ -48,10 +49,7 @@ class SelfSpecDrafter(Drafter):
     def __init__(self, target, cache_config: CompressedCacheConfig) -> None:
         self.target = target
         self.cache_config = cache_config
-        cfg = target.config.get_text_config() if hasattr(target.config, "get_text_config") else target.config
-        self.num_layers = cfg.num_hidden_layers
-        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        self.num_layers, self.num_kv_heads, self.head_dim = attention_shape(target)
         self.cache: CompressedCache | None = None
         self.source: BMCCache | None = None  # the target's store (read only)
         self._synced: list[int] = []  # per row: target rows already copied (= target.lengths after accept)

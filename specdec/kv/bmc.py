@@ -35,6 +35,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from specdec.models import text_config
+
 
 @dataclass(frozen=True)
 class BMCConfig:
@@ -203,8 +205,7 @@ class BMCCache(Cache):
 
     @classmethod
     def for_model(cls, model, batch_size: int, config: BMCConfig = BMCConfig()) -> "BMCCache":
-        cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-        return cls(cfg.num_hidden_layers, batch_size, config, model.dtype, model.device)
+        return cls(text_config(model).num_hidden_layers, batch_size, config, model.dtype, model.device)
 
     def set_period(self, period: int) -> None:
         """Grow by ``period`` rows from the next reallocation on (rows held stay where they are)."""
