@@ -50,8 +50,9 @@ class SpecDecoderConfig:
     adaptive_period: bool = True
     draft_length: DraftLengthConfig = DraftLengthConfig()
     # CPU: linear layers over blocks of <= this many rows take specdec.kernels' routes (MKL's
-    # skinny GEMM for 1-4 rows, the packed kernel for 5-16); 0 keeps torch's default path everywhere
-    skinny_rows: int = kernels.MAX_ROWS
+    # skinny GEMM for 1-4 rows, the packed kernel for 5-16, balanced chunks of those up to 128);
+    # 0 keeps torch's default path everywhere
+    skinny_rows: int = kernels.CHUNK_ROWS
     # Batches: attention over ragged lengths by padding to the longest (pad), per sequence (split),
     # or chosen per step (auto): split once padding would be more than `split_waste` of the work
     attention: str = "auto"

@@ -48,6 +48,7 @@ import logging
 import os
 import shutil
 import sys
+import time
 import weakref
 from contextlib import contextmanager
 from functools import cache, partial
@@ -58,6 +59,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 MAX_ROWS = 16  # blocks up to this many rows take a fast path (0 turns them all off)
+# blocks of MAX_ROWS + 1 .. CHUNK_ROWS rows run as balanced chunks of <= MAX_ROWS rows, each by its
+# size's route: F.linear over 17 rows streamed the weights at ~9 GB/s, so a 17-row verify (a 16-node
+# tree, B = 8 x 2 rows) cost 3.6x a 1-row step against 1.9x for 16 rows (Zen 4, 800 tokens of context);
+# the model's linears over 17 / 24 / 32 / 64 / 128 rows: F.linear 28.6 / 29.3 / 35.1 / 53.2 / 82.9 ms,
+# chunks 11.4 / 12.8 / 17.4 / 34.0 / 67.1 (2026-11-25, 2 threads). Prefills of longer prompts keep F.linear.
+CHUNK_ROWS = 128
 MM_ROWS = 4  # uncalibrated: up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
 _SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
 # variant -> (compiler flags, op namespace). "native" is what this CPU supports; "avx2" forces the
@@ -123,6 +130,7 @@ def _build(name: str):
 # linears, as HF's unpatched modules would
 _max_rows: contextvars.ContextVar[int] = contextvars.ContextVar("specdec_max_rows", default=0)
 _routes: tuple[str, ...] | None = None  # route per block size 1..MAX_ROWS, once calibrated
+_chunked: bool | None = None  # whether chunks beat F.linear past MAX_ROWS rows, once calibrated
 
 
 def routes() -> tuple[str, ...]:
@@ -161,7 +169,6 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 7, vocab: i
     global _routes
     if _routes is not None or os.environ.get("SPECDEC_KERNEL_CALIBRATE") == "0":
         return routes()
-    import time
 
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(*features, generator=g) for _ in range(4)] + [torch.randn(vocab, features[1], generator=g)]
@@ -185,8 +192,37 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 7, vocab: i
             for r in fns:
                 best[r].append(min(times[r]))
     _routes = fastest_routes(best)
-    log.info("specdec kernels: routes per block size 1..%d: %s", MAX_ROWS, _routes)
+    _calibrate_chunks(ws, g, rounds)
+    log.info("specdec kernels: routes per block size 1..%d: %s; %d-%d rows in chunks: %s",
+             MAX_ROWS, _routes, MAX_ROWS + 1, CHUNK_ROWS, _chunked)
     return _routes
+
+
+def _calibrate_chunks(ws: list[torch.Tensor], g: torch.Generator, rounds: int) -> None:
+    """Chunks past MAX_ROWS only where they beat F.linear: timed over twice MAX_ROWS rows, fastest
+    round of each (the same guard as the routes')."""
+    global _chunked
+    x = torch.randn(2 * MAX_ROWS, ws[0].shape[1], generator=g)
+    times = {"linear": [], "chunks": []}
+    with torch.inference_mode():
+        for _ in range(rounds):
+            for r in times:
+                t = time.perf_counter()
+                for w in ws:
+                    if r == "linear":
+                        F.linear(x, w)
+                    elif any(_route(x[a:b], w) is None for a, b in chunks(len(x))):
+                        times[r].append(float("inf"))
+                        break
+                else:
+                    times[r].append(time.perf_counter() - t)
+    _chunked = min(times["chunks"]) < min(times["linear"])
+
+
+def chunking() -> bool:
+    """Whether blocks of MAX_ROWS + 1 .. CHUNK_ROWS rows run in chunks (``calibrate``; before it,
+    whenever the kernel is built)."""
+    return _chunked if _chunked is not None else extension() is not None
 
 
 # (weight id, variant) -> (weakref to the weight, its version, packed copy); dropped with the weight
@@ -217,24 +253,39 @@ def _packed_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | Non
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            max_rows: int = MAX_ROWS) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through a fast path for blocks of <= max_rows rows on CPU."""
+    """``F.linear(x, weight, bias)``, through a fast path for blocks of <= max_rows rows on CPU
+    (past ``MAX_ROWS`` rows, up to ``CHUNK_ROWS``, as balanced chunks: ``chunks``)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows == 0 or rows > min(max_rows, MAX_ROWS) or x.device.type != "cpu" or weight.dtype != torch.float32
+    if (rows == 0 or rows > min(max_rows, CHUNK_ROWS) or x.device.type != "cpu" or weight.dtype != torch.float32
             or x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
-    route = routes()[rows - 1]
-    if route == "linear":
+    if rows > MAX_ROWS and not chunking():
         return F.linear(x, weight, bias)
     x2 = x.reshape(rows, x.shape[-1])
-    if route == "mm":
-        y = _skinny(x2, weight)
-    else:
-        y = _packed_linear(x2, weight)
-        if y is None:  # no kernel on this machine
-            return F.linear(x, weight, bias)
+    parts = [_route(x2[a:b], weight) for a, b in chunks(rows)]
+    if any(y is None for y in parts):  # F.linear's route for a size, or no kernel on this machine
+        return F.linear(x, weight, bias)
+    y = parts[0] if len(parts) == 1 else torch.cat(parts)
     if bias is not None:
         y = y + bias
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def chunks(rows: int) -> list[tuple[int, int]]:
+    """[start, end) of the fewest balanced chunks of <= MAX_ROWS rows: each chunk streams the weights
+    once, and 9 + 8 rows cost less than 16 + 1 (two packed blocks, not one and MKL's GEMV).
+    Example: 16 -> [(0, 16)]; 17 -> [(0, 9), (9, 17)]; 40 -> [(0, 14), (14, 28), (28, 40)]."""
+    n = -(-rows // MAX_ROWS)
+    size = -(-rows // n)
+    return [(a, min(a + size, rows)) for a in range(0, rows, size)]
+
+
+def _route(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """[M, K] x [N, K]^T for 1 <= M <= MAX_ROWS by the route calibrated for M rows; None for F.linear's."""
+    route = routes()[x2.shape[0] - 1]
+    if route == "mm":
+        return _skinny(x2, weight)
+    return _packed_linear(x2, weight) if route == "packed" else None
 
 
 def _forward(module: nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:

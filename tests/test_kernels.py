@@ -1,5 +1,5 @@
 """specdec.kernels: the fast routes for few-row linear layers on CPU (MKL's skinny GEMM for 1-4 rows,
-the packed kernel for 5-16)."""
+the packed kernel for 5-16, balanced chunks of those for 17-128)."""
 
 import pytest
 import torch
@@ -12,14 +12,14 @@ from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 16])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 12, 16, 17, 21, 33, 128, 129])
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_matches_f_linear(rows, bias):
     g = torch.Generator().manual_seed(rows)
     w = torch.randn(97, 40, generator=g)  # 97: a last panel of one output feature
     b = torch.randn(97, generator=g) if bias else None
     x = torch.randn(1, rows, 40, generator=g)  # [B, Q, K], as a decoder layer passes it
-    y = kernels.linear(x, w, b)
+    y = kernels.linear(x, w, b, max_rows=kernels.CHUNK_ROWS)
     assert y.shape == (1, rows, 97) and y.is_contiguous()
     torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-5)
 
@@ -28,6 +28,7 @@ def _count(monkeypatch):
     """Calls per route: 'mm' (W @ x^T) and 'packed' (the kernel), on the uncalibrated routes (1-4 rows
     mm, 5-16 the kernel) so that which route runs does not depend on this machine's timings."""
     monkeypatch.setattr(kernels, "_routes", None)
+    monkeypatch.setattr(kernels, "_chunked", None)  # uncalibrated: chunks wherever the kernel is built
     monkeypatch.setenv("SPECDEC_KERNEL_CALIBRATE", "0")
     calls = {"mm": 0, "packed": 0}
     real_mm, real_packed = kernels._skinny, kernels._packed_linear
@@ -59,13 +60,31 @@ def test_linear_takes_each_route_only_where_it_applies(monkeypatch):
     kernels.linear(torch.randn(5, 8), w)
     kernels.linear(torch.randn(16, 8), w)
     assert calls == {"mm": 2, "packed": 2}
-    kernels.linear(torch.randn(17, 8), w)  # more rows than MAX_ROWS
-    kernels.linear(torch.randn(20, 8), w, max_rows=32)  # ... even when max_rows allows more
+    kernels.linear(torch.randn(17, 8), w)  # more rows than max_rows (MAX_ROWS unless asked)
     kernels.linear(torch.randn(2, 8), w, max_rows=1)  # more rows than max_rows
+    kernels.linear(torch.randn(129, 8), w, max_rows=200)  # more rows than CHUNK_ROWS
     kernels.linear(torch.randn(2, 8, dtype=torch.float64), w.double())  # not fp32
     kernels.linear(torch.randn(6, 8, requires_grad=True), w)  # training needs F.linear's autograd
     kernels.linear(torch.randn(2, 8), w, max_rows=0)  # off
     assert calls == {"mm": 2, "packed": 2}
+    kernels.linear(torch.randn(20, 8), w, max_rows=32)  # 10 + 10 rows, each chunk by the kernel
+    kernels.linear(torch.randn(35, 8), w, max_rows=kernels.CHUNK_ROWS)  # 12 + 12 + 11
+    assert calls == {"mm": 2, "packed": 7}
+    monkeypatch.setattr(kernels, "_chunked", False)  # calibrated: chunks lost to F.linear here
+    kernels.linear(torch.randn(20, 8), w, max_rows=32)
+    assert calls == {"mm": 2, "packed": 7}
+
+
+def test_chunks_are_the_fewest_and_balanced():
+    assert kernels.chunks(1) == [(0, 1)] and kernels.chunks(16) == [(0, 16)]
+    assert kernels.chunks(17) == [(0, 9), (9, 17)]  # 9 + 8, not 16 + 1
+    assert kernels.chunks(40) == [(0, 14), (14, 28), (28, 40)]
+    for rows in range(1, kernels.CHUNK_ROWS + 1):
+        parts = kernels.chunks(rows)
+        sizes = [b - a for a, b in parts]
+        assert parts[0][0] == 0 and parts[-1][1] == rows and all(p[1] == q[0] for p, q in zip(parts, parts[1:]))
+        assert len(parts) == -(-rows // kernels.MAX_ROWS) and max(sizes) <= kernels.MAX_ROWS
+        assert len(set(sizes[:-1])) <= 1 and 0 <= sizes[0] - sizes[-1] < len(parts)  # balanced
 
 
 def test_without_the_kernel_five_rows_and_more_take_f_linear(monkeypatch):
@@ -107,10 +126,10 @@ def test_skinny_linears_patches_and_restores(monkeypatch):
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 @pytest.mark.parametrize("drafter", ["perturbed", "prompt-lookup", "none"])
-@pytest.mark.parametrize("draft", [3, 12])
+@pytest.mark.parametrize("draft", [3, 12, 20])
 def test_fp32_lossless_through_the_kernels(seed, drafter, draft, monkeypatch):
     """fp32 targets take the fast routes (the float64 tiny models of the other tests do not); drafts
-    of 12 make verify blocks of 5-13 rows, the packed kernel's."""
+    of 12 make verify blocks of 5-13 rows, the packed kernel's; of 20, up to 21 rows in two chunks."""
     calls = _count(monkeypatch)
     target = tiny_llama(seed, dtype=torch.float32)
     d = {"perturbed": lambda: ModelDrafter(perturbed(target, 0.3, seed)),
@@ -146,10 +165,11 @@ def test_each_block_size_takes_its_fastest_route():
 def test_calibration_routes_every_size_and_stays_exact(monkeypatch):
     monkeypatch.setattr(kernels, "_routes", None)
     monkeypatch.delenv("SPECDEC_KERNEL_CALIBRATE", raising=False)
+    monkeypatch.setattr(kernels, "_chunked", None)
     chosen = kernels.calibrate(features=(64, 32), rounds=3)
     assert len(chosen) == kernels.MAX_ROWS and set(chosen) <= set(kernels.ROUTES)
-    assert kernels.routes() == chosen
-    for rows in (1, 5, 8, 16):
+    assert kernels.routes() == chosen and kernels.chunking() in (True, False)
+    for rows in (1, 5, 8, 16, 40):
         x, w = torch.randn(rows, 32), torch.randn(64, 32)
         torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
