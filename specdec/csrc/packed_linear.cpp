@@ -16,7 +16,7 @@
 //     vector with up to 64 accumulators on AVX2 spilled every FMA: 8-15x slower than torch there.
 //     The chunks of one strip of panels re-read its weights from L1/L2, not from memory.
 // The vectors are GCC vector extensions; threads are torch's own pool (at::parallel_for over strips
-// of panels). Built on first use by torch.utils.cpp_extension, with a fallback to torch when no
+// of panels; built with -fopenmp, and the loader gives it the libgomp torch already loaded). Built on first use by torch.utils.cpp_extension, with a fallback to torch when no
 // compiler is there; specdec/kernels.py also times it against torch once per process and keeps
 // torch's path for any block size where this is slower.
 #include <ATen/ATen.h>
@@ -45,6 +45,11 @@ constexpr int64_t kPrefetch = 128;  // vectors ahead in the panel (measured: 64 
 #else
 constexpr int64_t kPrefetch = 64;  // the AVX2 shape as tuned on a Zen 3 (not re-measured there)
 #endif
+// Prefetched into L2 (prefetcht1), not as non-temporal (prefetchnta): on a Xeon (Sapphire Rapids class,
+// KVM) NTA prefetches made the kernel 3x slower than with no prefetch at all (the default model's
+// linears at 1 row: 57 ms NTA, 19 no prefetch, 17.6 L2; F.linear 21 ms; 2026-11-25, 2 threads).
+// Not re-measured on the AMD machines the distances above were tuned on.
+constexpr int kLocality = 2;
 typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
 
 inline vec load(const float* p) {
@@ -90,7 +95,7 @@ void chunk(const float* x, const float* wp, float* y, int64_t K, int64_t N, int6
       vec wr[R];
 #pragma GCC unroll 4
       for (int r = 0; r < R; ++r) {
-        __builtin_prefetch(w + (r * K + k + kPrefetch) * kLanes, 0, 0);
+        __builtin_prefetch(w + (r * K + k + kPrefetch) * kLanes, 0, kLocality);
         wr[r] = load(w + (r * K + k) * kLanes);
       }
 #pragma GCC unroll 16
@@ -157,6 +162,16 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
 
 int64_t lanes() { return kLanes; }
 
+// Whether at::parallel_for runs on torch's thread pool here: it is inlined, and without -fopenmp it
+// runs every strip on the calling thread (the kernel then streamed at one core's bandwidth).
+bool parallel() {
+#ifdef _OPENMP
+  return true;
+#else
+  return false;
+#endif
+}
+
 }  // namespace
 
 // One more macro level so that SPECDEC_OPS expands before TORCH_LIBRARY pastes it.
@@ -166,6 +181,7 @@ SPECDEC_LIBRARY(SPECDEC_OPS, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor wp, int n) -> Tensor");
   m.def("lanes() -> int", &lanes);  // L: the packing's panel width, for tests and bench-verify
+  m.def("parallel() -> bool", &parallel);
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
   m.impl("pack", &pack);
