@@ -163,17 +163,20 @@ def fastest_routes(seconds: dict[str, list[float]]) -> tuple[str, ...]:
     return tuple(min(order, key=lambda r: seconds[r][m]) for m in range(n))
 
 
-def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 7, vocab: int = 4096) -> tuple[str, ...]:
+def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 3, vocab: int = 16384,
+              stream_mb: int = 128) -> tuple[str, ...]:
     """Time the three routes for every block size on this machine, once per process; keep the fastest.
 
-    The weights are 4 random [N, K] matrices (N, K = ``features``, the default model's MLP: 3.5 MB
-    each, 14 MB together, so they stream from memory or L3 like a model's layers, not from L1/L2)
-    and one wide [``vocab``, K] one, the shape of a vocabulary projection: on the MLP shape alone
-    F.linear could win 1 row, and it then ran the default model's 49k-row lm_head at 6.4 ms against
-    MKL's 2.3 ms (``W @ x^T``): plain steps at 2k tokens cost 42 ms instead of 27 for a whole run.
+    The weights are random [N, K] matrices (N, K = ``features``, the default model's MLP: 3.5 MB
+    each) and one wide [``vocab``, K] one, the shape of a vocabulary projection, ``stream_mb`` MB in
+    all, so they stream from memory as a model's weights do. 14 MB of them fitted in the last-level
+    cache (32 MB a CCD on a Zen 4, more on a Xeon), where MKL's ``W @ x^T`` looked faster than it is
+    from memory: the AVX2 build on a Xeon took it for 13-16 rows, 25% slower than the kernel in the
+    model. On the MLP shape alone F.linear could win 1 row, and it then ran the default model's 49k-row
+    lm_head at 6.4 ms against MKL's 2.3 ms (``W @ x^T``) on a Zen 4: hence the wide one.
     They are cycled so no call finds its weight cached by the previous one; rounds alternate the
     routes, and each keeps its fastest round (noise only ever adds time: a median let one busy moment
-    at process start send 1-row steps down F.linear for a whole benchmark run). ~0.7 s. A route that
+    at process start send 1-row steps down F.linear for a whole benchmark run). ~1.5 s. A route that
     is slower than torch's own for a size is never used for it: that is the guard against a kernel
     shape that suits another CPU (see the module doc).
     """
@@ -182,7 +185,10 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 7, vocab: i
         return routes()
 
     g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(*features, generator=g) for _ in range(4)] + [torch.randn(vocab, features[1], generator=g)]
+    N, K = features
+    count = max(1, -(-(stream_mb * 2**20 // 4 - vocab * K) // (N * K)))  # MLP matrices to fill stream_mb
+    ws = [torch.empty(N, K).uniform_(-1, 1, generator=g) for _ in range(count)]
+    ws.append(torch.empty(vocab, K).uniform_(-1, 1, generator=g))
     ops = extension()
     fns = {"linear": lambda x, w: F.linear(x, w), "mm": _skinny}
     if ops is not None:
@@ -267,16 +273,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``, through a fast path for blocks of <= max_rows rows on CPU
     (past ``MAX_ROWS`` rows, up to ``CHUNK_ROWS``, as balanced chunks: ``chunks``)."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows == 0 or rows > min(max_rows, CHUNK_ROWS) or x.device.type != "cpu" or weight.dtype != torch.float32
-            or x.dtype != torch.float32 or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+    if (rows == 0 or rows > max_rows or rows > CHUNK_ROWS or x.dtype != torch.float32
+            or weight.dtype != torch.float32 or x.device.type != "cpu"
+            or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
         return F.linear(x, weight, bias)
-    if rows > MAX_ROWS and not chunking():
+    if rows <= MAX_ROWS:  # the step's common case, kept short: this runs ~120 times a forward
+        route = routes()[rows - 1]
+        y = None if route == "linear" else _route(x.reshape(rows, x.shape[-1]), weight, route)
+    elif not chunking():
+        y = None
+    else:
+        x2 = x.reshape(rows, x.shape[-1])
+        parts = [_route(x2[a:b], weight) for a, b in chunks(rows)]
+        y = None if any(p is None for p in parts) else torch.cat(parts)
+    if y is None:  # F.linear's route for a size, or no kernel on this machine
         return F.linear(x, weight, bias)
-    x2 = x.reshape(rows, x.shape[-1])
-    parts = [_route(x2[a:b], weight) for a, b in chunks(rows)]
-    if any(y is None for y in parts):  # F.linear's route for a size, or no kernel on this machine
-        return F.linear(x, weight, bias)
-    y = parts[0] if len(parts) == 1 else torch.cat(parts)
     if bias is not None:
         y = y + bias
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
@@ -291,9 +302,10 @@ def chunks(rows: int) -> list[tuple[int, int]]:
     return [(a, min(a + size, rows)) for a in range(0, rows, size)]
 
 
-def _route(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """[M, K] x [N, K]^T for 1 <= M <= MAX_ROWS by the route calibrated for M rows; None for F.linear's."""
-    route = routes()[x2.shape[0] - 1]
+def _route(x2: torch.Tensor, weight: torch.Tensor, route: str | None = None) -> torch.Tensor | None:
+    """[M, K] x [N, K]^T for 1 <= M <= MAX_ROWS by ``route`` (default: the one calibrated for M rows);
+    None for F.linear's."""
+    route = route or routes()[x2.shape[0] - 1]
     if route == "mm":
         return _skinny(x2, weight)
     return _packed_linear(x2, weight) if route == "packed" else None

@@ -166,7 +166,7 @@ def test_calibration_routes_every_size_and_stays_exact(monkeypatch):
     monkeypatch.setattr(kernels, "_routes", None)
     monkeypatch.delenv("SPECDEC_KERNEL_CALIBRATE", raising=False)
     monkeypatch.setattr(kernels, "_chunked", None)
-    chosen = kernels.calibrate(features=(64, 32), rounds=3)
+    chosen = kernels.calibrate(features=(64, 32), rounds=3, vocab=256, stream_mb=1)
     assert len(chosen) == kernels.MAX_ROWS and set(chosen) <= set(kernels.ROUTES)
     assert kernels.routes() == chosen and kernels.chunking() in (True, False)
     for rows in (1, 5, 8, 16, 40):
