@@ -312,7 +312,25 @@ def test_replay_of_a_remembered_answer_accepts_whole_trees():
     assert st.steps == 3 and st.tau == pytest.approx(10 / 3)
 
 
-def test_bench_repeat_pass_two_drafts_from_remembered_answers(target):
+def test_a_replay_prices_each_step_by_the_verify_curve():
+    from specdec.bench.replay import _ranges, replay, step_cost
+
+    curve = {1: 1.0, 8: 1.28, 16: 1.6}
+    assert step_cost(curve, 1) == 1.0 and step_cost(curve, 8) == 1.28
+    assert step_cost(curve, 4) == pytest.approx(1.12) and step_cost(curve, 12) == pytest.approx(1.44)
+    assert step_cost(curve, 40) == 1.6  # flat past the last size
+    prompt, answer = [1, 2, 3], [7, 8, 9, 10, 11, 12, 13, 14, 15, 16]
+    warm = SuffixDrafter()
+    warm.remember(prompt + answer, len(prompt))
+    st = replay(warm, prompt, answer, curve=curve)
+    # the prefill (1), a step over 1 + 5 nodes (one remembered chain, depth 5), a step over 1 + 2 (the
+    # rest: 14, 15 drafted, 16 the bonus)
+    assert (st.steps, st.nodes) == (3, 7) and st.cost == pytest.approx(1.0 + step_cost(curve, 6) + step_cost(curve, 3))
+    assert replay(SuffixDrafter(), prompt, answer).cost == 0.0  # no curve, no price
+    assert _ranges("all", 3) == [0, 1, 2] and _ranges("1-2,5", 9) == [1, 2, 5]
+
+
+def test_bench_repeat_pass_two_drafts_from_remembered_answers(target, tmp_path):
     from specdec.bench.generation import Method, run_bench, specdec_method
     from specdec.questions import Question
 
@@ -328,10 +346,20 @@ def test_bench_repeat_pass_two_drafts_from_remembered_answers(target):
 
     questions = [Question(1, "writing", ("Tell me about gardens.",)), Question(2, "math", ("What is two and two?",))]
     methods = [Method("hf", plain), specdec_method(target, "suffix", None)]
-    records = run_bench(target, Tok(), questions, methods, 24, None, passes=2, remember=True)
+    answers = tmp_path / "answers.jsonl"
+    records = run_bench(target, Tok(), questions, methods, 24, None, passes=2, remember=True, answers_path=answers)
     assert len(records) == 8 and all(r["identical"] for r in records)
     steps = {(r["pass"], r["question_id"]): r["steps"] for r in records if r["method"] == "specdec:suffix"}
     assert all(steps[(2, q)] < steps[(1, q)] for q in (1, 2))  # the second ask reuses the first answer
+    # the first pass's reference outputs, as token ids the replay reads: one per question, HF's own
+    from specdec.drafters.suffix import read_token_jsonl
+
+    saved = read_token_jsonl(answers)
+    assert len(saved) == 2
+    for doc, q in zip(saved, questions):
+        prompt = Tok()(q.turns[0])["input_ids"]
+        assert doc.prompt_len == prompt.shape[1]
+        assert list(doc.ids) == hf_greedy(target, prompt, 24)[0].tolist()
 
 
 def test_suffix_corpus_without_stored_answers_says_so(monkeypatch, tmp_path):

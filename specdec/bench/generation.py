@@ -123,10 +123,13 @@ def prepare_corpus_drafter(drafter, questions, tokenizer, exclude: bool, corpus_
 
 
 def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens: int, log_path: Path | None,
-              progress=None, passes: int = 1, remember: bool = False, compare: bool = True) -> list[dict]:
+              progress=None, passes: int = 1, remember: bool = False, compare: bool = True,
+              answers_path: Path | None = None) -> list[dict]:
     """One record per (pass, question, method): tokens, seconds, steps, identical-to-HF (None when
     not ``compare``: sampled outputs differ by design). With ``remember``, each answer goes to its
-    method's drafter after its timed run (``Method.remember``)."""
+    method's drafter after its timed run (``Method.remember``). ``answers_path``: the first method's
+    output of each question in the first pass, as a token-id JSONL (``prompt_len``, ``ids``; what
+    ``python -m specdec.bench.replay --answers`` reads)."""
     records = []
     with torch.inference_mode():
         warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
@@ -134,12 +137,12 @@ def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens
             m.run(warm, 4)
     for p in range(1, passes + 1):
         records += _run_pass(p, tokenizer, questions, methods, max_new_tokens, log_path, progress, remember,
-                             compare)
+                             compare, answers_path if p == 1 else None)
     return records
 
 
 def _run_pass(p, tokenizer, questions, methods, max_new_tokens, log_path, progress, remember,
-              compare) -> list[dict]:
+              compare, answers_path) -> list[dict]:
     records = []
     for qi, q in enumerate(questions):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
@@ -154,6 +157,10 @@ def _run_pass(p, tokenizer, questions, methods, max_new_tokens, log_path, progre
             if remember and m.remember is not None:
                 m.remember(seq, ids.shape[1])
         ref = outs[methods[0].name][0]
+        if answers_path is not None:
+            with open(answers_path, "a") as f:
+                f.write(json.dumps({"question_id": q.question_id, "category": q.category,
+                                    "prompt_len": ids.shape[1], "ids": ref[0].tolist()}) + "\n")
         for m in methods:
             seq, steps, dt = outs[m.name]
             rec = {"pass": p, "question_id": q.question_id, "category": q.category, "method": m.name,
@@ -220,6 +227,9 @@ def add_arguments(p) -> None:
     p.add_argument("--suffix-exclude-questions", action=argparse.BooleanOptionalAction, default=True,
                    help="drop corpus conversations whose prompt holds a benchmark question (default: on)")
     p.add_argument("--out", default="results/bench", help="writes OUT.jsonl (records) and OUT.json (summary)")
+    p.add_argument("--save-answers", default=None, metavar="FILE",
+                   help="write HF generate's output of each question as token ids (JSONL), for "
+                        "`python -m specdec.bench.replay --answers FILE`")
     p.add_argument("--temperature", type=float, default=0.0,
                    help="0 (default): greedy, outputs compared token for token with HF's; > 0: every "
                         "method samples (HF generate with do_sample=True and HF's other defaults, "
@@ -261,12 +271,17 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     log = out.with_suffix(".jsonl")
     log.write_text("")
+    answers = Path(args.save_answers) if args.save_answers else None
+    if answers is not None:
+        answers.parent.mkdir(parents=True, exist_ok=True)
+        answers.write_text("")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeRemainingColumn(), console=console) as bar:
         task = bar.add_task("bench", total=len(questions) * args.repeat)
         records = run_bench(model, tok, questions, methods, args.max_new_tokens, log,
                             progress=lambda: bar.advance(task), passes=args.repeat,
-                            remember=args.remember or args.repeat > 1, compare=not args.temperature)
+                            remember=args.remember or args.repeat > 1, compare=not args.temperature,
+                            answers_path=answers)
     summary = summarize([r for r in records if r["pass"] == 1], methods[0].name, task_of)
     if args.repeat > 1:
         summary["passes"] = {p: summarize([r for r in records if r["pass"] == p], methods[0].name, task_of)
