@@ -110,31 +110,41 @@ def extension():
 
 @cache
 def _build(name: str):
+    """Build (or load the cached build of) a variant: with OpenMP, else (a compiler without it) on one
+    thread, which the route self-check then weighs like any other route; None if neither builds."""
     try:
-        from torch.utils.cpp_extension import load
-
-        from specdec.models import cache_root
-
         if shutil.which("ninja") is None:  # pip's ninja is not on PATH in a venv that is not activated
             import ninja
 
             os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-        flags, ns = VARIANTS[name]
-        key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join([name, *flags, *_OPENMP]).encode()
-                             ).hexdigest()[:16]
-        build = cache_root() / "torch_extensions" / f"packed_linear-{key}"
-        build.mkdir(parents=True, exist_ok=True)
-        if not any(build.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
-            print(f"specdec: building the CPU kernel ({name}, once, ~20 s) ...", file=sys.stderr, flush=True)
-        load(name=f"specdec_packed_linear_{key}", sources=[str(_SOURCE)], build_directory=str(build),
-             extra_cflags=["-O3", *flags, *_OPENMP, f"-DSPECDEC_OPS={ns}"], extra_ldflags=_OPENMP,
-             is_python_module=False, verbose=False)
-        return getattr(torch.ops, ns)
+        try:
+            return _load(name, _OPENMP)
+        except Exception as e:  # noqa: BLE001
+            log.warning("specdec: the packed linear kernel did not build with OpenMP (%s); building it "
+                        "for one thread", str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return _load(name, [])
     except Exception as e:  # no compiler, no ninja, an unknown -march: torch's path still works
         log.warning("specdec: the packed linear kernel could not be built (%s); blocks of %d-%d rows "
                     "use F.linear", str(e).splitlines()[0] if str(e) else type(e).__name__, MM_ROWS + 1, MAX_ROWS)
         return None
+
+
+def _load(name: str, openmp: list[str]):
+    from torch.utils.cpp_extension import load
+
+    from specdec.models import cache_root
+
+    flags, ns = VARIANTS[name]
+    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join([name, *flags, *openmp]).encode()
+                         ).hexdigest()[:16]
+    build = cache_root() / "torch_extensions" / f"packed_linear-{key}"
+    build.mkdir(parents=True, exist_ok=True)
+    if not any(build.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
+        print(f"specdec: building the CPU kernel ({name}, once, ~20 s) ...", file=sys.stderr, flush=True)
+    load(name=f"specdec_packed_linear_{key}", sources=[str(_SOURCE)], build_directory=str(build),
+         extra_cflags=["-O3", *flags, *openmp, f"-DSPECDEC_OPS={ns}"], extra_ldflags=openmp,
+         is_python_module=False, verbose=False)
+    return getattr(torch.ops, ns)
 
 
 # 0 outside any skinny_linears block: there a direct caller that follows it (fastpath) takes torch's

@@ -214,3 +214,19 @@ def test_the_kernel_runs_on_torchs_thread_pool(name, monkeypatch):
             torch.testing.assert_close(kernels._packed_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_a_compiler_without_openmp_still_builds_a_one_thread_kernel(monkeypatch, caplog):
+    """If the OpenMP build fails, the kernel is built for one thread (the self-check then weighs it like
+    any route) and a warning says so; a variant of its own, so it does not clash with the loaded ops."""
+    monkeypatch.setattr(kernels, "_OPENMP", ["-fno-such-openmp-flag"])  # the compiler rejects it
+    monkeypatch.setitem(kernels.VARIANTS, "one-thread-test",
+                        (kernels.VARIANTS["native"][0], "specdec_kernels_one_thread_test"))
+    with caplog.at_level("WARNING", logger="specdec.kernels"):
+        ops = kernels._build("one-thread-test")
+    if ops is None:
+        pytest.skip("no compiler: the kernel is not built here")
+    assert not ops.parallel() and "did not build with OpenMP" in caplog.text
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(50, 24, generator=g), torch.randn(7, 24, generator=g)
+    torch.testing.assert_close(ops.linear(x, ops.pack(w), 50), F.linear(x, w), rtol=1e-5, atol=1e-5)
