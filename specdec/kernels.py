@@ -121,12 +121,16 @@ def _build(name: str):
             return _load(name, _OPENMP)
         except Exception as e:  # noqa: BLE001
             log.warning("specdec: the packed linear kernel did not build with OpenMP (%s); building it "
-                        "for one thread", str(e).splitlines()[0] if str(e) else type(e).__name__)
+                        "for one thread", _first_line(e))
             return _load(name, [])
     except Exception as e:  # no compiler, no ninja, an unknown -march: torch's path still works
         log.warning("specdec: the packed linear kernel could not be built (%s); blocks of %d-%d rows "
-                    "use F.linear", str(e).splitlines()[0] if str(e) else type(e).__name__, MM_ROWS + 1, MAX_ROWS)
+                    "use F.linear", _first_line(e), MM_ROWS + 1, MAX_ROWS)
         return None
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else type(e).__name__
 
 
 def _load(name: str, openmp: list[str]):
