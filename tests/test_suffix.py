@@ -330,6 +330,15 @@ def test_a_replay_prices_each_step_by_the_verify_curve():
     assert _ranges("all", 3) == [0, 1, 2] and _ranges("1-2,5", 9) == [1, 2, 5]
 
 
+@pytest.mark.parametrize("curve", ["1:1,8", "a:1", "0:1", "1:0"])
+def test_a_malformed_verify_curve_is_named(curve, capsys):
+    from specdec.bench.replay import main
+
+    with pytest.raises(SystemExit):
+        main(["--verify-curve", curve])
+    assert "--verify-curve" in capsys.readouterr().err
+
+
 def test_bench_repeat_pass_two_drafts_from_remembered_answers(target, tmp_path):
     from specdec.bench.generation import Method, run_bench, specdec_method
     from specdec.questions import Question

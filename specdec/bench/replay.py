@@ -127,7 +127,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     curve = None
     if args.verify_curve:
-        curve = {int(r): float(c) for r, c in (part.split(":") for part in args.verify_curve.split(","))}
+        try:
+            curve = {int(r): float(c) for r, c in (part.split(":") for part in args.verify_curve.split(","))}
+        except ValueError:
+            p.error(f"--verify-curve: ROWS:COST pairs, comma-separated, e.g. 1:1,8:1.28 (got {args.verify_curve!r})")
+        if not curve or min(curve) < 1 or min(curve.values()) <= 0:
+            p.error(f"--verify-curve: rows >= 1 and costs > 0 (got {args.verify_curve!r})")
     docs = read_token_jsonl(args.answers)
     held = _ranges(args.held_out, len(docs))
     held_prompts = {docs[i].ids[: docs[i].prompt_len] for i in held}
