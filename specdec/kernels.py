@@ -190,7 +190,7 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 3, vocab: i
     lm_head at 6.4 ms against MKL's 2.3 ms (``W @ x^T``) on a Zen 4: hence the wide one.
     They are cycled so no call finds its weight cached by the previous one; rounds alternate the
     routes, and each keeps its fastest round (noise only ever adds time: a median let one busy moment
-    at process start send 1-row steps down F.linear for a whole benchmark run). ~1.5 s. A route that
+    at process start send 1-row steps down F.linear for a whole benchmark run). ~1.5-2 s. A route that
     is slower than torch's own for a size is never used for it: that is the guard against a kernel
     shape that suits another CPU (see the module doc).
     """
@@ -210,18 +210,9 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 3, vocab: i
             packed(w)
         fns["packed"] = _packed_linear
     best: dict[str, list[float]] = {r: [] for r in fns}
-    with torch.inference_mode():
-        for m in range(1, MAX_ROWS + 1):
-            x = torch.randn(m, features[1], generator=g)
-            times: dict[str, list[float]] = {r: [] for r in fns}
-            for _ in range(rounds):
-                for r, fn in fns.items():
-                    t = time.perf_counter()
-                    for w in ws:
-                        fn(x, w)
-                    times[r].append(time.perf_counter() - t)
-            for r in fns:
-                best[r].append(min(times[r]))
+    for m in range(1, MAX_ROWS + 1):
+        for r, t in _fastest_rounds(fns, torch.randn(m, K, generator=g), ws, rounds).items():
+            best[r].append(t)
     _routes = fastest_routes(best)
     _calibrate_chunks(ws, g, rounds)
     log.info("specdec kernels: routes per block size 1..%d: %s; %d-%d rows in chunks: %s",
@@ -233,21 +224,28 @@ def _calibrate_chunks(ws: list[torch.Tensor], g: torch.Generator, rounds: int) -
     """Chunks past MAX_ROWS only where they beat F.linear: timed over twice MAX_ROWS rows, fastest
     round of each (the same guard as the routes')."""
     global _chunked
+
+    def in_chunks(x: torch.Tensor, w: torch.Tensor) -> bool | None:
+        return None if any(_route(x[a:b], w) is None for a, b in chunks(len(x))) else True
+
     x = torch.randn(2 * MAX_ROWS, ws[0].shape[1], generator=g)
-    times = {"linear": [], "chunks": []}
+    times = _fastest_rounds({"linear": lambda x, w: F.linear(x, w), "chunks": in_chunks}, x, ws, rounds)
+    _chunked = times["chunks"] < times["linear"]
+
+
+def _fastest_rounds(fns: dict, x: torch.Tensor, ws: list[torch.Tensor], rounds: int) -> dict[str, float]:
+    """Seconds of each ``fns[route](x, w)`` over all of ``ws``, its fastest of ``rounds`` rounds, the
+    routes alternating within each round; inf for a route that returned None (not available)."""
+    times: dict[str, list[float]] = {r: [] for r in fns}
     with torch.inference_mode():
         for _ in range(rounds):
-            for r in times:
+            for r, fn in fns.items():
                 t = time.perf_counter()
-                for w in ws:
-                    if r == "linear":
-                        F.linear(x, w)
-                    elif any(_route(x[a:b], w) is None for a, b in chunks(len(x))):
-                        times[r].append(float("inf"))
-                        break
+                if any(fn(x, w) is None for w in ws):
+                    times[r].append(float("inf"))
                 else:
                     times[r].append(time.perf_counter() - t)
-    _chunked = min(times["chunks"]) < min(times["linear"])
+    return {r: min(ts) for r, ts in times.items()}
 
 
 def chunking() -> bool:

@@ -136,10 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     docs = read_token_jsonl(args.answers)
     held = _ranges(args.held_out, len(docs))
     held_prompts = {docs[i].ids[: docs[i].prompt_len] for i in held}
-    if args.corpus:
-        corpus = SuffixCorpus(d for d in read_token_jsonl(args.corpus) if d.ids[: d.prompt_len] not in held_prompts)
-    else:  # the corpus leaves out every conversation with a held-out prompt (sampled answers to it too)
-        corpus = SuffixCorpus(d for d in docs if d.ids[: d.prompt_len] not in held_prompts)
+    # the corpus leaves out every conversation with a held-out prompt (sampled answers to it too)
+    source = read_token_jsonl(args.corpus) if args.corpus else docs
+    corpus = SuffixCorpus(d for d in source if d.ids[: d.prompt_len] not in held_prompts)
     drafters = {"suffix": lambda: SuffixDrafter(), "suffix-corpus": lambda: SuffixDrafter(corpus=corpus),
                 "prompt-lookup": lambda: PromptLookupDrafter()}
     for name, make in drafters.items():
