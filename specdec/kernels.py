@@ -7,7 +7,7 @@ how fast the weights stream from memory. On this project's machines (torch's MKL
 - 1-4 rows: ``torch.mm(W, x.T)``, MKL's GEMM with the rows as 2-4 right-hand columns (an odd count
   padded with a zero row: one row alone would take MKL's GEMV again), 20-30 GB/s;
 - 5-16 rows: ``specdec/csrc/packed_linear.cpp``, a kernel over a copy of the weight packed in panels
-  of 8 (AVX2) or 16 (AVX-512) output features (built on first use with torch's C++ extension tools
+  of 8 (AVX2) or 16 (AVX-512; two shapes: one panel or two at a time) output features (built on first use with torch's C++ extension tools
   and ``-march=native``; the packed copy is made when ``skinny_linears`` routes the module, or at a
   direct caller's first block, and kept while the weight lives: the model's fp32 weights once more
   in memory). Without a compiler these blocks take ``F.linear`` (a warning says so).
@@ -15,10 +15,11 @@ how fast the weights stream from memory. On this project's machines (torch's MKL
 What the kernel assumes: an x86-64 or other GCC/Clang target with vector extensions (AVX-512 gets
 16-float panels, anything else 8-float panels sized for AVX2's 16 registers), fp32 weights on CPU.
 Because machines differ (the AVX-512 shape was 8-15x slower than torch on an AVX2-only CPU), the
-routes are not trusted blindly: ``calibrate()`` times F.linear, ``W @ x^T`` and the kernel once per
-process for each block size 1..16 on weights shaped like a decoder layer's, and every size takes
-its fastest route (``routes()``); ``SpecDecoder`` calibrates before its first generation. Until
-then (or with ``SPECDEC_KERNEL_CALIBRATE=0``) sizes 1-4 take ``W @ x^T`` and 5-16 the kernel.
+routes are not trusted blindly: ``calibrate()`` times F.linear, ``W @ x^T`` and the kernel (each
+of its shapes) once per process for each block size 1..16 on weights shaped like a decoder layer's,
+and every size takes its fastest route (``routes()``); ``SpecDecoder`` calibrates before its first
+generation. Until then (or with ``SPECDEC_KERNEL_CALIBRATE=0``) sizes 1-4 take ``W @ x^T`` and
+5-16 the kernel.
 ``SPECDEC_KERNEL=avx2`` builds and uses the AVX2 shape (``-march=x86-64-v3``) even on an AVX-512
 machine (to measure it); ``SPECDEC_KERNEL=off`` keeps torch's paths.
 
@@ -37,7 +38,11 @@ the kernel was built without OpenMP, so it ran on one thread, and it prefetched 
 a Xeon (Sapphire Rapids class, KVM; MKL's F.linear streams at ~45 GB/s there for one row) it lost to
 F.linear at every block size. Built with OpenMP and prefetching into L2, the default model's
 linears there, F.linear / kernel, ms: 1 row 20.7 / 20.6, 4 rows 37.4 / 21.5, 8 rows 48.5 / 24.6,
-16 rows 48.9 / 31.2.)
+16 rows 48.9 / 31.2. AVX-512 builds now hold a second, wide shape (two panels side by side for 3-12
+rows, 13-16 rows in two passes), a route of its own that the self-check weighs per block size like
+the others: on that Xeon the linears, narrow / wide, ms: 8 rows 26.3 / 23.7, 12 rows 31.2 / 25.9, 16
+rows 31.2 / 29.6; a whole decoder step at 200 tokens of context 30.7 / 28.4 ms at 1 row, 38.1 / 35.7
+at 8, 44.3 / 39.2 at 12, 48.1 / 46.1 at 16.)
 
 Same products, another summation order: results agree with F.linear to fp32 rounding, as a
 batched forward already differs from one row at a time. Only plain ``nn.Linear`` modules (and
@@ -80,7 +85,8 @@ VARIANTS = {"native": (["-march=native"], "specdec_kernels"),
 # (one core streaming the weights: 5 GB/s on a Xeon, 23 ms for the lm_head against F.linear's 2.5 ms).
 # The loader resolves libgomp.so.1 to the copy torch already loaded, so the kernel shares torch's pool.
 _OPENMP = ["-fopenmp"]
-ROUTES = ("linear", "mm", "packed")  # F.linear, W @ x^T, the packed kernel
+# F.linear, W @ x^T, the packed kernel, and its wide shape (AVX-512 builds: two panels side by side)
+ROUTES = ("linear", "mm", "packed", "wide")
 log = logging.getLogger(__name__)
 
 
@@ -209,6 +215,8 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 3, vocab: i
         for w in ws:
             packed(w)
         fns["packed"] = _packed_linear
+        if ops.has_wide():
+            fns["wide"] = partial(_packed_linear, wide=True)
     best: dict[str, list[float]] = {r: [] for r in fns}
     for m in range(1, MAX_ROWS + 1):
         for r, t in _fastest_rounds(fns, torch.randn(m, K, generator=g), ws, rounds).items():
@@ -274,10 +282,11 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
     return p
 
 
-def _packed_linear(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
-    """[M, K] x [N, K]^T -> [M, N] for 1 <= M <= 16 through the packed kernel; None without it."""
+def _packed_linear(x2: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> torch.Tensor | None:
+    """[M, K] x [N, K]^T -> [M, N] for 1 <= M <= 16 through the packed kernel (its wide shape if
+    ``wide``, where the build has one); None without it."""
     wp = packed(weight)
-    return None if wp is None else extension().linear(x2, wp, weight.shape[0])
+    return None if wp is None else extension().linear(x2, wp, weight.shape[0], wide)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -320,7 +329,7 @@ def _route(x2: torch.Tensor, weight: torch.Tensor, route: str | None = None) -> 
     route = route or routes()[x2.shape[0] - 1]
     if route == "mm":
         return _skinny(x2, weight)
-    return _packed_linear(x2, weight) if route == "packed" else None
+    return _packed_linear(x2, weight, route == "wide") if route in ("packed", "wide") else None
 
 
 def _forward(module: nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
@@ -337,7 +346,7 @@ def prepare() -> None:
 def prepack(weights, max_rows: int = MAX_ROWS) -> None:
     """Pack fp32 CPU weights for the kernel now, if some block size up to max_rows routes to it (a
     direct caller of ``linear`` would otherwise pack at its first block, inside a timed step)."""
-    if "packed" in routes()[:max_rows]:
+    if {"packed", "wide"} & set(routes()[:max_rows]):
         for w in weights:
             if w.dtype == torch.float32 and w.device.type == "cpu":
                 packed(w)

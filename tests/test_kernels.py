@@ -37,9 +37,9 @@ def _count(monkeypatch):
         calls["mm"] += 1
         return real_mm(x, w)
 
-    def packed(x, w):
+    def packed(x, w, wide=False):
         calls["packed"] += 1
-        return real_packed(x, w)
+        return real_packed(x, w, wide)
 
     monkeypatch.setattr(kernels, "_skinny", mm)
     monkeypatch.setattr(kernels, "_packed_linear", packed)
@@ -95,6 +95,24 @@ def test_without_the_kernel_five_rows_and_more_take_f_linear(monkeypatch):
     torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=0, atol=0)  # F.linear itself
 
 
+@pytest.mark.parametrize("route", ["packed", "wide"])
+def test_each_kernel_shape_agrees_with_f_linear_at_every_block_size(route, monkeypatch):
+    """The narrow shape (one panel, up to 16 rows a pass) and the wide one (two panels side by side
+    for 3-12 rows, 13-16 rows in two passes; AVX-512 builds, the narrow one elsewhere), taken through
+    ``linear`` when the routes say so: output widths that leave a lone panel in a strip, odd
+    feature counts, every block size 1-16 and chunks past it."""
+    if kernels.extension() is None:
+        pytest.skip("no compiler: the kernel is not built here")
+    monkeypatch.setattr(kernels, "_routes", (route,) * kernels.MAX_ROWS)
+    monkeypatch.setattr(kernels, "_chunked", True)
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((97, 40), (80, 7), (33, 64), (16, 1)):
+        w = torch.randn(n, k, generator=g)
+        for rows in [*range(1, 17), 29]:
+            x = torch.randn(rows, k, generator=g)
+            torch.testing.assert_close(kernels.linear(x, w, max_rows=32), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_a_packed_weight_is_reused_until_the_weight_changes():
     g = torch.Generator().manual_seed(1)
     w, x = torch.randn(40, 16, generator=g), torch.randn(6, 16, generator=g)
@@ -147,7 +165,7 @@ def test_fp32_lossless_through_the_kernels(seed, drafter, draft, monkeypatch):
 
 def test_skinny_rows_zero_keeps_torch_path(target, monkeypatch):
     monkeypatch.setattr(kernels, "_skinny", lambda x, w: pytest.fail("mm route used with skinny_rows=0"))
-    monkeypatch.setattr(kernels, "_packed_linear", lambda x, w: pytest.fail("packed kernel used with skinny_rows=0"))
+    monkeypatch.setattr(kernels, "_packed_linear", lambda x, w, wide=False: pytest.fail("packed kernel used with skinny_rows=0"))
     monkeypatch.setattr(kernels, "packed", lambda w: pytest.fail("weights packed with skinny_rows=0"))
     model = tiny_llama(4, dtype=torch.float32)
     ids = torch.tensor([[3, 1, 4, 1, 5]])

@@ -7,14 +7,22 @@
 // inner loop reads one vector of weights per input feature and multiplies it with a broadcast of each
 // row's input, accumulators in registers, no horizontal sums; R panels at a time share each broadcast.
 //
-// Two shapes, picked at compile time by what the compiler targets (specdec/kernels.py builds with
+// Shapes, picked at compile time by what the compiler targets (specdec/kernels.py builds with
 // -march=native, or -march=x86-64-v3 for the AVX2 variant):
-//   AVX-512 (32 vector registers): L = 16, all M rows in one pass over one panel at a time.
+//   AVX-512 (32 vector registers): L = 16, and two shapes, both in the build, picked per call
+//     (``wide``; specdec/kernels.py times both once per process and keeps the faster per block size):
+//     narrow: all M <= 16 rows in one pass over one panel at a time (tuned on a Zen 4);
+//     wide: 3-12 rows over two panels side by side (one broadcast of each input feeds two FMAs:
+//       2M + 2 + 1 <= 27 registers), 13-16 rows as two balanced passes of <= 8 (16 rows over two
+//       panels would need 35 registers). On a Xeon (Sapphire Rapids class) the default model's
+//       linears, narrow / wide: 8 rows 25.0 / 21.6 ms, 12 rows 28.1 / 22.7, 16 rows 30.2 / 28.9;
+//       in L2, 16 rows ran at 250 / 310 GFLOPS of the two cores' ~320 (2026-11-25).
 //   otherwise (AVX2: 16 registers):  L = 8, rows in balanced chunks of <= 8, R * chunk <= 12
 //     accumulators + R weight vectors + 1 broadcast <= 16 registers, so nothing spills (7-8 rows:
 //     one panel at a time in one pass beat two passes of 4 rows by 1.3-1.6x on a Zen 3). A 16-float
 //     vector with up to 64 accumulators on AVX2 spilled every FMA: 8-15x slower than torch there.
-//     The chunks of one strip of panels re-read its weights from L1/L2, not from memory.
+//     ``wide`` is ignored.
+//   The passes of one strip of panels re-read its weights from L1/L2, not from memory.
 // The vectors are GCC vector extensions; threads are torch's own pool (at::parallel_for over strips
 // of panels; built with -fopenmp, and the loader gives it the libgomp torch already loaded). Built
 // on first use by torch.utils.cpp_extension, with a fallback to torch when no compiler is there; specdec/kernels.py also times it against torch once per process and keeps
@@ -33,13 +41,15 @@
 namespace {
 
 #if defined(__AVX512F__)
-constexpr int kLanes = 16;    // floats per vector register = output features per panel
-constexpr int kMaxChunk = 16;  // rows per pass over the weights
+constexpr int kLanes = 16;  // floats per vector register = output features per panel
+constexpr bool kWide = true;  // the wide shape exists
 #else
 constexpr int kLanes = 8;
-constexpr int kMaxChunk = 8;
+constexpr bool kWide = false;
 #endif
-constexpr int64_t kStrip = 4;  // panels per parallel work item (AVX2: 4 x K x 8 floats, L2-resident)
+// rows per pass over the weights, and panels per parallel work item (AVX2: 4 x K x 8 floats)
+constexpr int kMaxChunk[2] = {kLanes == 16 ? 16 : 8, kLanes == 16 ? 12 : 8};  // [narrow, wide]
+constexpr int64_t kStrip[2] = {4, kLanes == 16 ? 2 : 4};
 #if defined(__AVX512F__)
 constexpr int64_t kPrefetch = 128;  // vectors ahead in the panel (measured: 64 was 14-20% slower)
 #else
@@ -67,14 +77,14 @@ inline void store(float* p, vec v, int n) {
 }
 
 // Panels side by side for a chunk of M rows: R * M accumulators stay in registers.
-// AVX-512: one panel, its weights prefetched kPrefetch vectors (8 KB) ahead, streams at memory speed
-// for every M: the linears of the default model (30 layers + lm_head, cold, 2 threads, Zen 4) took
-// 14.3-14.8 ms for 1-8 rows and 21.1 ms for 16, where 2-4 panels with 4 KB prefetch took 15.8-17.5
-// and 24.7 ms (MKL's W @ x^T: 14.4-15.8 ms for 1-4 rows, 30.4 for 8).
-template <int M>
+// AVX-512 narrow: one panel, its weights prefetched kPrefetch vectors (8 KB) ahead, streamed at memory
+// speed for every M on a Zen 4: the linears of the default model (30 layers + lm_head, cold, 2
+// threads) took 14.3-14.8 ms for 1-8 rows and 21.1 ms for 16, where 2-4 panels with 4 KB prefetch took
+// 15.8-17.5 and 24.7 ms (MKL's W @ x^T: 14.4-15.8 ms for 1-4 rows, 30.4 for 8). Wide: see the top.
+template <int M, bool Wide>
 constexpr int panels_at_once() {
 #if defined(__AVX512F__)
-  return 1;
+  return Wide && M >= 3 ? 2 : 1;
 #else
   return M <= 3 ? 4 : M <= 4 ? 3 : M <= 6 ? 2 : 1;
 #endif
@@ -117,9 +127,9 @@ void chunk(const float* x, const float* wp, float* y, int64_t K, int64_t N, int6
 }
 
 using ChunkFn = void (*)(const float*, const float*, float*, int64_t, int64_t, int64_t, int64_t);
-template <int... Ms>
+template <bool Wide, int... Ms>
 ChunkFn pick(int m, std::integer_sequence<int, Ms...>) {
-  static constexpr ChunkFn fns[] = {chunk<Ms + 1, panels_at_once<Ms + 1>()>...};
+  static constexpr ChunkFn fns[] = {chunk<Ms + 1, panels_at_once<Ms + 1, Wide>()>...};
   return fns[m - 1];
 }
 
@@ -131,7 +141,7 @@ at::Tensor pack(const at::Tensor& w) {
   return padded.view({P, kLanes, K}).transpose(1, 2).contiguous();  // [P, K, L]
 }
 
-at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
+at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool wide) {
   TORCH_CHECK(x.dim() == 2 && wp.dim() == 3 && wp.size(2) == kLanes, "linear: x [M, K], packed w [P, K, ", kLanes, "]");
   TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat, "linear: float32 only");
   const int64_t M = x.size(0), K = x.size(1);
@@ -143,16 +153,18 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
   const float* xp = xc.data_ptr<float>();
   const float* w = wp.data_ptr<float>();
   float* yp = y.data_ptr<float>();
-  const int64_t P = wp.size(0), strips = (P + kStrip - 1) / kStrip;
-  const int chunks = static_cast<int>((M + kMaxChunk - 1) / kMaxChunk);
+  const int shape = wide && kWide ? 1 : 0;
+  const int64_t P = wp.size(0), strip = kStrip[shape], strips = (P + strip - 1) / strip;
+  const int chunks = static_cast<int>((M + kMaxChunk[shape] - 1) / kMaxChunk[shape]);
   at::parallel_for(0, strips, 1, [&](int64_t s0, int64_t s1) {
     for (int64_t s = s0; s < s1; ++s) {
-      const int64_t p0 = s * kStrip, p1 = std::min(P, p0 + kStrip);
+      const int64_t p0 = s * strip, p1 = std::min(P, p0 + strip);
       int64_t m0 = 0;
       for (int c = 0; c < chunks; ++c) {  // balanced chunks: 12 rows on AVX2 -> 6 + 6, 16 -> 8 + 8
-        const int64_t mc = (M - m0) / (chunks - c);
-        pick(static_cast<int>(mc), std::make_integer_sequence<int, kMaxChunk>{})(
-            xp + m0 * K, w, yp + m0 * N, K, N, p0, p1);
+        const int mc = static_cast<int>((M - m0) / (chunks - c));
+        const ChunkFn fn = shape ? pick<kWide>(mc, std::make_integer_sequence<int, kMaxChunk[0]>{})
+                                 : pick<false>(mc, std::make_integer_sequence<int, kMaxChunk[0]>{});
+        fn(xp + m0 * K, w, yp + m0 * N, K, N, p0, p1);
         m0 += mc;
       }
     }
@@ -161,6 +173,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N) {
 }
 
 int64_t lanes() { return kLanes; }
+
+bool has_wide() { return kWide; }
 
 // Whether at::parallel_for runs on torch's thread pool here: it is inlined, and without -fopenmp it
 // runs every strip on the calling thread (the kernel then streamed at one core's bandwidth).
@@ -179,9 +193,10 @@ bool parallel() {
 #define SPECDEC_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 SPECDEC_LIBRARY(SPECDEC_OPS, m) {
   m.def("pack(Tensor w) -> Tensor");
-  m.def("linear(Tensor x, Tensor wp, int n) -> Tensor");
+  m.def("linear(Tensor x, Tensor wp, int n, bool wide=False) -> Tensor");
   m.def("lanes() -> int", &lanes);  // L: the packing's panel width, for tests and bench-verify
   m.def("parallel() -> bool", &parallel);
+  m.def("has_wide() -> bool", &has_wide);  // whether ``wide`` picks another shape (AVX-512 builds)
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
   m.impl("pack", &pack);
