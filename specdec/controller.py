@@ -39,7 +39,9 @@ relative to a step, fewer where it is not).
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
 are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
-rule then stops drafting when B x (1 + k) rows cost more than the accepted tokens win. BASS's own
+rule then stops drafting when B x (1 + k) rows cost more than the accepted tokens win; the tokens a
+draft wins are counted per row of the batch, from the measured share of rows that get a draft in the
+class (``_per_row``). BASS's own
 schedule (``DraftLengthConfig.bass()``: start at 7, +2 up to 32, shrink by ceil(l / 10) plus one per
 consecutive shrink, never below the step's best accepted count) is a selectable policy without the
 cost gate, as in the paper.
@@ -115,7 +117,7 @@ class _ClassState:
     """What the controller has learned about one draft class."""
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
-                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed")
+                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed", "row_share")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
@@ -142,6 +144,10 @@ class _ClassState:
         self.probe_length = 1  # a chain probe's length at batch 1: +step_up after one taken whole
         self.whole = 0  # the length of the last draft if it was taken whole (every row), else 0
         self.shadowed = False  # this run scores unverified drafts of the class (observe_shadow)
+        # at a batch: the running share of rows that got a draft in this class's drafting steps (prompt
+        # lookup's class is the longest match over the rows; the rows without one draft nothing and
+        # still pay for the others' verify rows); None until a batch drafted in the class
+        self.row_share: float | None = None
 
 
 class DraftLengthController:
@@ -170,8 +176,11 @@ class DraftLengthController:
             # a new text: the measured gain weighs as min_samples - 1 steps, so each class drafts at
             # least once in this answer and its first steps here move the gain a third, a quarter, ...
             # (a gain carried at full weight from an answer where EAGLE lost kept its gate shut
-            # through a qa answer where it won 25%)
-            st.gain_samples = min(st.gain_samples, self.config.min_samples - 1)
+            # through a qa answer where it won 25%). Not at a batch: there a retry verifies B rows per
+            # drafted token and EAGLE's first draft feeds B prompts through its head (0.2-0.5 s at B = 8,
+            # 4-8 plain steps, in every run); probes, a token per row, re-measure a class there
+            if batch_size == 1:
+                st.gain_samples = min(st.gain_samples, self.config.min_samples - 1)
 
     def set_batch(self, batch_size: int) -> None:
         """The live batch size changed (sequences finished): verify costs are that batch's own."""
@@ -266,8 +275,17 @@ class DraftLengthController:
         k_max = min(k_max, self.explored())
         # MagicDec's estimate (T_target = t(1), T_verify(k) = t(1 + k), T_draft = draft_cost(k)) with
         # the acceptance per depth in place of one alpha: a chain is a tree of one rank (Sequoia)
-        return sequoia.best_budget(sequoia.chain_values(st.positions.chain(k_max)),
+        return sequoia.best_budget(self._per_row(sequoia.chain_values(st.positions.chain(k_max)), st),
                                    lambda q: self.cost_ratio(q) * t1, lambda k: self.draft_cost(k, key))
+
+    def _per_row(self, values: list[float], st: _ClassState) -> list[float]:
+        """Expected accepted tokens per row of the live batch, from the values of a row that drafts:
+        scaled by the class's measured share of rows that draft (1 at batch 1). The acceptance table
+        counts only rows that drafted, so at B = 8 a 3-gram class whose match covered half the rows
+        was priced as if every row would gain from a longer draft: prompt lookup's controller ran 5%
+        behind a fixed one-token draft, and ``auto`` 11% (the Xeon, 2026-11-25)."""
+        share = st.row_share if self.batch_size > 1 and st.row_share is not None else 1.0
+        return values if share >= 1.0 else [v * share for v in values]
 
     def budget(self, key: Hashable = None) -> int:
         """Tokens to draft next, for a draft of class ``key``."""
@@ -388,8 +406,8 @@ class DraftLengthController:
         if st.values is None or st.positions.observed % self.config.retree_every == 0:
             st.values = sequoia.best_trees(sequoia.one_step_beyond(st.positions.table()), 32)[0]
         t1 = self.step_time[1]
-        return sequoia.best_budget(st.values[: min(cap, self.explored()) + 1], lambda q: self.cost_ratio(q) * t1,
-                                   lambda k: self.draft_cost(k, key))
+        return sequoia.best_budget(self._per_row(st.values[: min(cap, self.explored()) + 1], st),
+                                   lambda q: self.cost_ratio(q) * t1, lambda k: self.draft_cost(k, key))
 
     def shadow_size(self, cap: int, key: Hashable = None, tree: bool = False) -> int:
         """Nodes class ``key`` would draft now if it were chosen (its length rule, or Sequoia's budget
@@ -492,6 +510,9 @@ class DraftLengthController:
             n = max(num_drafted)
             st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, c.decay)
         st.skipped = 0
+        if len(num_drafted) > 1:
+            share = sum(d > 0 for d in num_drafted) / len(num_drafted)
+            st.row_share = share if st.row_share is None else c.decay * st.row_share + (1 - c.decay) * share
         t1 = self.step_time.get(1)
         if verify_time is not None and draft_time is not None and t1:
             # per sequence: tokens this step yielded over its seconds in units of a plain step (which

@@ -448,6 +448,42 @@ def test_a_new_draft_class_at_a_batch_starts_with_a_one_token_probe():
     assert c.tree_budget(16, key="tree") == 16  # batch 1: the drafter's own size
 
 
+def test_at_a_batch_the_length_rule_counts_only_the_rows_that_draft():
+    """Batch 8: a class whose draft covers 2 of 8 rows, every drafted token accepted. Per drafting row
+    a 3-token chain yields 4 tokens, but per row of the batch 1 + 3 x 2/8 = 1.75 in the 4-row step's
+    1.6 plain steps: a one-token draft (1 + 2/8 = 1.25 in 1.1 steps) is the best, where the
+    drafting rows alone would have priced 3 tokens (4 / 1.6 = 2.5 against 2 / 1.1). At batch 1 the
+    share does not apply."""
+    c = _cost_aware(initial=3, maximum=3)
+    c.set_batch(8)
+    for q, t in ((1, 1.0), (2, 1.1), (3, 1.35), (4, 1.6)):
+        c.update([q - 1] * 8, [0] * 8, verify_time=t)  # the batch's verify times per block size
+    c.classes.clear()
+    for _ in range(4):
+        _chain_step(c, [3, 3, 0, 0, 0, 0, 0, 0], [3, 3, 0, 0, 0, 0, 0, 0], verify_time=1.6, draft_time=0.0)
+    st = c.state()
+    assert st.row_share == pytest.approx(0.25) and st.alpha == 1.0
+    assert c.best_length(3) == 1
+    st.row_share = None  # as before the share was measured: every row counted as drafting
+    assert c.best_length(3) == 3
+
+
+def test_a_new_run_at_a_batch_keeps_measured_classes_measured():
+    """At batch 1 a new answer re-tries every class (its gain weighs min_samples - 1 steps); at a batch
+    a retry verifies B rows per drafted token (EAGLE's first draft also feeds B prompts through its
+    head), so a class measured as not paying stays judged and only its probes re-measure it."""
+    c = _cost_aware(explore_every=3)
+    c.set_batch(8)
+    c.update([0] * 8, [0] * 8, verify_time=1.0)
+    for _ in range(c.config.min_samples):
+        _chain_step(c, [1] * 8, [0] * 8, verify_time=2.0, draft_time=0.0, key="k")
+    c.new_run(8)
+    assert c.state("k").gain_samples == c.config.min_samples
+    assert c.choose(["k"], lambda k: c.budget(k)) == (None, 0)  # not paying, not fresh: no draft
+    c.new_run(1)
+    assert c.state("k").gain_samples == c.config.min_samples - 1  # batch 1: tried again
+
+
 def test_bass_schedule_on_a_scripted_acceptance_trace():
     """BASS as published: l0 = 7, +2 after a step where some sequence took its whole draft, else cut
     ceil(l / 10) plus one per consecutive cut, never below the step's best accepted count; cap 32."""
