@@ -38,7 +38,7 @@ tokens per second given the verify times of this batch size (more nodes where a 
 relative to a step, fewer where it is not).
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
-are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
+and each class's measured gain are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
 rule then stops drafting when B x (1 + k) rows cost more than the accepted tokens win; the tokens a
 draft wins are counted per row of the batch, from the measured share of rows that get a draft in the
 class (``_per_row``). BASS's own
@@ -117,7 +117,7 @@ class _ClassState:
     """What the controller has learned about one draft class."""
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
-                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed", "row_share")
+                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed", "row_share", "catch_up", "gains")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
@@ -126,6 +126,8 @@ class _ClassState:
         # sequence it yields over its draft + verify seconds in plain-step units; None until measured
         self.gain: float | None = None
         self.gain_samples = 0  # drafting steps measured: their plain mean until the EMA's memory is reached
+        # (gain, gain_samples) of the other batch sizes: the two above are the live batch's (set_batch)
+        self.gains: dict[int, tuple[float | None, int]] = {}
         self.length = config.initial  # BASS draft length
         self.skipped = 0  # steps gated off since the last draft
         self.interval = config.explore_every  # steps between probes; doubles while probes fail
@@ -148,6 +150,9 @@ class _ClassState:
         # lookup's class is the longest match over the rows; the rows without one draft nothing and
         # still pay for the others' verify rows); None until a batch drafted in the class
         self.row_share: float | None = None
+        # running mean seconds the source spent catching up when it drafted after a pause (EAGLE's
+        # head feeding the prompt and the skipped tokens: ~0.2 s at B = 8): part of a probe's cost
+        self.catch_up = 0.0
 
 
 class DraftLengthController:
@@ -183,7 +188,20 @@ class DraftLengthController:
                 st.gain_samples = min(st.gain_samples, self.config.min_samples - 1)
 
     def set_batch(self, batch_size: int) -> None:
-        """The live batch size changed (sequences finished): verify costs are that batch's own."""
+        """The live batch size changed (sequences finished): verify costs are that batch's own, and so
+        is each class's measured gain; a batch size not measured yet starts from the nearest measured
+        one's. One gain for every size let the last steps of a batch-8 run, at 1-3 rows where a copy
+        pays, hold the gate open at 8 rows where the same drafts lost (gain 0.83-0.86: ``auto`` 7%
+        behind prompt lookup; the Xeon, 2026-11-25)."""
+        if batch_size < 1:
+            return  # every row finished: the next run sets its own
+        if batch_size != self.batch_size:
+            for st in self.classes.values():
+                st.gains[self.batch_size] = (st.gain, st.gain_samples)
+                measured = [b for b, (g, _) in st.gains.items() if g is not None]
+                near = min(measured, key=lambda b: (abs(math.log(b / batch_size)), -b), default=None)
+                st.gain, st.gain_samples = st.gains.get(batch_size) if batch_size in measured else \
+                    st.gains[near] if near is not None else (None, 0)
         self.step_time = self._step_times.setdefault(batch_size, {})
         self.batch_size = batch_size
 
@@ -469,13 +487,17 @@ class DraftLengthController:
 
     def _probe(self, st: _ClassState) -> bool:
         """While drafting is off: True once every ``interval`` steps, the interval doubling (to 8x), and
-        never more often than ``probe_share`` allows at the live batch's measured cost of a probe.
+        never more often than ``probe_share`` allows at the live batch's measured cost of a probe, its
+        source's catch-up after a pause included (EAGLE at B = 8: ~4 plain steps more, so its probes
+        come every ~250 steps, not every 60).
         Never for a class whose shadow drafts are scored this run: they keep its gain current for free
         (probes of the suffix drafter's 1-token matches were 7 drafts of 256 tokens, none accepted)."""
         if st.shadowed:
             return False
         st.skipped += 1
-        spacing = math.ceil(self.probe_cost() / self.config.probe_share - 1e-9)
+        t1 = self.step_time.get(1)
+        catch_up = st.catch_up / t1 if t1 else 0.0  # a probe after a pause pays the source's catch-up too
+        spacing = math.ceil((self.probe_cost() + catch_up) / self.config.probe_share - 1e-9)
         if st.skipped < max(st.interval, spacing):
             return False
         st.skipped = 0
@@ -485,11 +507,12 @@ class DraftLengthController:
 
     def update(self, num_drafted: list[int], num_accepted: list[int], verify_time: float | None = None,
                draft_time: float | None = None, key: Hashable = None, grew: bool = False,
-               resume: float = 0.0) -> None:
+               resume: float = 0.0, catch_up: float = 0.0) -> None:
         """After a verified step: per-sequence drafted and accepted counts, the step's verify and
-        draft seconds, the class of its draft, whether the step grew the target's store, and the
+        draft seconds, the class of its draft, whether the step grew the target's store, the
         seconds the drafter spent catching up after a pause (``Drafter.resume_seconds``: in the
-        step's gain, not in the draft size's price)."""
+        step's gain, not in the draft size's price), and all its catch-up seconds, the prompt's
+        too (``Drafter.catch_up_seconds``, not in ``draft_time``: the price of a probe, ``_probe``)."""
         c, st = self.config, self.state(key)
         probe, st.probing = st.probing, False
         q = 1 + max(num_drafted, default=0)
@@ -510,6 +533,8 @@ class DraftLengthController:
             n = max(num_drafted)
             st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, c.decay)
         st.skipped = 0
+        if catch_up > 0:
+            st.catch_up = c.decay * st.catch_up + (1 - c.decay) * catch_up if st.catch_up else catch_up
         if len(num_drafted) > 1:
             share = sum(d > 0 for d in num_drafted) / len(num_drafted)
             st.row_share = share if st.row_share is None else c.decay * st.row_share + (1 - c.decay) * share

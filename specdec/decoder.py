@@ -296,7 +296,7 @@ class SpecDecoder:
                 if self.drafter is not None else (0.0, 0.0)
             controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time,
                               max(0.0, stats.draft_time - catch_up), key,
-                              grew=cache.num_allocations != allocations, resume=resume)
+                              grew=cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
             if any(stats.num_drafted):
                 controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
                                         ver.accepted.tolist(), key)

@@ -436,6 +436,42 @@ def test_probes_are_spaced_by_what_a_probe_costs_at_the_batch():
     assert not any(c.budget() for _ in range(50))
 
 
+def test_probes_of_a_source_that_catches_up_are_spaced_by_its_catch_up_too():
+    """EAGLE at batch 8 feeds its head the prompt and the skipped text before a probe can draft: a
+    probe costs that catch-up (3.8 plain steps here) beside its 16-row verify (1.2 steps more), so at
+    probe_share = 2% probes come every 5 / 0.02 = 250 steps, not every 60."""
+    c = _cost_aware(explore_every=3)
+    c.set_batch(8)
+    c.update([0] * 8, [0] * 8, verify_time=1.0)
+    for _ in range(c.config.min_samples):
+        _chain_step(c, [1] * 8, [0] * 8, key="eagle", verify_time=2.2, draft_time=0.0, catch_up=3.8)
+    budgets = [c.budget("eagle") for _ in range(300)]
+    assert [i for i, b in enumerate(budgets) if b] == [249]
+
+
+def test_each_batch_size_has_its_own_measured_gain():
+    """A copy class that pays at batch 1 (3 tokens in 1.1 steps) and loses at batch 8 (1.25 tokens
+    per row in 1.6 steps): the gain measured at 8 rows closes the gate at 8 (and at 7, which starts
+    from 8's, its nearest), not at 1, where the class drafts again. One gain for all sizes let the
+    batch's last, small steps keep drafting open at 8 rows."""
+    c = _cost_aware(explore_every=3)
+    c.update([0], [0], verify_time=1.0)
+    for _ in range(c.config.min_samples):
+        _chain_step(c, [2], [2], key="copy", verify_time=1.1, draft_time=0.0)
+    assert c.state("copy").gain == pytest.approx(3 / 1.1)
+    c.set_batch(8)
+    c.update([0] * 8, [0] * 8, verify_time=1.0)
+    assert c.state("copy").gain == pytest.approx(3 / 1.1)  # no gain at 8 yet: batch 1's stands in
+    for _ in range(40):
+        _chain_step(c, [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], key="copy", verify_time=1.6,
+                    draft_time=0.0)
+    assert c.state("copy").gain < 1 and c.budget("copy") == 0
+    c.set_batch(7)
+    assert c.state("copy").gain < 1  # 7 rows start from 8's
+    c.set_batch(1)
+    assert c.state("copy").gain == pytest.approx(3 / 1.1) and c.budget("copy") > 0
+
+
 def test_a_new_draft_class_at_a_batch_starts_with_a_one_token_probe():
     c = _cost_aware()
     c.update([0], [0], verify_time=1.0)
