@@ -38,11 +38,10 @@ tokens per second given the verify times of this batch size (more nodes where a 
 relative to a step, fewer where it is not).
 
 At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch's own: step times
-and each class's measured gain are kept per batch size (``set_batch``; the live batch shrinks as sequences finish), and the same
-rule then stops drafting when B x (1 + k) rows cost more than the accepted tokens win; the tokens a
-draft wins are counted per row of the batch, from the measured share of rows that get a draft in the
-class (``_per_row``). BASS's own
-schedule (``DraftLengthConfig.bass()``: start at 7, +2 up to 32, shrink by ceil(l / 10) plus one per
+and each class's measured gain are kept per batch size (``set_batch``; the live batch shrinks as
+sequences finish), and the same rule then stops drafting when B x (1 + k) rows cost more than the
+accepted tokens win; the tokens a draft wins are counted per row of the batch, from the measured
+share of rows that get a draft in the class (``_per_row``). BASS's own schedule (``DraftLengthConfig.bass()``: start at 7, +2 up to 32, shrink by ceil(l / 10) plus one per
 consecutive shrink, never below the step's best accepted count) is a selectable policy without the
 cost gate, as in the paper.
 
@@ -117,7 +116,8 @@ class _ClassState:
     """What the controller has learned about one draft class."""
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
-                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed", "row_share", "catch_up", "gains")
+                 "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed",
+                 "row_share", "catch_up", "gains")
 
     def __init__(self, config: DraftLengthConfig) -> None:
         # per-token acceptance rate (accepted over judged drafts, a summary), None until measured
@@ -200,8 +200,7 @@ class DraftLengthController:
                 st.gains[self.batch_size] = (st.gain, st.gain_samples)
                 measured = [b for b, (g, _) in st.gains.items() if g is not None]
                 near = min(measured, key=lambda b: (abs(math.log(b / batch_size)), -b), default=None)
-                st.gain, st.gain_samples = st.gains.get(batch_size) if batch_size in measured else \
-                    st.gains[near] if near is not None else (None, 0)
+                st.gain, st.gain_samples = st.gains[near] if near is not None else (None, 0)
         self.step_time = self._step_times.setdefault(batch_size, {})
         self.batch_size = batch_size
 

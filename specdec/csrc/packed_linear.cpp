@@ -25,8 +25,9 @@
 //   The passes of one strip of panels re-read its weights from L1/L2, not from memory.
 // The vectors are GCC vector extensions; threads are torch's own pool (at::parallel_for over strips
 // of panels; built with -fopenmp, and the loader gives it the libgomp torch already loaded). Built
-// on first use by torch.utils.cpp_extension, with a fallback to torch when no compiler is there; specdec/kernels.py also times it against torch once per process and keeps
-// torch's path for any block size where this is slower.
+// on first use by torch.utils.cpp_extension, with a fallback to torch when no compiler is there;
+// specdec/kernels.py also times each shape against torch once per process and keeps torch's path for
+// any block size where the kernel is slower.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
