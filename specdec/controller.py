@@ -435,14 +435,16 @@ class DraftLengthController:
         k = self._tree_size(cap, key) if tree else self._chain_length(key)
         return max(1, min(k, cap))
 
-    def observe_shadow(self, parents: list[int], accepted: list[int], judged: int,
+    def observe_shadow(self, parents: list[list[int]], accepted: list[list[int]], judged: list[int],
                        draft_time: float | None = None, key: Hashable = None) -> None:
-        """A draft of class ``key`` that was made but not verified (batch 1, greedy), scored against
-        the ``judged`` tokens the target committed in the step (``tree.path_along``: exactly what
-        the verifier would have kept, as far as those tokens go; a path as long as them is cut there,
-        so the score errs low). Its acceptance enters the class's table and its would-be gain the
-        class's measured gain, priced at the verify time measured for its block size and its draft
-        time: (1 + accepted) / ((t(1 + n) + d(n)) / t(1)).
+        """A draft of class ``key`` that was made but not verified (greedy), per row of the batch: its
+        nodes' parents, scored against the ``judged`` tokens the target committed in the row in the
+        step (``tree.path_along``: exactly what the verifier would have kept, as far as those tokens
+        go; a path as long as them is cut there, so the score errs low). Its acceptance enters the
+        class's table and its would-be gain the class's measured gain, priced at the verify time
+        measured for its block size at the live batch and its draft time: per row of the batch,
+        mean(1 + accepted) / ((t(1 + n) + d(n)) / t(1)), n the most nodes of a row. At a batch the
+        rows without a draft count too (they pay for the others' verify rows), as in ``update``.
 
         Drafters whose drafts cost microseconds and change nothing (prompt lookup, suffix) are
         shadowed by ``drafters.auto`` at every step another source drafts (or none does), so each of
@@ -456,17 +458,29 @@ class DraftLengthController:
         text reached scored): a depth is judged only where the chosen draft got that far, i.e. where
         the text was easy, so deep acceptance read high and chains ran long: 1.3% slower on
         Spec-Bench in a same-process A/B; on the 2k book prompts 14% faster while StreamingLLM
-        drafted there, level once it no longer did (``registry.make_auto``)."""
-        st, n = self.state(key), len(parents)
+        drafted there, level once it no longer did (``registry.make_auto``). At a batch, measured
+        only where chosen, every class of a dozen (copies by match length, suffix buckets) drafted
+        its first steps to be measured, each a verify of B x (1 + k) rows."""
+        st, n = self.state(key), max((len(p) for p in parents), default=0)
         if n == 0:
             return
         st.shadowed = True
-        st.positions.observe(parents, accepted, judged)
+        for par, acc, judge in zip(parents, accepted, judged):
+            if par:
+                st.positions.observe(par, acc, judge)
         if draft_time is not None:
             st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, self.config.decay)
+        if len(parents) > 1:
+            self._add_share(st, sum(len(p) > 0 for p in parents) / len(parents))
         t1 = self.step_time.get(1)
         if t1:
-            self._add_gain(st, (1 + len(accepted)) / (self.cost_ratio(1 + n) + self.draft_cost(n, key) / t1))
+            per_row = sum(1 + len(a) for a in accepted) / len(accepted)
+            self._add_gain(st, per_row / (self.cost_ratio(1 + n) + self.draft_cost(n, key) / t1))
+
+    def _add_share(self, st: _ClassState, share: float) -> None:
+        """One step's share of the batch's rows that got a draft of the class, into its running mean."""
+        d = self.config.decay
+        st.row_share = share if st.row_share is None else d * st.row_share + (1 - d) * share
 
     def _add_gain(self, st: _ClassState, gain: float) -> None:
         """One drafting step's gain into the class's mean: the plain mean of the first 1 / (1 -
@@ -535,8 +549,7 @@ class DraftLengthController:
         if catch_up > 0:
             st.catch_up = c.decay * st.catch_up + (1 - c.decay) * catch_up if st.catch_up else catch_up
         if len(num_drafted) > 1:
-            share = sum(d > 0 for d in num_drafted) / len(num_drafted)
-            st.row_share = share if st.row_share is None else c.decay * st.row_share + (1 - c.decay) * share
+            self._add_share(st, sum(d > 0 for d in num_drafted) / len(num_drafted))
         t1 = self.step_time.get(1)
         if verify_time is not None and draft_time is not None and t1:
             # per sequence: tokens this step yielded over its seconds in units of a plain step (which

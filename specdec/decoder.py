@@ -80,11 +80,11 @@ class StepStats:
 
 @dataclass(frozen=True)
 class _Shadow:
-    """A draft made and not verified: its class, one row's parents and tokens, and its seconds."""
+    """A draft made and not verified: its class, each row's parents and tokens, and its seconds."""
 
     key: object
-    parents: list[int]
-    tokens: list[int]
+    parents: list[list[int]]
+    tokens: list[list[int]]
     seconds: float
 
 
@@ -277,9 +277,9 @@ class SpecDecoder:
         while batch.rows:
             # 1. draft: never more than the tokens some sequence still wants after its bonus token
             t0 = time.perf_counter()
-            # shadow drafts are scored against the committed text: batch 1, greedy (a sampled token
+            # shadow drafts are scored against the committed text: greedy only (a sampled token
             # that differs from a draft does not mean the draft would have been rejected)
-            shadow = self.config.shadow_drafts and len(batch.rows) == 1 and judge.sampling is None
+            shadow = self.config.shadow_drafts and judge.sampling is None
             key, tree, shadows = self._draft(controller, len(batch.rows), batch.wanted(), shadow)
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
@@ -300,10 +300,10 @@ class SpecDecoder:
             if any(stats.num_drafted):
                 controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
                                         ver.accepted.tolist(), key)
-            text = commit.new_tokens(0) if shadows else []
+            texts = [commit.new_tokens(b) for b in range(len(batch.rows))] if shadows else []
             for sh in shadows:
-                controller.observe_shadow(sh.parents, path_along(sh.parents, sh.tokens, text), len(text),
-                                          sh.seconds, sh.key)
+                paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, texts)]
+                controller.observe_shadow(sh.parents, paths, [len(x) for x in texts], sh.seconds, sh.key)
             live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
             controller.set_batch(len(live))
             pending = ver.next_token[live, None].to(device)
@@ -385,9 +385,9 @@ class SpecDecoder:
                 continue
             t0 = time.perf_counter()
             tree = self.drafter.shadow(key, n)
-            k = int(tree.num_nodes[0])
-            out.append(_Shadow(key, tree.parents[0, :k].tolist(), tree.tokens[0, :k].tolist(),
-                               time.perf_counter() - t0))
+            rows = tree.num_nodes.tolist()
+            out.append(_Shadow(key, [p[:k] for p, k in zip(tree.parents.tolist(), rows)],
+                               [t[:k] for t, k in zip(tree.tokens.tolist(), rows)], time.perf_counter() - t0))
         return out
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):

@@ -78,7 +78,7 @@ def test_a_shadow_draft_is_measured_without_drafting():
     copy, model = ("lookup", 2), ("eagle", 0)
     for _ in range(2):
         c.update([3], [3], verify_time=1.2, draft_time=0.3, key=model)  # 4 tokens in 1.5 steps
-    c.observe_shadow([-1, 0, 1], [0, 1], judged=2, draft_time=0.0, key=copy)
+    c.observe_shadow([[-1, 0, 1]], [[0, 1]], judged=[2], draft_time=0.0, key=copy)
     st = c.state(copy)
     assert st.gain == pytest.approx(3 / 1.2) and st.gain_samples == 1  # t(4) = 1.2, d = 0
     trials = [row[0] for row in st.positions.trials[:3]]
@@ -86,10 +86,24 @@ def test_a_shadow_draft_is_measured_without_drafting():
     assert _pick(c, [copy, model]) == copy  # measured once (< min_samples): tried first
     assert c.choose([copy, model], lambda k: 1, free=[copy])[0] == model  # by gain: 2.67 > 2.5
     for _ in range(60):  # the copies stop matching: a gain below 1 (1 / 1.2), and no probe ever
-        c.observe_shadow([-1, 0, 1], [], judged=1, draft_time=0.0, key=copy)
+        c.observe_shadow([[-1, 0, 1]], [[]], judged=[1], draft_time=0.0, key=copy)
     assert st.gain < 1 and [c.budget(copy) for _ in range(100)] == [0] * 100
     c.new_run(1)  # a new answer: measured afresh (its gain weighs min_samples - 1), drafts again
     assert not st.shadowed and c.budget(copy) > 0
+
+
+def test_a_shadow_draft_at_a_batch_is_scored_per_row_of_the_batch():
+    """Batch 2: row 0's 2-node chain gets 1 node accepted, row 1 has no draft (it pays for row 0's
+    verify rows all the same): (2 + 1) / 2 tokens per row over t(3) = 1.25 plain steps -> gain 1.2;
+    half the rows drafted; only row 0's nodes enter the acceptance table."""
+    c = DraftLengthController(DraftLengthConfig(min_samples=2))
+    c.set_batch(2)
+    c.update([0, 0], [0, 0], verify_time=1.0)
+    c.update([2, 2], [0, 0], verify_time=1.25)  # t(3) at batch 2
+    c.observe_shadow([[-1, 0], []], [[0], []], judged=[1, 2], draft_time=0.0, key="copy")
+    st = c.state("copy")
+    assert st.gain == pytest.approx(1.5 / 1.25) and st.row_share == 0.5 and st.shadowed
+    assert [row[0] for row in st.positions.trials[:2]] == [1.0, 0.0]  # depth 2: past what row 0 judged
 
 
 def _sources(target, seed):
