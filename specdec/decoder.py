@@ -59,8 +59,8 @@ class SpecDecoderConfig:
     # docs/benchmarks.md "PAD vs SPLIT" (this project's 2-core CPU): at 25% padded columns PAD won a
     # 1-row step by 9% (SPLIT won 4-row blocks by 7%), at 47% SPLIT won both (7%, 35%), at 71%+ by 1.4-8x
     split_waste: float = 0.3
-    # several sources (drafters.auto), batch 1, greedy: the free sources' classes not chosen draft
-    # too, unverified, and are scored against the committed text (DraftLengthController.observe_shadow)
+    # several sources (drafters.auto), greedy: the free sources' classes not chosen draft too, for
+    # every row, unverified, and are scored against the committed text (DraftLengthController.observe_shadow)
     shadow_drafts: bool = True
 
     def __post_init__(self) -> None:

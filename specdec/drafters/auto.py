@@ -17,13 +17,14 @@ size the draft (length or tree budget) or turn drafting off when even the best s
 plain decoding.
 
 Free sources are measured everywhere: prompt lookup's and suffix's drafts cost microseconds and
-change nothing (``Drafter.shadow_drafts``), so at batch 1, greedy, the decoder also drafts every free
-class the controller did not choose and scores it against the tokens the target committed
-(``tree.path_along``: what the verifier would have kept, as far as those tokens go), as a gain
-sample and acceptance of that class (``DraftLengthController.observe_shadow``). Measured only where
-chosen, a copy class never saw the quotes another source drafted through (at 2k tokens of a book,
-StreamingLLM drafted on through a summary's quotes and ``auto`` ran 12% behind the suffix drafter
-alone; with shadows level with it), and each was drafted in every answer just to be measured.
+change nothing (``Drafter.shadow_drafts``), so when greedy, at any batch size, the decoder also
+drafts every free class the controller did not choose and scores it against the tokens the target
+committed in each row (``tree.path_along``: what the verifier would have kept, as far as those
+tokens go), as a gain sample and acceptance of that class (``DraftLengthController.observe_shadow``).
+Measured only where chosen, a copy class never saw the quotes another source drafted through (at 2k
+tokens of a book, StreamingLLM drafted on through a summary's quotes and ``auto`` ran 12% behind the
+suffix drafter alone; with shadows level with it), and each was drafted in every answer just to be
+measured (at a batch into verifies of B x (1 + k) rows).
 
 Every source sees every commit, so a source not used stays in step (EAGLE's head feeds the skipped
 pairs at its next draft, in one forward; self-speculation copies the committed rows into its
