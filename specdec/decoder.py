@@ -298,8 +298,7 @@ class SpecDecoder:
                               max(0.0, stats.draft_time - catch_up), key,
                               grew=cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
             if any(stats.num_drafted):
-                controller.observe_tree([p[:n] for p, n in zip(tree.parents.tolist(), stats.num_drafted)],
-                                        ver.accepted.tolist(), key)
+                controller.observe_tree(tree.real_nodes()[0], ver.accepted.tolist(), key)
             texts = [commit.new_tokens(b) for b in range(len(batch.rows))] if shadows else []
             for sh in shadows:
                 paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, texts)]
@@ -385,9 +384,7 @@ class SpecDecoder:
                 continue
             t0 = time.perf_counter()
             tree = self.drafter.shadow(key, n)
-            rows = tree.num_nodes.tolist()
-            out.append(_Shadow(key, [p[:k] for p, k in zip(tree.parents.tolist(), rows)],
-                               [t[:k] for t, k in zip(tree.tokens.tolist(), rows)], time.perf_counter() - t0))
+            out.append(_Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
         return out
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):

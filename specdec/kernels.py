@@ -7,10 +7,11 @@ how fast the weights stream from memory. On this project's machines (torch's MKL
 - 1-4 rows: ``torch.mm(W, x.T)``, MKL's GEMM with the rows as 2-4 right-hand columns (an odd count
   padded with a zero row: one row alone would take MKL's GEMV again), 20-30 GB/s;
 - 5-16 rows: ``specdec/csrc/packed_linear.cpp``, a kernel over a copy of the weight packed in panels
-  of 8 (AVX2) or 16 (AVX-512; two shapes: one panel or two at a time) output features (built on first use with torch's C++ extension tools
-  and ``-march=native``; the packed copy is made when ``skinny_linears`` routes the module, or at a
-  direct caller's first block, and kept while the weight lives: the model's fp32 weights once more
-  in memory). Without a compiler these blocks take ``F.linear`` (a warning says so).
+  of 8 (AVX2) or 16 (AVX-512; two shapes: one panel or two at a time) output features (built on
+  first use with torch's C++ extension tools and ``-march=native``; the packed copy is made when
+  ``skinny_linears`` routes the module, or at a direct caller's first block, and kept while the
+  weight lives: the model's fp32 weights once more in memory). Without a compiler these blocks
+  take ``F.linear`` (a warning says so).
 
 What the kernel assumes: an x86-64 or other GCC/Clang target with vector extensions (AVX-512 gets
 16-float panels, anything else 8-float panels sized for AVX2's 16 registers), fp32 weights on CPU.
@@ -87,6 +88,7 @@ VARIANTS = {"native": (["-march=native"], "specdec_kernels"),
 _OPENMP = ["-fopenmp"]
 # F.linear, W @ x^T, the packed kernel, and its wide shape (AVX-512 builds: two panels side by side)
 ROUTES = ("linear", "mm", "packed", "wide")
+KERNEL_ROUTES = ("packed", "wide")  # the routes that run the packed kernel (on its packed weights)
 log = logging.getLogger(__name__)
 
 
@@ -329,7 +331,7 @@ def _route(x2: torch.Tensor, weight: torch.Tensor, route: str | None = None) -> 
     route = route or routes()[x2.shape[0] - 1]
     if route == "mm":
         return _skinny(x2, weight)
-    return _packed_linear(x2, weight, route == "wide") if route in ("packed", "wide") else None
+    return _packed_linear(x2, weight, route == "wide") if route in KERNEL_ROUTES else None
 
 
 def _forward(module: nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
@@ -346,7 +348,7 @@ def prepare() -> None:
 def prepack(weights, max_rows: int = MAX_ROWS) -> None:
     """Pack fp32 CPU weights for the kernel now, if some block size up to max_rows routes to it (a
     direct caller of ``linear`` would otherwise pack at its first block, inside a timed step)."""
-    if {"packed", "wide"} & set(routes()[:max_rows]):
+    if any(r in KERNEL_ROUTES for r in routes()[:max_rows]):
         for w in weights:
             if w.dtype == torch.float32 and w.device.type == "cpu":
                 packed(w)

@@ -56,6 +56,13 @@ class DraftTree:
         """N: node slots per row (the longest row's node count, the rest padding)."""
         return self.tokens.shape[1]
 
+    def real_nodes(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Each row's real nodes as lists, padding cut off: (parents per row, tokens per row).
+        Example: parents [[-1, 0], [-1, -1]], tokens [[5, 6], [7, 0]], num_nodes [2, 1] ->
+        ([[-1, 0], [-1]], [[5, 6], [7]])."""
+        n = self.num_nodes.tolist()
+        return ([p[:k] for p, k in zip(self.parents.tolist(), n)], [t[:k] for t, k in zip(self.tokens.tolist(), n)])
+
     @staticmethod
     def empty(batch_size: int, device: torch.device | str = "cpu") -> "DraftTree":
         """No draft: the step decodes one token, as plain autoregressive decoding does."""

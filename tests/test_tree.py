@@ -300,3 +300,9 @@ def test_random_trees_are_lossless(seed):
                 assert out.mean_accepted_tokens > 1.3, out.mean_accepted_tokens
                 assert any(d > 0 and 0 < a < d for s in out.steps for d, a in
                            zip(s.num_drafted, s.num_accepted))  # partial acceptance happened
+
+
+def test_real_nodes_cut_each_row_at_its_node_count():
+    t = DraftTree(torch.tensor([[5, 6], [7, 0]]), torch.tensor([[-1, 0], [-1, -1]]), torch.tensor([2, 1]))
+    assert t.real_nodes() == ([[-1, 0], [-1]], [[5, 6], [7]])
+    assert DraftTree.empty(2).real_nodes() == ([[], []], [[], []])

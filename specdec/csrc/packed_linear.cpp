@@ -163,7 +163,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, int64_t N, bool wid
       int64_t m0 = 0;
       for (int c = 0; c < chunks; ++c) {  // balanced chunks: 12 rows on AVX2 -> 6 + 6, 16 -> 8 + 8
         const int mc = static_cast<int>((M - m0) / (chunks - c));
-        const ChunkFn fn = shape ? pick<kWide>(mc, std::make_integer_sequence<int, kMaxChunk[0]>{})
+        const ChunkFn fn = shape ? pick<kWide>(mc, std::make_integer_sequence<int, kMaxChunk[1]>{})
                                  : pick<false>(mc, std::make_integer_sequence<int, kMaxChunk[0]>{});
         fn(xp + m0 * K, w, yp + m0 * N, K, N, p0, p1);
         m0 += mc;
