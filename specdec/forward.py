@@ -29,7 +29,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specdec import fastpath
+from specdec import fastpath, kernels
 from specdec.kv.bmc import BMCCache
 
 PAD, SPLIT = "specdec_pad", "specdec_split"  # the attention implementation names the blocks run under
@@ -49,8 +49,14 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     """
     B, Hq, Q, D = query.shape
     n = Hq // key.shape[1]
-    if (attention_mask is None or n == 1 or module.training or kwargs.get("sliding_window")
-            or kwargs.get("position_bias") is not None):
+    plain = not (module.training or kwargs.get("sliding_window") or kwargs.get("position_bias") is not None)
+    if plain and (attention_mask is not None or Q == 1):  # a causal block without a mask needs SDPA's flag
+        mask = attention_mask if attention_mask is None else attention_mask[..., : key.shape[2]]
+        out = kernels.attention(query.reshape(B, Hq // n, n * Q, D), key, value, mask,
+                                scaling if scaling is not None else D**-0.5)
+        if out is not None:  # the kernel, where the self-check found it faster than SDPA
+            return out.view(B, Hq, Q, D).transpose(1, 2).contiguous(), None
+    if attention_mask is None or n == 1 or not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     query = query.reshape(B, Hq // n, n * Q, D)

@@ -56,6 +56,7 @@ from __future__ import annotations
 import contextvars
 import hashlib
 import logging
+import math
 import os
 import shutil
 import sys
@@ -77,7 +78,7 @@ MAX_ROWS = 16  # blocks up to this many rows take a fast path (0 turns them all 
 # chunks 11.4 / 12.8 / 17.4 / 34.0 / 67.1 (2026-11-25, 2 threads). Prefills of longer prompts keep F.linear.
 CHUNK_ROWS = 128
 MM_ROWS = 4  # uncalibrated: up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
-_SOURCE = Path(__file__).parent / "csrc" / "packed_linear.cpp"
+_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "decode_attention.cpp")]
 # variant -> (compiler flags, op namespace). "native" is what this CPU supports; "avx2" forces the
 # 8-float shape on any x86-64-v3 CPU, AVX-512 ones included.
 VARIANTS = {"native": (["-march=native"], "specdec_kernels"),
@@ -147,13 +148,13 @@ def _load(name: str, openmp: list[str]):
     from specdec.models import cache_root
 
     flags, ns = VARIANTS[name]
-    key = hashlib.sha256(_SOURCE.read_bytes() + torch.__version__.encode() + " ".join([name, *flags, *openmp]).encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + torch.__version__.encode() + " ".join([name, *flags, *openmp]).encode()
                          ).hexdigest()[:16]
     build = cache_root() / "torch_extensions" / f"packed_linear-{key}"
     build.mkdir(parents=True, exist_ok=True)
     if not any(build.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
         print(f"specdec: building the CPU kernel ({name}, once, ~20 s) ...", file=sys.stderr, flush=True)
-    load(name=f"specdec_packed_linear_{key}", sources=[str(_SOURCE)], build_directory=str(build),
+    load(name=f"specdec_packed_linear_{key}", sources=[str(f) for f in _SOURCES], build_directory=str(build),
          extra_cflags=["-O3", *flags, *openmp, f"-DSPECDEC_OPS={ns}"], extra_ldflags=openmp,
          is_python_module=False, verbose=False)
     return getattr(torch.ops, ns)
@@ -225,8 +226,10 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 3, vocab: i
             best[r].append(t)
     _routes = fastest_routes(best)
     _calibrate_chunks(ws, g, rounds)
-    log.info("specdec kernels: routes per block size 1..%d: %s; %d-%d rows in chunks: %s",
-             MAX_ROWS, _routes, MAX_ROWS + 1, CHUNK_ROWS, _chunked)
+    del ws
+    _calibrate_attention(g, rounds, stream_mb)
+    log.info("specdec kernels: routes per block size 1..%d: %s; %d-%d rows in chunks: %s; attention kernel "
+             "per (rows, keys): %s", MAX_ROWS, _routes, MAX_ROWS + 1, CHUNK_ROWS, _chunked, _attention_routes)
     return _routes
 
 
@@ -256,6 +259,70 @@ def _fastest_rounds(fns: dict, x: torch.Tensor, ws: list[torch.Tensor], rounds: 
                 else:
                     times[r].append(time.perf_counter() - t)
     return {r: min(ts) for r, ts in times.items()}
+
+
+# The attention kernel (csrc/decode_attention.cpp): grouped query rows per KV head it takes, and the
+# (rows, keys) points the self-check times it at against SDPA; a call takes the verdict of the point
+# with the fewest rows >= its own (the last past them) and the nearest number of keys (geometrically).
+ATTENTION_ROWS = 64
+ATTENTION_POINTS = ((3, 6, 12, 24, 48), (256, 2048))
+_attention_routes: dict[tuple[int, int], bool] | None = None  # (rows, keys) point -> kernel faster
+
+
+def _attention_point(rows: int, keys: int) -> tuple[int, int]:
+    """The calibrated point a call of ``rows`` grouped rows over ``keys`` keys takes its route from.
+    Example: (9, 300) -> (12, 256); (60, 5000) -> (48, 2048)."""
+    grid_rows, grid_keys = ATTENTION_POINTS
+    r = next((p for p in grid_rows if p >= rows), grid_rows[-1])
+    k = min(grid_keys, key=lambda p: abs(math.log(keys / p)))
+    return r, k
+
+
+def _calibrate_attention(g: torch.Generator, rounds: int, stream_mb: int) -> None:
+    """Time the attention kernel against SDPA at every (rows, keys) point, on key/value stores shaped
+    like the default model's (3 KV heads of 64), ``stream_mb`` MB of them so they come from memory as
+    a model's do between its layers; each point keeps the faster (SDPA on a tie)."""
+    global _attention_routes
+    ops = extension()
+    if ops is None:
+        _attention_routes = {}
+        return
+    routes = {}
+    for keys in ATTENTION_POINTS[1]:
+        per_layer = 2 * 3 * keys * 64 * 4
+        layers = max(2, min(64, stream_mb * 2**20 // per_layer))
+        kv = [torch.randn(2, 1, 3, keys, 64, generator=g).unbind() for _ in range(layers)]
+        for rows in ATTENTION_POINTS[0]:
+            q = torch.randn(1, 3, rows, 64, generator=g)
+            bias = torch.zeros(1, 1, rows, keys)  # a block's mask, as the decoder hands SDPA one
+            fns = {"sdpa": lambda _, kv_: F.scaled_dot_product_attention(q, *kv_, attn_mask=bias),
+                   "kernel": lambda _, kv_: ops.attention(q, *kv_, bias, 0.125)}
+            times = _fastest_rounds(fns, q, kv, rounds)
+            routes[rows, keys] = times["kernel"] < times["sdpa"]
+    _attention_routes = routes
+
+
+def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
+              scale: float) -> torch.Tensor | None:
+    """Attention of R grouped query rows per KV head through the kernel, or None where SDPA is the
+    route (another dtype or device, more than ATTENTION_ROWS rows, a head size without a shape, no
+    kernel, or the self-check found SDPA faster at this size).
+
+    query [B, H, R, D]; key/value [B, H, L, D], views of a store (rows contiguous); bias additive
+    [B or 1, 1, Q, L] with R a multiple of Q (row r masked by bias row r % Q: the grouped rows of one
+    query position share its mask), or None. Returns [B, H, R, D].
+    """
+    if (query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
+            or value.dtype != torch.float32 or query.shape[2] > ATTENTION_ROWS
+            or (bias is not None and bias.dtype != torch.float32)
+            or (torch.is_grad_enabled() and query.requires_grad)):
+        return None
+    ops = extension()
+    if ops is None or not ops.attention_supports(query.shape[-1]) or os.environ.get("SPECDEC_ATTENTION") == "sdpa":
+        return None
+    if _attention_routes is not None and not _attention_routes.get(_attention_point(query.shape[2], key.shape[2])):
+        return None
+    return ops.attention(query, key, value, bias, scale)
 
 
 def chunking() -> bool:

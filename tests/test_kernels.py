@@ -207,6 +207,10 @@ def test_the_avx2_variant_builds_and_agrees(monkeypatch):
     for rows in (5, 8, 13, 16):
         x = torch.randn(rows, 40, generator=g)
         torch.testing.assert_close(kernels.linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+    for rows, keys in ((3, 5), (12, 300), (48, 700)):  # its attention: both ways of scoring, key splits
+        q, k, v = torch.randn(2, 3, rows, 64, generator=g), torch.randn(2, 3, keys, 64), torch.randn(2, 3, keys, 64)
+        torch.testing.assert_close(ops.attention(q, k, v, None, 0.125),
+                                   F.scaled_dot_product_attention(q, k, v, scale=0.125), rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["native", "avx2"])

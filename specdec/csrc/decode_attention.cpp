@@ -1,0 +1,379 @@
+// Attention of a few query rows (decode and verify blocks) over a KV store, streamed at memory speed.
+//
+// A decode or verify step attends 1-64 grouped query rows per KV head to the whole store: it reads
+// every cached key and value once, so it should cost what streaming them from memory costs. torch's
+// SDPA (its CPU flash kernel, and the matmul path alike) read them at ~12 GB/s on a Xeon whose memory
+// streams at ~24 GB/s (B = 8 x 2,000 tokens, 30 layers of the default model: 50 ms against 25 ms of
+// bytes; 2026-11-25, 2 threads). Here each (sequence, KV head, stretch of keys) is one work item of
+// torch's thread pool (flash-decoding's split of the keys when there are fewer items than threads):
+//   1. scores of every row for a tile of 64 keys: each key row is loaded once and dotted with all
+//      rows (the rows pre-scaled), plus the additive bias (row r uses bias row r % Q: grouped rows
+//      share their query position's mask, so the caller does not repeat it);
+//   2. an online softmax per row (running max and sum; earlier tiles rescaled when the max grows),
+//      exp vectorised (Cephes' polynomial, ~1 ulp; below -87.3 it is exactly 0, so a dtype-min
+//      bias hides a key exactly);
+//   3. the tile's values, each loaded once per block of rows whose accumulators sit in registers.
+// Items that split one head's keys are merged at the end by their maxima and sums.
+// Same arithmetic as SDPA, another summation order: results agree with it to fp32 rounding.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#if defined(__AVX512F__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <optional>
+#include <vector>
+
+#ifndef SPECDEC_OPS
+#define SPECDEC_OPS specdec_kernels
+#endif
+
+namespace {
+
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+constexpr int kMaxRows = 64;  // grouped query rows per KV head (the caller falls back past this)
+constexpr int kTile = 64;     // keys per tile: scores [rows, tile] stay in L1
+constexpr int64_t kSplitKeys = 64;  // fewest keys worth a work item of their own (a tile)
+constexpr int kTransposeRows = 12;  // from this many rows on, keys are transposed for the scores
+constexpr int kScoreRows = kLanes == 16 ? 4 : 1;  // rows per register block of transposed scores
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+inline vec load(const float* p) {
+  vec v;
+  std::memcpy(&v, p, sizeof(vec));
+  return v;
+}
+
+inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
+
+inline vec splat(float x) { return vec{} + x; }
+
+inline float hsum(vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
+#elif defined(__AVX2__)
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(v)),
+                        _mm256_extractf128_ps(reinterpret_cast<__m256>(v), 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+#else
+  float s = 0.f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+#endif
+}
+
+inline float hmax(vec v) {
+#if defined(__AVX512F__)
+  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
+#else
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+#endif
+}
+
+// e^x per lane (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n);
+// exactly 0 below -87.3 (-inf included), where e^x is under float's smallest normal.
+inline vec vexp(vec x) {
+  const vec lo = splat(-87.3365447505531f), hi = splat(88.3762626647949f);
+  const vec xc = x < lo ? lo : (x > hi ? hi : x);
+  const vec magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
+  const vec t = xc * 1.44269504088896341f + magic;
+  const vec n = t - magic;
+  const vec r = xc - n * 0.693359375f - n * -2.12194440e-4f;
+  vec p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.f;
+  ivec bits = reinterpret_cast<ivec>(t) - reinterpret_cast<ivec>(magic);  // n as an integer
+  bits = (bits + 127) << 23;
+  const vec y = p * reinterpret_cast<vec>(bits);
+  return x < lo ? vec{} : y;
+}
+
+template <int D>
+inline void prefetch_row(const float* p) {
+#pragma GCC unroll 16
+  for (int i = 0; i < D; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 2);  // into L2
+}
+
+// Scores of M rows of q ([M, D]) against a tile of keys transposed (kt [D][kTile]): M x kTile / L
+// accumulators in registers (AVX-512: 4 x 4), one broadcast of q per row and feature.
+template <int D, int M>
+inline void scores_t(const float* q, const float (*kt)[kTile], float (*s)[kTile]) {
+  constexpr int C = kTile / kLanes;
+  vec acc[M][C];
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) acc[i][c] = vec{};
+  for (int d = 0; d < D; ++d) {
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) {
+      const vec x = load(kt[d] + c * kLanes);
+#pragma GCC unroll 8
+      for (int i = 0; i < M; ++i) acc[i][c] += x * q[i * D + d];
+    }
+  }
+#pragma GCC unroll 8
+  for (int i = 0; i < M; ++i)
+#pragma GCC unroll 8
+    for (int c = 0; c < C; ++c) store(s[i] + c * kLanes, acc[i][c]);
+}
+
+struct Part {  // one work item's keys of one KV head: per row a running max, sum and weighted values
+  float* m;    // [R]
+  float* l;    // [R]
+  float* acc;  // [R, D]
+};
+
+// Rows [0, R) of q ([R, D], pre-scaled) against keys [j0, j1) of one head: k/v rows `ks`/`vs` floats
+// apart, bias row r at bias + (r % Q) * bs (nullptr: none). D = NV * kLanes.
+template <int NV>
+void attend(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias,
+            int64_t bs, int Q, int64_t j0, int64_t j1, Part out) {
+  constexpr int D = NV * kLanes;
+  constexpr int RB = NV >= 16 ? 1 : 16 / NV > 4 ? 4 : 16 / NV;  // rows whose accumulators share a value load
+  alignas(64) float S[kMaxRows][kTile];
+  alignas(64) float Kt[R < kTransposeRows ? 1 : D][kTile];
+  for (int r = 0; r < R; ++r) {
+    out.m[r] = kNegInf;
+    out.l[r] = 0.f;
+    std::memset(out.acc + r * D, 0, D * sizeof(float));
+  }
+  for (int64_t jt = j0; jt < j1; jt += kTile) {
+    const int nj = static_cast<int>(std::min<int64_t>(kTile, j1 - jt));
+    const int64_t next = std::min<int64_t>(kTile, j1 - jt - nj);  // keys in the next tile
+    // 1. scores. One core alone streams at a fraction of memory speed: fetch this tile's values
+    // (read in 3.) and the next tile's keys while these keys are scored.
+    if (R < kTransposeRows) {  // each key row dotted with every row: a horizontal sum per score
+      for (int jj = 0; jj < nj; ++jj) {
+        const float* kr = k + (jt + jj) * ks;
+        prefetch_row<D>(v + (jt + jj) * vs);
+        if (jj < next) prefetch_row<D>(kr + kTile * ks);
+        vec kv[NV];
+#pragma GCC unroll 16
+        for (int t = 0; t < NV; ++t) kv[t] = load(kr + t * kLanes);
+        for (int r = 0; r < R; ++r) {
+          const float* qr = q + r * D;
+          vec a = load(qr) * kv[0];
+#pragma GCC unroll 16
+          for (int t = 1; t < NV; ++t) a += load(qr + t * kLanes) * kv[t];
+          S[r][jj] = hsum(a);
+        }
+      }
+    } else {  // many rows: the tile's keys transposed once, then scores as a small GEMM, no sums
+      for (int jj = 0; jj < kTile; ++jj) {
+        if (jj < nj) {
+          const float* kr = k + (jt + jj) * ks;
+          prefetch_row<D>(v + (jt + jj) * vs);
+          if (jj < next) prefetch_row<D>(kr + kTile * ks);
+          for (int d = 0; d < D; ++d) Kt[d][jj] = kr[d];
+        } else {
+          for (int d = 0; d < D; ++d) Kt[d][jj] = 0.f;
+        }
+      }
+      int r0 = 0;
+      for (; r0 + kScoreRows <= R; r0 += kScoreRows) scores_t<D, kScoreRows>(q + r0 * D, Kt, S + r0);
+      for (; r0 < R; ++r0) scores_t<D, 1>(q + r0 * D, Kt, S + r0);
+    }
+    for (int r = 0; r < R; ++r) {  // 2. online softmax
+      float* s = S[r];
+      if (bias != nullptr) {
+        const float* b = bias + static_cast<int64_t>(r % Q) * bs + jt;
+        for (int jj = 0; jj < nj; ++jj) s[jj] += b[jj];
+      }
+      for (int jj = nj; jj < kTile; ++jj) s[jj] = kNegInf;
+      vec mv = load(s);
+      for (int jj = kLanes; jj < kTile; jj += kLanes) {
+        const vec x = load(s + jj);
+        mv = x > mv ? x : mv;
+      }
+      const float mt = std::max(out.m[r], hmax(mv));
+      if (mt == kNegInf) {  // every key so far hidden by a -inf bias: nothing to weigh yet
+        std::fill(s, s + kTile, 0.f);
+        continue;
+      }
+      const float c = out.m[r] == kNegInf ? 0.f : std::exp(out.m[r] - mt);
+      out.m[r] = mt;
+      vec sum{};
+      for (int jj = 0; jj < kTile; jj += kLanes) {
+        const vec p = vexp(load(s + jj) - mt);
+        store(s + jj, p);
+        sum += p;
+      }
+      out.l[r] = out.l[r] * c + hsum(sum);
+      if (c != 1.f) {
+        float* a = out.acc + r * D;
+        for (int t = 0; t < NV; ++t) store(a + t * kLanes, load(a + t * kLanes) * c);
+      }
+    }
+    int r0 = 0;  // 3. values, RB rows at a time
+    for (; r0 + RB <= R; r0 += RB) {
+      vec a[RB][NV];
+#pragma GCC unroll 4
+      for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 16
+        for (int t = 0; t < NV; ++t) a[i][t] = load(out.acc + (r0 + i) * D + t * kLanes);
+      for (int jj = 0; jj < nj; ++jj) {
+        const float* vr = v + (jt + jj) * vs;
+        float p[RB];
+#pragma GCC unroll 4
+        for (int i = 0; i < RB; ++i) p[i] = S[r0 + i][jj];
+#pragma GCC unroll 16
+        for (int t = 0; t < NV; ++t) {
+          const vec x = load(vr + t * kLanes);
+#pragma GCC unroll 4
+          for (int i = 0; i < RB; ++i) a[i][t] += x * p[i];
+        }
+      }
+#pragma GCC unroll 4
+      for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 16
+        for (int t = 0; t < NV; ++t) store(out.acc + (r0 + i) * D + t * kLanes, a[i][t]);
+    }
+    for (; r0 < R; ++r0) {
+      vec a[NV];
+#pragma GCC unroll 16
+      for (int t = 0; t < NV; ++t) a[t] = load(out.acc + r0 * D + t * kLanes);
+      for (int jj = 0; jj < nj; ++jj) {
+        const float* vr = v + (jt + jj) * vs;
+        const float p = S[r0][jj];
+#pragma GCC unroll 16
+        for (int t = 0; t < NV; ++t) a[t] += load(vr + t * kLanes) * p;
+      }
+#pragma GCC unroll 16
+      for (int t = 0; t < NV; ++t) store(out.acc + r0 * D + t * kLanes, a[t]);
+    }
+  }
+}
+
+using AttendFn = void (*)(const float*, int, const float*, int64_t, const float*, int64_t, const float*, int64_t,
+                          int, int64_t, int64_t, Part);
+
+AttendFn pick(int64_t D) {
+  switch (D / kLanes) {
+    case 1: return attend<1>;
+    case 2: return attend<2>;
+    case 4: return attend<4>;
+    case 8: return attend<8>;
+    case 16: return attend<16>;
+    default: return nullptr;
+  }
+}
+
+// Whether D (head size) has a shape here: 1, 2, 4, 8 or 16 vectors.
+bool supports(int64_t D) { return D % kLanes == 0 && pick(D) != nullptr; }
+
+// q [B, H, R, D] (R grouped rows per KV head), k/v [B, H, L, D] (any strides but the last: views of a
+// store), bias [B or 1, 1, Q or 1, L] additive or None (row r uses bias row r % Q). -> [B, H, R, D]
+at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                     const std::optional<at::Tensor>& bias, double scale) {
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, "attention: q, k, v [B, H, rows, D]");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              "attention: float32 only");
+  const int64_t B = q.size(0), H = q.size(1), R = q.size(2), D = q.size(3), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == D && v.sizes() == k.sizes(),
+              "attention: q ", q.sizes(), ", k ", k.sizes(), ", v ", v.sizes(), " do not match");
+  TORCH_CHECK(1 <= R && R <= kMaxRows, "attention: 1 to ", kMaxRows, " rows per head, got ", R);
+  TORCH_CHECK(L >= 1, "attention: no keys");
+  TORCH_CHECK(supports(D), "attention: head size ", D, " is not 1, 2, 4, 8 or 16 vectors of ", kLanes);
+  TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1, "attention: k and v rows must be contiguous");
+  const float* bp = nullptr;
+  int64_t b_batch = 0, b_row = 0;
+  int Q = 1;
+  at::Tensor bc;
+  if (bias.has_value()) {
+    bc = *bias;
+    TORCH_CHECK(bc.dim() == 4 && bc.size(1) == 1 && bc.size(3) == L && (bc.size(0) == B || bc.size(0) == 1),
+                "attention: bias [B, 1, Q, L], got ", bc.sizes(), " for ", L, " keys");
+    TORCH_CHECK(bc.scalar_type() == at::kFloat, "attention: a float32 bias");
+    if (bc.stride(3) != 1) bc = bc.contiguous();
+    Q = static_cast<int>(bc.size(2));
+    TORCH_CHECK(R % Q == 0, "attention: ", R, " rows are not a multiple of the bias's ", Q);
+    bp = bc.data_ptr<float>();
+    b_batch = bc.size(0) == 1 ? 0 : bc.stride(0);
+    b_row = bc.stride(2);
+  }
+  const at::Tensor qs = (q * scale).contiguous();
+  at::Tensor out = at::empty({B, H, R, D}, q.options());
+  const int64_t threads = at::get_num_threads();
+  // splits of each head's keys: enough items for the threads, none shorter than kSplitKeys
+  const int64_t want = std::max<int64_t>(1, (2 * threads + B * H - 1) / (B * H));
+  const int64_t splits = std::max<int64_t>(1, std::min(want, L / kSplitKeys));
+  const int64_t per = (L + splits - 1) / splits;
+  const int64_t items = B * H * splits;
+  std::vector<float> scratch(static_cast<size_t>(items * R * (D + 2)));
+  const AttendFn fn = pick(D);
+  const float* qp = qs.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t bh = i / splits, s = i % splits, b = bh / H, h = bh % H;
+      const int64_t j0 = s * per, j1 = std::min(L, j0 + per);
+      float* base = scratch.data() + i * R * (D + 2);
+      const Part part{base, base + R, base + 2 * R};
+      if (j0 < j1) {
+        fn(qp + bh * R * D, static_cast<int>(R), kp + b * k.stride(0) + h * k.stride(1), k.stride(2),
+           vp + b * v.stride(0) + h * v.stride(1), v.stride(2), bp ? bp + b * b_batch : nullptr, b_row, Q, j0, j1,
+           part);
+      } else {
+        std::fill(part.m, part.m + R, kNegInf);
+        std::fill(part.l, part.l + R, 0.f);
+      }
+    }
+  });
+  for (int64_t bh = 0; bh < B * H; ++bh) {  // merge the splits of each head, normalise
+    for (int64_t r = 0; r < R; ++r) {
+      float m = kNegInf;
+      for (int64_t s = 0; s < splits; ++s) m = std::max(m, scratch[(bh * splits + s) * R * (D + 2) + r]);
+      float l = 0.f;
+      float* o = op + (bh * R + r) * D;
+      std::fill(o, o + D, 0.f);
+      for (int64_t s = 0; s < splits; ++s) {
+        const float* base = scratch.data() + (bh * splits + s) * R * (D + 2);
+        if (base[r] == kNegInf) continue;
+        const float w = splits == 1 ? 1.f : std::exp(base[r] - m);
+        l += base[R + r] * w;
+        const float* a = base + 2 * R + r * D;
+        for (int64_t d = 0; d < D; ++d) o[d] += a[d] * w;
+      }
+      const float inv = 1.f / l;
+      for (int64_t d = 0; d < D; ++d) o[d] *= inv;
+    }
+  }
+  return out;
+}
+
+bool attention_supports(int64_t D) { return supports(D); }
+
+}  // namespace
+
+#define SPECDEC_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define SPECDEC_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
+  m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
+  m.def("attention_supports(int d) -> bool", &attention_supports);  // whether head size d has a shape
+}
+SPECDEC_FRAGMENT_IMPL(SPECDEC_OPS, CPU, m) { m.impl("attention", &attention); }
