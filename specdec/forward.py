@@ -16,7 +16,9 @@ HF's SDPA function: for a block of Q > 1 rows with a mask, HF copies every K/V h
 head sharing it (``repeat_kv``; 3x for the default model's 9 query / 3 KV heads): at 7k tokens
 that copy was ~1 GB per step and made a 2-row verify cost 2.2x a 1-row step. Grouping the queries
 instead ([B, 9, Q, D] -> [B, 3, 3Q, D], the mask repeated to match) reads the store's K/V in place,
-as HF itself does for Q = 1.
+as HF itself does for Q = 1. Where the kernel self-check found it faster, the grouped rows go to
+``kernels.attention`` instead of SDPA (the mask then not repeated: grouped rows share their
+position's row of it).
 """
 
 from __future__ import annotations

@@ -45,6 +45,16 @@ the others: on that Xeon the linears, narrow / wide, ms: 8 rows 26.3 / 23.7, 12 
 rows 31.2 / 29.6; a whole decoder step at 200 tokens of context 30.7 / 28.4 ms at 1 row, 38.1 / 35.7
 at 8, 44.3 / 39.2 at 12, 48.1 / 46.1 at 16.)
 
+The same build holds ``attention`` (``csrc/decode_attention.cpp``): the grouped query rows of a
+decode or verify block (up to ATTENTION_ROWS per KV head) against a KV store's views, for
+``forward.grouped_attention``. torch's SDPA read the store at ~12 GB/s on a Xeon whose memory streams
+at ~24 GB/s; the kernel, its keys split across threads and prefetched, at 18-36 GB/s (30 layers of
+the default model's K/V, 2 threads, 2026-11-25, SDPA / kernel ms: 1 row x 2,000 tokens 5.9 / 2.7,
+1 x 7,000 29.7 / 14.2, B = 8 x 400 10.5 / 5.7, B = 8 x 2,000 50.9 / 31.9). With many rows over a
+short context its arithmetic is slower than SDPA's (16 rows x 200 tokens, in cache: 77 / 56 us a
+layer), so ``calibrate`` also times both at each of ATTENTION_POINTS (rows x keys) and a call takes
+the nearest point's faster one; ``SPECDEC_ATTENTION=sdpa`` keeps SDPA.
+
 Same products, another summation order: results agree with F.linear to fp32 rounding, as a
 batched forward already differs from one row at a time. Only plain ``nn.Linear`` modules (and
 callers of ``linear``) with fp32 weights on CPU are routed; everything else runs untouched, and a

@@ -72,6 +72,13 @@ class SamplingParams:
         return {"do_sample": True, "temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p}
 
 
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """``logits.argmax(-1)``, the first maximum on ties as argmax takes it, through ``max``'s indices:
+    torch's CPU kernel for those is ~3x faster (16 rows x 49k tokens, 2 threads: 0.19 vs 0.60 ms, ~1%
+    of a 16-row verify; 2026-11-25, a Xeon)."""
+    return logits.max(-1).indices
+
+
 def sampling_kwargs(model, temperature: float) -> dict:
     """``generate()`` arguments shared by HF and SpecDecoder (the benches' ``--temperature``): greedy
     at 0, else do_sample with every argument resolved as HF resolves it, so both sample one p."""

@@ -486,3 +486,15 @@ def test_eagle_sampling_is_seeded_and_greedy_trees_are_unchanged(models):
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     greedy = decoder.generate(PROMPT, max_new_tokens=12, eos_token_id=None).sequences
     assert torch.equal(greedy, hf_greedy(target, PROMPT, 12))
+
+
+def test_greedy_is_argmax_ties_included():
+    """``greedy`` (max's indices, faster on CPU) picks what argmax picks, the first maximum on ties."""
+    from specdec.sampling import greedy
+
+    g = torch.Generator().manual_seed(0)
+    for shape in [(1, 1, 7), (3, 5, 49152), (2, 16, 1000)]:
+        x = torch.randint(0, 4, shape, generator=g).float()  # few distinct values: ties everywhere
+        assert torch.equal(greedy(x), x.argmax(-1))
+        y = torch.randn(shape, generator=g)
+        assert torch.equal(greedy(y), y.argmax(-1))

@@ -9,7 +9,7 @@ import torch
 from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.sampling import SamplingParams, target_probs
+from specdec.sampling import SamplingParams, greedy, target_probs
 from specdec.tree import DraftTree
 
 
@@ -116,7 +116,7 @@ def pick_token(logits: torch.Tensor, probs: list, sampling: SamplingParams | Non
     distribution processed as the target's is, which is appended to ``probs`` (on the CPU, where the
     verifier reads q)."""
     if sampling is None:
-        return logits.argmax(-1)
+        return greedy(logits)
     q = target_probs(logits[:, None].cpu(), sampling)[:, 0]  # [B, V] float64
     probs.append(q)
     return torch.multinomial(q, 1, generator=generator)[:, 0].to(logits.device)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.sampling import greedy
 from specdec.tree import DraftTree, node_depths
 
 
@@ -54,7 +55,7 @@ def verify_greedy(target_logits: torch.Tensor, tree: DraftTree) -> Verification:
     B, Q, V = target_logits.shape
     N = tree.width
     assert Q == N + 1, f"logits for {Q} rows, tree has {N} nodes"
-    target_next = target_logits.argmax(-1)  # [B, Q]
+    target_next = greedy(target_logits)  # [B, Q] argmax
     if N == 0:
         empty = torch.zeros(B, 0, dtype=torch.long, device=target_next.device)
         return Verification(empty, torch.zeros(B, dtype=torch.long), target_next[:, 0])
