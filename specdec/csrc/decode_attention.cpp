@@ -29,6 +29,7 @@
 #include <cstring>
 #include <limits>
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #ifndef SPECDEC_OPS
@@ -48,8 +49,7 @@ typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
 constexpr int kMaxRows = 64;  // grouped query rows per KV head (the caller falls back past this)
 constexpr int kTile = 64;     // keys per tile: scores [rows, tile] stay in L1
 constexpr int64_t kSplitKeys = 64;  // fewest keys worth a work item of their own (a tile)
-constexpr int kTransposeRows = 12;  // from this many rows on, keys are transposed for the scores
-constexpr int kScoreRows = kLanes == 16 ? 4 : 1;  // rows per register block of transposed scores
+constexpr int kLaneRows = 12;  // from this many rows on, the rows are the vector lanes (attend_rows)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 inline vec load(const float* p) {
@@ -116,85 +116,92 @@ inline void prefetch_row(const float* p) {
   for (int i = 0; i < D; i += 64 / sizeof(float)) __builtin_prefetch(p + i, 0, 2);  // into L2
 }
 
-// Scores of M rows of q ([M, D]) against a tile of keys transposed (kt [D][kTile]): M x kTile / L
-// accumulators in registers (AVX-512: 4 x 4), one broadcast of q per row and feature.
-template <int D, int M>
-inline void scores_t(const float* q, const float (*kt)[kTile], float (*s)[kTile]) {
-  constexpr int C = kTile / kLanes;
-  vec acc[M][C];
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) acc[i][c] = vec{};
-  for (int d = 0; d < D; ++d) {
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) {
-      const vec x = load(kt[d] + c * kLanes);
-#pragma GCC unroll 8
-      for (int i = 0; i < M; ++i) acc[i][c] += x * q[i * D + d];
-    }
-  }
-#pragma GCC unroll 8
-  for (int i = 0; i < M; ++i)
-#pragma GCC unroll 8
-    for (int c = 0; c < C; ++c) store(s[i] + c * kLanes, acc[i][c]);
-}
-
 struct Part {  // one work item's keys of one KV head: per row a running max, sum and weighted values
   float* m;    // [R]
   float* l;    // [R]
   float* acc;  // [R, D]
 };
 
+// 3. acc[r] += sum over the tile's keys jj of P(r, jj) * v[jj] for rows [0, R), P(r, jj) at
+// p[r * rs + jj * js]: RB rows at a time, so each value row is loaded once per RB rows.
+template <int NV>
+inline void accumulate(const float* p, int64_t rs, int64_t js, int R, const float* v, int64_t vs, int nj,
+                       float* acc) {
+  constexpr int D = NV * kLanes;
+  constexpr int RB = NV >= 16 ? 1 : 16 / NV > 4 ? 4 : 16 / NV;  // AVX-512, D = 64: 4 rows x 4 vectors
+  int r0 = 0;
+  for (; r0 + RB <= R; r0 += RB) {
+    vec a[RB][NV];
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 16
+      for (int t = 0; t < NV; ++t) a[i][t] = load(acc + (r0 + i) * D + t * kLanes);
+    for (int jj = 0; jj < nj; ++jj) {
+      const float* vr = v + jj * vs;
+      float w[RB];
+#pragma GCC unroll 4
+      for (int i = 0; i < RB; ++i) w[i] = p[(r0 + i) * rs + jj * js];
+#pragma GCC unroll 16
+      for (int t = 0; t < NV; ++t) {
+        const vec x = load(vr + t * kLanes);
+#pragma GCC unroll 4
+        for (int i = 0; i < RB; ++i) a[i][t] += x * w[i];
+      }
+    }
+#pragma GCC unroll 4
+    for (int i = 0; i < RB; ++i)
+#pragma GCC unroll 16
+      for (int t = 0; t < NV; ++t) store(acc + (r0 + i) * D + t * kLanes, a[i][t]);
+  }
+  for (; r0 < R; ++r0) {
+    vec a[NV];
+#pragma GCC unroll 16
+    for (int t = 0; t < NV; ++t) a[t] = load(acc + r0 * D + t * kLanes);
+    for (int jj = 0; jj < nj; ++jj) {
+      const float w = p[r0 * rs + jj * js];
+#pragma GCC unroll 16
+      for (int t = 0; t < NV; ++t) a[t] += load(v + jj * vs + t * kLanes) * w;
+    }
+#pragma GCC unroll 16
+    for (int t = 0; t < NV; ++t) store(acc + r0 * D + t * kLanes, a[t]);
+  }
+}
+
+inline void reset(Part out, int R, int D) {
+  std::fill(out.m, out.m + R, kNegInf);
+  std::fill(out.l, out.l + R, 0.f);
+  std::fill(out.acc, out.acc + static_cast<int64_t>(R) * D, 0.f);
+}
+
+// Few rows (R < kLaneRows): scores S[r][key], each key row dotted with every row (one horizontal sum
+// per score), the softmax per row over the tile's keys as vectors.
 // Rows [0, R) of q ([R, D], pre-scaled) against keys [j0, j1) of one head: k/v rows `ks`/`vs` floats
 // apart, bias row r at bias + (r % Q) * bs (nullptr: none). D = NV * kLanes.
 template <int NV>
-void attend(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias,
-            int64_t bs, int Q, int64_t j0, int64_t j1, Part out) {
+void attend_keys(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias,
+                 int64_t bs, int Q, int64_t j0, int64_t j1, Part out) {
   constexpr int D = NV * kLanes;
-  constexpr int RB = NV >= 16 ? 1 : 16 / NV > 4 ? 4 : 16 / NV;  // rows whose accumulators share a value load
-  alignas(64) float S[kMaxRows][kTile];
-  alignas(64) float Kt[R < kTransposeRows ? 1 : D][kTile];
-  for (int r = 0; r < R; ++r) {
-    out.m[r] = kNegInf;
-    out.l[r] = 0.f;
-    std::memset(out.acc + r * D, 0, D * sizeof(float));
-  }
+  alignas(64) float S[kLaneRows][kTile];
+  reset(out, R, D);
   for (int64_t jt = j0; jt < j1; jt += kTile) {
     const int nj = static_cast<int>(std::min<int64_t>(kTile, j1 - jt));
     const int64_t next = std::min<int64_t>(kTile, j1 - jt - nj);  // keys in the next tile
-    // 1. scores. One core alone streams at a fraction of memory speed: fetch this tile's values
-    // (read in 3.) and the next tile's keys while these keys are scored.
-    if (R < kTransposeRows) {  // each key row dotted with every row: a horizontal sum per score
-      for (int jj = 0; jj < nj; ++jj) {
-        const float* kr = k + (jt + jj) * ks;
-        prefetch_row<D>(v + (jt + jj) * vs);
-        if (jj < next) prefetch_row<D>(kr + kTile * ks);
-        vec kv[NV];
+    for (int jj = 0; jj < nj; ++jj) {  // 1. scores
+      const float* kr = k + (jt + jj) * ks;
+      // one core alone streams at a fraction of memory speed: fetch this tile's values (read in 3.)
+      // and the next tile's keys while these keys are scored
+      prefetch_row<D>(v + (jt + jj) * vs);
+      if (jj < next) prefetch_row<D>(kr + kTile * ks);
+      vec kv[NV];
 #pragma GCC unroll 16
-        for (int t = 0; t < NV; ++t) kv[t] = load(kr + t * kLanes);
-        for (int r = 0; r < R; ++r) {
-          const float* qr = q + r * D;
-          vec a = load(qr) * kv[0];
+      for (int t = 0; t < NV; ++t) kv[t] = load(kr + t * kLanes);
+      for (int r = 0; r < R; ++r) {
+        const float* qr = q + r * D;
+        vec a = load(qr) * kv[0];
 #pragma GCC unroll 16
-          for (int t = 1; t < NV; ++t) a += load(qr + t * kLanes) * kv[t];
-          S[r][jj] = hsum(a);
-        }
+        for (int t = 1; t < NV; ++t) a += load(qr + t * kLanes) * kv[t];
+        S[r][jj] = hsum(a);
       }
-    } else {  // many rows: the tile's keys transposed once, then scores as a small GEMM, no sums
-      for (int jj = 0; jj < kTile; ++jj) {
-        if (jj < nj) {
-          const float* kr = k + (jt + jj) * ks;
-          prefetch_row<D>(v + (jt + jj) * vs);
-          if (jj < next) prefetch_row<D>(kr + kTile * ks);
-          for (int d = 0; d < D; ++d) Kt[d][jj] = kr[d];
-        } else {
-          for (int d = 0; d < D; ++d) Kt[d][jj] = 0.f;
-        }
-      }
-      int r0 = 0;
-      for (; r0 + kScoreRows <= R; r0 += kScoreRows) scores_t<D, kScoreRows>(q + r0 * D, Kt, S + r0);
-      for (; r0 < R; ++r0) scores_t<D, 1>(q + r0 * D, Kt, S + r0);
     }
     for (int r = 0; r < R; ++r) {  // 2. online softmax
       float* s = S[r];
@@ -227,44 +234,133 @@ void attend(const float* q, int R, const float* k, int64_t ks, const float* v, i
         for (int t = 0; t < NV; ++t) store(a + t * kLanes, load(a + t * kLanes) * c);
       }
     }
-    int r0 = 0;  // 3. values, RB rows at a time
-    for (; r0 + RB <= R; r0 += RB) {
-      vec a[RB][NV];
-#pragma GCC unroll 4
-      for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 16
-        for (int t = 0; t < NV; ++t) a[i][t] = load(out.acc + (r0 + i) * D + t * kLanes);
-      for (int jj = 0; jj < nj; ++jj) {
-        const float* vr = v + (jt + jj) * vs;
-        float p[RB];
-#pragma GCC unroll 4
-        for (int i = 0; i < RB; ++i) p[i] = S[r0 + i][jj];
-#pragma GCC unroll 16
-        for (int t = 0; t < NV; ++t) {
-          const vec x = load(vr + t * kLanes);
-#pragma GCC unroll 4
-          for (int i = 0; i < RB; ++i) a[i][t] += x * p[i];
-        }
-      }
-#pragma GCC unroll 4
-      for (int i = 0; i < RB; ++i)
-#pragma GCC unroll 16
-        for (int t = 0; t < NV; ++t) store(out.acc + (r0 + i) * D + t * kLanes, a[i][t]);
-    }
-    for (; r0 < R; ++r0) {
-      vec a[NV];
-#pragma GCC unroll 16
-      for (int t = 0; t < NV; ++t) a[t] = load(out.acc + r0 * D + t * kLanes);
-      for (int jj = 0; jj < nj; ++jj) {
-        const float* vr = v + (jt + jj) * vs;
-        const float p = S[r0][jj];
-#pragma GCC unroll 16
-        for (int t = 0; t < NV; ++t) a[t] += load(vr + t * kLanes) * p;
-      }
-#pragma GCC unroll 16
-      for (int t = 0; t < NV; ++t) store(out.acc + r0 * D + t * kLanes, a[t]);
-    }
+    accumulate<NV>(&S[0][0], kTile, 1, R, v + jt * vs, vs, nj, out.acc);  // 3. values
   }
+}
+
+// Scores of keys [0, nj) of a tile for all rows as lanes: St[key][row] = Qt^T k + Bt[key][row] (Bt may
+// be null), mt[u] = the running max of lane vector u. KG keys at a time, so that KG x RV accumulator
+// chains hide the FMA latency (one key at a time, 64 dependent FMAs per score vector, ran at a third
+// of the speed) and each Qt load serves KG keys.
+template <int D, int RV>
+inline void scores_lanes(const float (*Qt)[kMaxRows], const float* k, int64_t ks, const float* v, int64_t vs,
+                         int nj, int64_t next, const float (*Bt)[kMaxRows], float (*St)[kMaxRows], vec* mt) {
+  constexpr int KG = std::max(1, std::min(4, (kLanes == 16 ? 16 : 8) / RV));
+  int jj = 0;
+  auto group = [&](auto kg) {
+    constexpr int G = decltype(kg)::value;
+    for (int g = 0; g < G; ++g) {
+      prefetch_row<D>(v + (jj + g) * vs);
+      if (jj + g < next) prefetch_row<D>(k + (jj + g + kTile) * ks);
+    }
+    vec a[G][RV];
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int u = 0; u < RV; ++u) a[g][u] = Bt != nullptr ? load(Bt[jj + g] + u * kLanes) : vec{};
+    for (int d = 0; d < D; ++d) {
+#pragma GCC unroll 8
+      for (int u = 0; u < RV; ++u) {
+        const vec qv = load(Qt[d] + u * kLanes);
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) a[g][u] += qv * k[(jj + g) * ks + d];
+      }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < G; ++g)
+#pragma GCC unroll 8
+      for (int u = 0; u < RV; ++u) {
+        store(St[jj + g] + u * kLanes, a[g][u]);
+        mt[u] = a[g][u] > mt[u] ? a[g][u] : mt[u];
+      }
+  };
+  for (; jj + KG <= nj; jj += KG) group(std::integral_constant<int, KG>{});
+  for (; jj < nj; ++jj) group(std::integral_constant<int, 1>{});
+}
+
+template <int D>
+inline void scores_by_rows(int RV, const float (*Qt)[kMaxRows], const float* k, int64_t ks, const float* v,
+                           int64_t vs, int nj, int64_t next, const float (*Bt)[kMaxRows], float (*St)[kMaxRows],
+                           vec* mt) {
+  switch (RV) {
+    case 1: return scores_lanes<D, 1>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 2: return scores_lanes<D, 2>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 3: return scores_lanes<D, 3>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 4: return scores_lanes<D, 4>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+#if !defined(__AVX512F__)
+    case 5: return scores_lanes<D, 5>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 6: return scores_lanes<D, 6>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 7: return scores_lanes<D, 7>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 8: return scores_lanes<D, 8>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+#endif
+  }
+}
+
+// Many rows (R >= kLaneRows): the rows are the vector lanes. q is transposed once ([D][RP], RP = R
+// padded to vectors); each key's scores for all rows are RP / L vectors, built by broadcasting the
+// key's features (no horizontal sums, no transposed keys), kept as St[key][row]; the running max and
+// sum are vectors over the rows too, and the bias is laid out [key][row] per tile.
+template <int NV>
+void attend_rows(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias,
+                 int64_t bs, int Q, int64_t j0, int64_t j1, Part out) {
+  constexpr int D = NV * kLanes;
+  constexpr int RVmax = kMaxRows / kLanes;
+  const int RV = (R + kLanes - 1) / kLanes, RP = RV * kLanes;
+  alignas(64) float Qt[D][kMaxRows];
+  alignas(64) float St[kTile][kMaxRows];
+  alignas(64) float Bt[kTile][kMaxRows];
+  for (int jj = 0; jj < kTile; ++jj)  // the padding lanes' bias: 0, not stack garbage (denormals are slow)
+    for (int r = R; r < RP; ++r) Bt[jj][r] = 0.f;
+  for (int d = 0; d < D; ++d)
+    for (int r = 0; r < RP; ++r) Qt[d][r] = r < R ? q[r * D + d] : 0.f;
+  vec m[RVmax], l[RVmax];
+  for (int u = 0; u < RV; ++u) m[u] = splat(kNegInf), l[u] = vec{};
+  reset(out, R, D);
+  for (int64_t jt = j0; jt < j1; jt += kTile) {
+    const int nj = static_cast<int>(std::min<int64_t>(kTile, j1 - jt));
+    const int64_t next = std::min<int64_t>(kTile, j1 - jt - nj);
+    if (bias != nullptr) {
+      for (int r = 0; r < R; ++r) {
+        const float* b = bias + static_cast<int64_t>(r % Q) * bs + jt;
+        for (int jj = 0; jj < nj; ++jj) Bt[jj][r] = b[jj];
+      }
+    }
+    vec mt[RVmax];
+    for (int u = 0; u < RV; ++u) mt[u] = splat(kNegInf);
+    scores_by_rows<D>(RV, Qt, k + jt * ks, ks, v + jt * vs, vs, nj, next, bias != nullptr ? Bt : nullptr, St, mt);
+    alignas(64) float c[kMaxRows];
+    for (int u = 0; u < RV; ++u) {  // 2. online softmax, all rows at once
+      const vec mn = m[u] > mt[u] ? m[u] : mt[u];
+      const vec safe = mn == splat(kNegInf) ? vec{} : mn;  // rows with every key hidden so far weigh 0
+      const vec cu = vexp(m[u] - safe);
+      vec sum{};
+      for (int jj = 0; jj < nj; ++jj) {
+        const vec p = vexp(load(St[jj] + u * kLanes) - safe);
+        store(St[jj] + u * kLanes, p);
+        sum += p;
+      }
+      l[u] = l[u] * cu + sum;
+      m[u] = mn;
+      store(c + u * kLanes, cu);
+    }
+    for (int r = 0; r < R; ++r) {
+      if (c[r] != 1.f) {
+        float* a = out.acc + r * D;
+        for (int t = 0; t < NV; ++t) store(a + t * kLanes, load(a + t * kLanes) * c[r]);
+      }
+    }
+    accumulate<NV>(&St[0][0], 1, kMaxRows, R, v + jt * vs, vs, nj, out.acc);  // 3. values
+  }
+  alignas(64) float mr[kMaxRows], lr[kMaxRows];
+  for (int u = 0; u < RV; ++u) store(mr + u * kLanes, m[u]), store(lr + u * kLanes, l[u]);
+  std::copy(mr, mr + R, out.m);
+  std::copy(lr, lr + R, out.l);
+}
+
+template <int NV>
+void attend(const float* q, int R, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias,
+            int64_t bs, int Q, int64_t j0, int64_t j1, Part out) {
+  (R < kLaneRows ? attend_keys<NV> : attend_rows<NV>)(q, R, k, ks, v, vs, bias, bs, Q, j0, j1, out);
 }
 
 using AttendFn = void (*)(const float*, int, const float*, int64_t, const float*, int64_t, const float*, int64_t,
