@@ -51,9 +51,10 @@ decode or verify block (up to ATTENTION_ROWS per KV head) against a KV store's v
 at ~24 GB/s; the kernel, its keys split across threads and prefetched, at 18-36 GB/s (30 layers of
 the default model's K/V, 2 threads, 2026-11-25, SDPA / kernel ms: 1 row x 2,000 tokens 5.9 / 2.7,
 1 x 7,000 29.7 / 14.2, B = 8 x 400 10.5 / 5.7, B = 8 x 2,000 50.9 / 31.9). With many rows over a
-short context its arithmetic is slower than SDPA's (16 rows x 200 tokens, in cache: 77 / 56 us a
-layer), so ``calibrate`` also times both at each of ATTENTION_POINTS (rows x keys) and a call takes
-the nearest point's faster one; ``SPECDEC_ATTENTION=sdpa`` keeps SDPA.
+short context it is compute-bound, and its first shape lost to SDPA there (16 rows x 200 tokens:
+0.75x; the rows-as-lanes shape since: 1.15x), so ``calibrate`` also times both at each of
+ATTENTION_POINTS (rows x keys) and a call takes the nearest point's faster one, as the linears'
+routes guard against a shape that suits another CPU; ``SPECDEC_ATTENTION=sdpa`` keeps SDPA.
 
 Same products, another summation order: results agree with F.linear to fp32 rounding, as a
 batched forward already differs from one row at a time. Only plain ``nn.Linear`` modules (and
@@ -315,8 +316,9 @@ def _calibrate_attention(g: torch.Generator, rounds: int, stream_mb: int) -> Non
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
               scale: float) -> torch.Tensor | None:
     """Attention of R grouped query rows per KV head through the kernel, or None where SDPA is the
-    route (another dtype or device, more than ATTENTION_ROWS rows, a head size without a shape, no
-    kernel, or the self-check found SDPA faster at this size).
+    route (another dtype or device, more than ATTENTION_ROWS rows, a head size without a shape, K/V
+    rows that are not contiguous, a bias of another shape, no kernel, or the self-check found SDPA
+    faster at this size).
 
     query [B, H, R, D]; key/value [B, H, L, D], views of a store (rows contiguous); bias additive
     [B or 1, 1, Q, L] with R a multiple of Q (row r masked by bias row r % Q: the grouped rows of one
@@ -324,7 +326,9 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias:
     """
     if (query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
             or value.dtype != torch.float32 or query.shape[2] > ATTENTION_ROWS
-            or (bias is not None and bias.dtype != torch.float32)
+            or key.stride(-1) != 1 or value.stride(-1) != 1
+            or (bias is not None and (bias.dtype != torch.float32 or bias.dim() != 4 or bias.shape[-1] != key.shape[2]
+                                      or query.shape[2] % bias.shape[2]))
             or (torch.is_grad_enabled() and query.requires_grad)):
         return None
     ops = extension()

@@ -85,6 +85,8 @@ def test_the_route_leaves_what_it_does_not_take_to_sdpa(ops, monkeypatch):
     assert kernels.attention(q, k, k, None, 0.125) is not None
     assert kernels.attention(q.double(), k.double(), k.double(), None, 0.125) is None
     assert kernels.attention(torch.randn(1, 1, kernels.ATTENTION_ROWS + 1, 64), k, k, None, 0.125) is None
+    assert kernels.attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, None, 0.125) is None
+    assert kernels.attention(q, k, k, torch.zeros(1, 1, 2, 8), 0.125) is None  # 3 rows, 2 bias rows
     monkeypatch.setattr(kernels, "_attention_routes", {(3, 256): False})
     assert kernels.attention(q, k, k, None, 0.125) is None  # the self-check found SDPA faster there
     monkeypatch.setattr(kernels, "_attention_routes", None)
