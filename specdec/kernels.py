@@ -210,9 +210,10 @@ def calibrate(features: tuple[int, int] = (1536, 576), rounds: int = 3, vocab: i
     lm_head at 6.4 ms against MKL's 2.3 ms (``W @ x^T``) on a Zen 4: hence the wide one.
     They are cycled so no call finds its weight cached by the previous one; rounds alternate the
     routes, and each keeps its fastest round (noise only ever adds time: a median let one busy moment
-    at process start send 1-row steps down F.linear for a whole benchmark run). ~1.5-2 s. A route that
-    is slower than torch's own for a size is never used for it: that is the guard against a kernel
-    shape that suits another CPU (see the module doc).
+    at process start send 1-row steps down F.linear for a whole benchmark run). ~1.5-2 s, and ~0.7 s
+    more for the attention kernel's points. A route that is slower than torch's own for a size is
+    never used for it: that is the guard against a kernel shape that suits another CPU (see the
+    module doc).
     """
     global _routes
     if _routes is not None or os.environ.get("SPECDEC_KERNEL_CALIBRATE") == "0":
