@@ -41,7 +41,8 @@ At batch B > 1 one verify runs B x (1 + k) rows, so its cost curve is the batch'
 and each class's measured gain are kept per batch size (``set_batch``; the live batch shrinks as
 sequences finish), and the same rule then stops drafting when B x (1 + k) rows cost more than the
 accepted tokens win; the tokens a draft wins are counted per row of the batch, from the measured
-share of rows that get a draft in the class (``_per_row``). BASS's own schedule (``DraftLengthConfig.bass()``: start at 7, +2 up to 32, shrink by ceil(l / 10) plus one per
+share of rows that get a draft in the class (``_per_row``). BASS's own schedule
+(``DraftLengthConfig.bass()``: start at 7, +2 up to 32, shrink by ceil(l / 10) plus one per
 consecutive shrink, never below the step's best accepted count) is a selectable policy without the
 cost gate, as in the paper.
 
@@ -104,12 +105,18 @@ def bass_shrink(length: int, consecutive: int) -> int:
     return math.ceil(length / 10) + consecutive
 
 
+def _running_mean(old: float | None, sample: float, decay: float) -> float:
+    """An exponentially decayed mean: the first sample as it is (old None), then decay * old +
+    (1 - decay) * sample."""
+    return sample if old is None else decay * old + (1 - decay) * sample
+
+
 def _running_time(old: float | None, sample: float, decay: float) -> float:
     """A running mean of seconds in which a sample counts at most 1.5x the estimate: one step that
     paid a store reallocation, an EAGLE catch-up or a stall of the machine moves it <= 10% (seen: a
     2-row verify's estimate left at 2.3x a plain step for the rest of a session, as 2-row blocks were
     not drafted again to correct it); a lasting change still comes through, step by step."""
-    return sample if old is None else decay * old + (1 - decay) * min(sample, 1.5 * old)
+    return sample if old is None else _running_mean(old, min(sample, 1.5 * old), decay)
 
 
 class _ClassState:
@@ -471,16 +478,12 @@ class DraftLengthController:
         if draft_time is not None:
             st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, self.config.decay)
         if len(parents) > 1:
-            self._add_share(st, sum(len(p) > 0 for p in parents) / len(parents))
+            share = sum(len(p) > 0 for p in parents) / len(parents)
+            st.row_share = _running_mean(st.row_share, share, self.config.decay)
         t1 = self.step_time.get(1)
         if t1:
             per_row = sum(1 + len(a) for a in accepted) / len(accepted)
             self._add_gain(st, per_row / (self.cost_ratio(1 + n) + self.draft_cost(n, key) / t1))
-
-    def _add_share(self, st: _ClassState, share: float) -> None:
-        """One step's share of the batch's rows that got a draft of the class, into its running mean."""
-        d = self.config.decay
-        st.row_share = share if st.row_share is None else d * st.row_share + (1 - d) * share
 
     def _add_gain(self, st: _ClassState, gain: float) -> None:
         """One drafting step's gain into the class's mean: the plain mean of the first 1 / (1 -
@@ -547,9 +550,9 @@ class DraftLengthController:
             st.draft_by_size[n] = _running_time(st.draft_by_size.get(n), draft_time, c.decay)
         st.skipped = 0
         if catch_up > 0:
-            st.catch_up = c.decay * st.catch_up + (1 - c.decay) * catch_up if st.catch_up else catch_up
+            st.catch_up = _running_mean(st.catch_up or None, catch_up, c.decay)  # 0.0: none measured yet
         if len(num_drafted) > 1:
-            self._add_share(st, sum(d > 0 for d in num_drafted) / len(num_drafted))
+            st.row_share = _running_mean(st.row_share, sum(d > 0 for d in num_drafted) / len(num_drafted), c.decay)
         t1 = self.step_time.get(1)
         if verify_time is not None and draft_time is not None and t1:
             # per sequence: tokens this step yielded over its seconds in units of a plain step (which
@@ -568,7 +571,7 @@ class DraftLengthController:
         hits = sum(num_accepted)
         trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)
         rate = hits / max(1, trials)
-        st.alpha = rate if st.alpha is None else c.decay * st.alpha + (1 - c.decay) * rate
+        st.alpha = _running_mean(st.alpha, rate, c.decay)
         whole = all(a == d for d, a in zip(num_drafted, num_accepted))
         st.whole = max(num_drafted) if whole else 0
         if probe:

@@ -50,7 +50,8 @@ def test_random_shapes_masks_and_store_views_agree_with_sdpa(ops):
             bias = torch.zeros(rng.choice([1, B]), 1, Q, L)
             hide = torch.rand(bias.shape, generator=g) < rng.random() * 0.9
             bias.masked_fill_(hide, rng.choice([MIN, float("-inf")]))
-            bias[..., L - Q:] = torch.where(torch.eye(Q, dtype=torch.bool), 0.0, bias[..., L - Q:])  # each row sees itself
+            own = bias[..., L - Q:]
+            bias[..., L - Q:] = torch.where(torch.eye(Q, dtype=torch.bool), 0.0, own)  # each row sees itself
         scale = D**-0.5
         got = ops.attention(q, k, v, bias, scale)
         want = _sdpa(q, k, v, bias, n, scale)
