@@ -362,6 +362,28 @@ def test_chain_drafts_climb_back_after_a_poor_start():
     assert min(drafted[first:]) >= 1 and drafted[-50:] == [10] * 50
 
 
+def test_a_probe_that_pays_reopens_drafting_whatever_the_old_misses_predict():
+    """StreamingLLM at 7k tokens after the attention kernel, as traced (2026-11-25): a draft token
+    costs 0.68 plain steps, a verify 1 + 0.045 per extra row. A summary's first two drafts missed (1
+    of 3, 0 of 1) and every draft after would be taken whole. The winning probes restarted the gain,
+    but the acceptance table, still weighing the first misses, priced every length out: 80 steps of
+    plain decoding, with probes of 1-3 tokens taken whole. Where the measured gain says drafting
+    pays, at least a token is drafted now (each a token past the last one taken whole), so the
+    table learns the new text."""
+    c = _cost_aware(explore_every=8, maximum=10)
+    verify = lambda q: 1.0 + 0.045 * (q - 1)  # noqa: E731
+    c.update([0], [0], verify_time=verify(1))
+    drafted = []
+    for i in range(60):
+        k = [3, 1][i] if i < 2 else c.budget()
+        _chain_step(c, [k], [[1, 0][i] if i < 2 else k], verify_time=verify(1 + k), draft_time=0.68 * k or None)
+        drafted.append(k)
+    first = next(i for i in range(2, 60) if drafted[i])
+    assert first == 9 and drafted[first] == 1  # one probe, 8 steps after the gate closed
+    assert drafted[first + 1 : first + 3] == [2, 3]  # reopened: each a token longer
+    assert drafted[-20:] == [10] * 20  # and drafting for good, at the longest length
+
+
 def test_chain_probes_lengthen_while_taken_whole():
     """Where a verify is dear (each extra row 1.5x a step) a probe taken whole still loses, so the
     gate stays shut; the next probe is two tokens longer (1, 3, 5), re-measuring deeper depths, and a

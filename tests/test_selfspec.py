@@ -344,6 +344,25 @@ def test_bench_figures_from_steps_and_the_cost_models_prediction():
     assert predicted_speedup(step_figures(steps[:1] + steps[3:]), 0.1) == 1.0  # never drafted
 
 
+def test_bench_records_predict_for_one_drafter_not_for_auto():
+    from specdec.bench.longctx import LongPrompt, finish_records, step_figures
+
+    prompt = LongPrompt(("b",), 100, "continue", (torch.arange(5),))
+    plain = [_step(0, 0, 0.0, 9.0)] + [_step(0, 0, 0.0, 0.1)] * 4
+    drafting = [_step(0, 0, 0.0, 9.0), _step(3, 3, 0.3, 0.2), _step(3, 1, 0.3, 0.2)]
+
+    def result(steps, n):
+        return {"outputs": [list(range(n))], "seconds": 10.0, "steps": len(steps), **step_figures(steps)}
+
+    records = {r["method"]: r for r in finish_records(prompt, {
+        "hf-generate": {"outputs": [list(range(5))], "seconds": 10.0},
+        "none": result(plain, 5), "streaming@512": result(drafting, 7), "auto": result(drafting, 7)})}
+    assert records["streaming@512"]["predicted"] == pytest.approx(omega(3, 0.8) * 0.1 / (0.3 + 0.2))
+    assert records["auto"]["predicted"] is None  # its steps mix drafters: no single cost model
+    assert records["auto"]["measured"] == pytest.approx((6 / 1.0) / (4 / 0.4))
+    assert records["none"]["identical"] == 1 and records["auto"]["identical"] == 0
+
+
 def test_bench_figures_at_a_batch_count_every_row_and_the_longest_draft():
     from specdec.bench.longctx import step_figures
     from specdec.decoder import StepStats
