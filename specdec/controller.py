@@ -321,22 +321,25 @@ class DraftLengthController:
             return 0  # time one plain step first: every cost below is relative to it
         if st.alpha is None and self.batch_size > 1:
             return 1  # a new class at a batch: a one-token probe first (B x 4 verify rows cost 4x a step)
-        k = self._chain_length(key)
+        k = priced = self._chain_length(key)
         if st.gain is not None and st.gain > 1.001:
             # the measured gain is the last word both ways (a tree's gate too, ``tree_budget``): where
             # drafting steps have paid, at least a token, whatever the acceptance table predicts. The
             # table, decayed 2% per draft, still weighed an answer's first misses: StreamingLLM at 7k
             # tokens missed its first drafts, then probes of 1-3 tokens were taken whole and restarted
             # the gain for 80 steps while the table priced every length out (a fixed 2-token draft,
-            # 0.91 accepted, was 5-6% faster than the controller over the answer)
+            # 0.91 accepted, was 5-6% faster than the controller over the answer). One token, not
+            # more: the table's own length only grows past a draft taken whole (below)
             k = max(k, 1)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
-            if self.batch_size == 1 and st.whole >= k:
+            if self.batch_size == 1 and st.whole >= k and priced > 0:
                 # the last draft, at least as long, was taken whole: one token past it, the depth
                 # the table knows least about (one_step_beyond's optimism, for a chain; BASS's step
                 # up). A miss at depth 2 in an answer's first step otherwise held StreamingLLM to
-                # one- and two-token drafts for dozens of steps of whole acceptance
+                # one- and two-token drafts for dozens of steps of whole acceptance. Not where the
+                # table prices every length out: at 2k tokens (a StreamingLLM token ~0.9 of a step)
+                # chains grown one past each whole one averaged 6 tokens and lost 11% to plain decoding
                 k = min(st.whole + 1, self.config.maximum)
             return k
         if not self._probe(st):

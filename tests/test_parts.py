@@ -368,8 +368,8 @@ def test_a_probe_that_pays_reopens_drafting_whatever_the_old_misses_predict():
     of 3, 0 of 1) and every draft after would be taken whole. The winning probes restarted the gain,
     but the acceptance table, still weighing the first misses, priced every length out: 80 steps of
     plain decoding, with probes of 1-3 tokens taken whole. Where the measured gain says drafting
-    pays, at least a token is drafted now (each a token past the last one taken whole), so the
-    table learns the new text."""
+    pays, at least a token is drafted now, so the table learns the new text, and once it prices a
+    length in, each draft taken whole is followed by one a token longer."""
     c = _cost_aware(explore_every=8, maximum=10)
     verify = lambda q: 1.0 + 0.045 * (q - 1)  # noqa: E731
     c.update([0], [0], verify_time=verify(1))
@@ -380,7 +380,8 @@ def test_a_probe_that_pays_reopens_drafting_whatever_the_old_misses_predict():
         drafted.append(k)
     first = next(i for i in range(2, 60) if drafted[i])
     assert first == 9 and drafted[first] == 1  # one probe, 8 steps after the gate closed
-    assert drafted[first + 1 : first + 3] == [2, 3]  # reopened: each a token longer
+    assert drafted[first + 1 : first + 3] == [1, 1]  # reopened: a token while the table prices more out
+    assert drafted[first + 3 : first + 8] == [2, 3, 4, 5, 6]  # then a token past each one taken whole
     assert drafted[-20:] == [10] * 20  # and drafting for good, at the longest length
 
 
