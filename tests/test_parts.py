@@ -341,21 +341,29 @@ def test_gate_judges_a_class_after_min_samples_and_reopens_after_good_probes():
     assert [c.gate() for _ in range(2)] == [False, True]  # closed again, a probe at 2
 
 
+def _poor_start(steps: int, draft_per_token: float, verify_per_row: float) -> list[int]:
+    """Chain lengths a controller drafts through an answer whose first two drafts miss (1 of 3, 0 of
+    1) and whose every draft after is taken whole, with a draft token costing ``draft_per_token``
+    plain steps and a verify 1 + ``verify_per_row`` per extra row (StreamingLLM at 7k, as traced)."""
+    c = _cost_aware(explore_every=8, maximum=10)
+    verify = lambda q: 1.0 + verify_per_row * (q - 1)  # noqa: E731
+    c.update([0], [0], verify_time=verify(1))
+    drafted = []
+    for i in range(steps):
+        k = [3, 1][i] if i < 2 else c.budget()
+        accepted = [1, 0][i] if i < 2 else k
+        _chain_step(c, [k], [accepted], verify_time=verify(1 + k), draft_time=draft_per_token * k or None)
+        drafted.append(k)
+    return drafted
+
+
 def test_chain_drafts_climb_back_after_a_poor_start():
     """StreamingLLM at 7k tokens, as traced: a draft costs 0.55 plain steps per token, a verify 1 +
-    0.07 per extra row. The answer's first two drafts miss (1 of 3, 0 of 1), then every draft would
-    be taken whole. One-token probes re-measured depth 1 only and the early miss at depth 2 priced
+    0.07 per extra row. One-token probes re-measured depth 1 only and the early miss at depth 2 priced
     longer drafts out, while the poor first mean held the gate shut (7 drafting steps in 250). Now
     the first winning probe restarts the gain, and each draft taken whole is followed by one a
     token longer, up to the maximum."""
-    c = _cost_aware(explore_every=8, maximum=10)
-    verify = lambda q: 1.0 + 0.07 * (q - 1)  # noqa: E731
-    c.update([0], [0], verify_time=verify(1))
-    drafted = []
-    for i in range(100):
-        k = [3, 1][i] if i < 2 else c.budget()
-        _chain_step(c, [k], [[1, 0][i] if i < 2 else k], verify_time=verify(1 + k), draft_time=0.55 * k or None)
-        drafted.append(k)
+    drafted = _poor_start(100, 0.55, 0.07)
     first = next(i for i in range(2, 100) if drafted[i])
     assert first == 9 and drafted[first] == 1  # one probe, 8 steps after the gate closed
     assert drafted[first + 1 : first + 10] == list(range(2, 11))  # each one longer than the last
@@ -364,20 +372,12 @@ def test_chain_drafts_climb_back_after_a_poor_start():
 
 def test_a_probe_that_pays_reopens_drafting_whatever_the_old_misses_predict():
     """StreamingLLM at 7k tokens after the attention kernel, as traced (2026-11-25): a draft token
-    costs 0.68 plain steps, a verify 1 + 0.045 per extra row. A summary's first two drafts missed (1
-    of 3, 0 of 1) and every draft after would be taken whole. The winning probes restarted the gain,
+    costs 0.68 plain steps, a verify 1 + 0.045 per extra row. The winning probes restarted the gain,
     but the acceptance table, still weighing the first misses, priced every length out: 80 steps of
     plain decoding, with probes of 1-3 tokens taken whole. Where the measured gain says drafting
     pays, at least a token is drafted now, so the table learns the new text, and once it prices a
     length in, each draft taken whole is followed by one a token longer."""
-    c = _cost_aware(explore_every=8, maximum=10)
-    verify = lambda q: 1.0 + 0.045 * (q - 1)  # noqa: E731
-    c.update([0], [0], verify_time=verify(1))
-    drafted = []
-    for i in range(60):
-        k = [3, 1][i] if i < 2 else c.budget()
-        _chain_step(c, [k], [[1, 0][i] if i < 2 else k], verify_time=verify(1 + k), draft_time=0.68 * k or None)
-        drafted.append(k)
+    drafted = _poor_start(60, 0.68, 0.045)
     first = next(i for i in range(2, 60) if drafted[i])
     assert first == 9 and drafted[first] == 1  # one probe, 8 steps after the gate closed
     assert drafted[first + 1 : first + 3] == [1, 1]  # reopened: a token while the table prices more out
