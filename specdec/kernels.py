@@ -124,8 +124,14 @@ def _skinny(x2: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 def extension():
     """The compiled ops of the variant in use, built on first use, or None if they can't be."""
+    return _in_use()[1]
+
+
+def _in_use():
+    """(the variant in use, its compiled ops): ``variant()`` and ``extension()`` from one read of
+    $SPECDEC_KERNEL (~0.65 us; the linear path took three a call, ~0.25 ms of a forward's 120)."""
     v = variant()
-    return None if v is None else _build(v)
+    return v, None if v is None else _build(v)
 
 
 @cache
@@ -314,6 +320,13 @@ def _calibrate_attention(g: torch.Generator, rounds: int, stream_mb: int) -> Non
     _attention_routes = routes
 
 
+@cache
+def _head_size_supported(ops, d: int) -> bool:
+    """``ops.attention_supports(d)``, asked once per build and head size (an op call, ~0.9 us, ~190
+    times a forward)."""
+    return ops.attention_supports(d)
+
+
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
               scale: float) -> torch.Tensor | None:
     """Attention of R grouped query rows per KV head through the kernel, or None where SDPA is the
@@ -333,7 +346,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias:
             or (torch.is_grad_enabled() and query.requires_grad)):
         return None
     ops = extension()
-    if ops is None or not ops.attention_supports(query.shape[-1]) or os.environ.get("SPECDEC_ATTENTION") == "sdpa":
+    if ops is None or not _head_size_supported(ops, query.shape[-1]) or os.environ.get("SPECDEC_ATTENTION") == "sdpa":
         return None
     if _attention_routes is not None and not _attention_routes.get(_attention_point(query.shape[2], key.shape[2])):
         return None
@@ -352,11 +365,14 @@ _packs: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 def packed(weight: torch.Tensor) -> torch.Tensor | None:
     """The weight packed for the kernel (made once per weight and version), or None without one."""
-    ops = extension()
-    if ops is None:
-        return None
+    v, ops = _in_use()
+    return None if ops is None else _packed(weight, v, ops)
+
+
+def _packed(weight: torch.Tensor, v: str, ops) -> torch.Tensor:
+    """``packed`` for variant ``v`` and its build ``ops``."""
     version = 0 if weight.is_inference() else weight._version  # inference tensors keep no version
-    key = (id(weight), variant())
+    key = (id(weight), v)
     entry = _packs.get(key)
     if entry is not None and entry[0]() is weight and entry[1] == version:
         return entry[2]
@@ -369,8 +385,8 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
 def _packed_linear(x2: torch.Tensor, weight: torch.Tensor, wide: bool = False) -> torch.Tensor | None:
     """[M, K] x [N, K]^T -> [M, N] for 1 <= M <= 16 through the packed kernel (its wide shape if
     ``wide``, where the build has one); None without it."""
-    wp = packed(weight)
-    return None if wp is None else extension().linear(x2, wp, weight.shape[0], wide)
+    v, ops = _in_use()
+    return None if ops is None else ops.linear(x2, _packed(weight, v, ops), weight.shape[0], wide)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
