@@ -15,6 +15,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "bench-period": ("specdec.bench.period", "BMC period sweep: attention-block time over T, lengths, batches"),
     "bench-verify": ("specdec.bench.verify_cost", "target forward time over 1..32 tokens (verify-cost curve)"),
     "bench-longctx": ("specdec.bench.longctx", "long-context self-speculation (MagicDec) vs HF generate"),
+    "bench-controller": ("specdec.bench.policy", "the draft-length controller vs every fixed length, on replayed steps"),
     "chat": ("specdec.chat", "terminal chat with speculative decoding"),
     "specbench": ("specdec.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
     "train-eagle": ("specdec.train_eagle", "train an EAGLE head for a target, offline"),
