@@ -59,8 +59,9 @@ class SpecDecoderConfig:
     # docs/benchmarks.md "PAD vs SPLIT" (this project's 2-core CPU): at 25% padded columns PAD won a
     # 1-row step by 9% (SPLIT won 4-row blocks by 7%), at 47% SPLIT won both (7%, 35%), at 71%+ by 1.4-8x
     split_waste: float = 0.3
-    # several sources (drafters.auto), greedy: the free sources' classes not chosen draft too, for
-    # every row, unverified, and are scored against the committed text (DraftLengthController.observe_shadow)
+    # greedy: a free drafter's classes that draft nothing in a step (several sources, drafters.auto: the
+    # free sources' classes not chosen; one free drafter: its class when gated off) draft too, for every
+    # row, unverified, and are scored against the committed text (DraftLengthController.observe_shadow)
     shadow_drafts: bool = True
 
     def __post_init__(self) -> None:
@@ -365,6 +366,12 @@ class SpecDecoder:
         if options is None:
             key = self.drafter.draft_class()
             budget = size(key)
+            if budget <= 0 and shadow and self.drafter.shadow_drafts:
+                # a free drafter's gated-off class is scored unverified (as auto's free sources are):
+                # its probes, spaced up to 64 steps, left prompt lookup's 1- and 2-gram classes shut
+                # through answers where they paid 1.4-1.6x at long contexts (replayed: the controller
+                # 4% slower than with its own class scored, 2% behind a fixed 9-token draft)
+                shadows = self._shadows(controller, [key], wanted, own=True)
         else:  # several sources: the one measured fastest that drafts (or one due a turn); or none
             free = self.drafter.shadows(options) if shadow else []
             key, budget = controller.choose(options, size, free)
@@ -374,16 +381,18 @@ class SpecDecoder:
             self.drafter.use(key)
         return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size)), shadows
 
-    def _shadows(self, controller: DraftLengthController, keys: list, wanted: int) -> list[_Shadow]:
-        """Unverified drafts of classes ``keys`` (free sources' classes not chosen, ``drafters.auto``).
-        Their seconds (0.1-0.5 ms a step for suffix) are part of the step's draft time: auto's price."""
+    def _shadows(self, controller: DraftLengthController, keys: list, wanted: int, own: bool = False) -> list[_Shadow]:
+        """Unverified drafts of classes ``keys`` (free sources' classes not chosen, ``drafters.auto``;
+        ``own``: a single free drafter's class that drafts nothing this step). Their seconds (0.1-0.5
+        ms a step for suffix) are part of the step's draft time: the price of scoring them."""
         out = []
         for key in keys:
-            n = controller.shadow_size(wanted, key, tree=self.drafter.sizes_own_tree(key))
+            own_tree = not self.drafter.follows_controller if own else self.drafter.sizes_own_tree(key)
+            n = controller.shadow_size(wanted, key, tree=own_tree)
             if n <= 0:
                 continue
             t0 = time.perf_counter()
-            tree = self.drafter.shadow(key, n)
+            tree = self.drafter.propose(n) if own else self.drafter.shadow(key, n)
             out.append(_Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
         return out
 

@@ -152,6 +152,34 @@ def test_auto_scores_its_free_sources_unverified_at_batch_1_greedy_only():
     assert samples <= drafted
 
 
+def test_a_single_free_drafter_scores_its_gated_off_class_unverified():
+    """Prompt lookup alone: a step its class drafts nothing in (gated off, priced out) still scores
+    a shadow draft of that class against the committed token, greedy only, exact every way."""
+    target = tiny_llama(5)
+    base = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(5))
+    ids = torch.cat([base, base[:, :20]], dim=1)
+    ref = hf_greedy(target, ids, 40)
+
+    def run(shadow_drafts, **kw):
+        decoder = SpecDecoder(target, PromptLookupDrafter(), SpecDecoderConfig(shadow_drafts=shadow_drafts))
+        scored, observe = [], decoder.controller.observe_shadow
+
+        def spy(parents, accepted, judged, draft_time=None, key=None):
+            scored.append((key, max(len(p) for p in parents)))
+            observe(parents, accepted, judged, draft_time, key)
+        decoder.controller.observe_shadow = spy
+        out = decoder.generate(ids, max_new_tokens=40, eos_token_id=None, **kw)
+        plain = sum(1 for st in out.steps[1:] if not any(st.num_drafted))
+        return out, scored, plain
+
+    out, scored, plain = run(True)
+    assert torch.equal(out.sequences, ref) and 0 < len(scored) <= plain and all(n >= 1 for _, n in scored)
+    out, scored, _ = run(False)
+    assert torch.equal(out.sequences, ref) and scored == []
+    _, scored, _ = run(True, do_sample=True, seed=0)
+    assert scored == []
+
+
 def test_auto_in_a_ragged_batch_outside_sources_prompt_ranges():
     target = tiny_llama(7)
     g = torch.Generator().manual_seed(7)

@@ -10,6 +10,7 @@ from specdec.bench.generation import fixed_setting
 from specdec.bench.policy import Recording, _leading, compare, overall, record, replay
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import SpecDecoderConfig
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.self_spec import StreamingDrafter
 
 TARGET = tiny_llama(5, layers=2)
@@ -28,26 +29,29 @@ def test_leading_matches():
     assert _leading([7], [3]) == 0
 
 
-def test_a_recording_predicts_every_step_of_the_decoder():
+@pytest.mark.parametrize("make", [_streaming, PromptLookupDrafter], ids=["streaming", "prompt-lookup"])
+def test_a_recording_predicts_every_step_of_the_decoder(make):
     """A k-token chain at answer token s accepts min(k, runs[s]): checked against the decoder's own
-    steps under fixed lengths and under the controller, on seeded prompts with partial acceptance."""
+    steps under fixed lengths and under an adaptive one, on seeded prompts with partial acceptance
+    (a prompt that repeats itself: prompt lookup finds matches)."""
     partial = 0
     for seed in range(2):
-        ids = torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(seed))
-        rec = record(TARGET, _streaming, ids, 40, None, depth=6, timed_tokens=20)
+        half = torch.randint(1, 128, (1, 15), generator=torch.Generator().manual_seed(seed))
+        ids = torch.cat([half, half], dim=1)
+        rec = record(TARGET, make, ids, 40, None, depth=6, timed_tokens=20)
         assert len(rec.tokens) == 40 and len(rec.runs) == len(rec.sizes) == len(rec.classes) == 38  # none at the last token (nothing wanted)
         assert set(rec.verify) <= set(range(1, 8)) and 1 in rec.verify and rec.draft
         partial += sum(0 < r < 6 for r in rec.runs)
         configs = [fixed_setting("k=2"), fixed_setting("k=5"),
                    SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False, initial=3, maximum=6))]
         for config in configs:
-            out = SpecDecoder(TARGET, _streaming(), config).generate(ids, max_new_tokens=40)
+            out = SpecDecoder(TARGET, make(), config).generate(ids, max_new_tokens=40)
             assert out.generated(0).tolist() == rec.tokens
             pos = 0
             for step in out.steps[1:]:
                 k, a = step.num_drafted[0], step.num_accepted[0]
                 if k:
-                    assert a == min(k, rec.runs[pos]), (seed, pos, k, a, rec.runs[pos])
+                    assert k <= rec.sizes[pos] and a == min(k, rec.runs[pos]), (seed, pos, k, a, rec.runs[pos])
                 pos += 1 + a
             if config.draft_length.cost_aware is False and not config.draft_length.adaptive:
                 assert replay(rec, k=config.draft_length.initial)[1] == len(out.steps) - 1
@@ -81,6 +85,22 @@ def test_compare_finds_the_best_fixed_length_and_scores_the_controller():
     row = compare(rec, lambda: DraftLengthController(SpecDecoderConfig().draft_length), max_k=8, seeds=3)
     assert row["best_k"] == 5 and row["best"] == max(row["fixed"].values()) > 4
     assert 1.0 < row["controller"] <= row["best"] + 1e-9 and row["noisy_worst"] <= row["noisy_mean"]
+
+
+def test_a_free_drafters_gated_off_class_is_scored_in_the_replay():
+    """As in the decoder: a step a free drafter's class drafts nothing in scores a shadow draft of it
+    against the one token the plain step commits; a drafter whose drafts cost forwards gets none."""
+    runs = ([0, 0, 0, 0, 0, 0, 3, 2, 1] * 12)[:107]
+    costs = {q: 1.0 + 0.1 * (q - 1) for q in range(1, 9)}, {k: 0.0 for k in range(8)}
+    shadows = {}
+    for free in (True, False):
+        rec = Recording("r", [0] * 108, runs, [6] * 107, [None] * 107, *costs, free=free)
+        c = DraftLengthController(SpecDecoderConfig().draft_length)
+        seen, observe = [], c.observe_shadow
+        c.observe_shadow = lambda p, a, j, d=None, key=None: (seen.append(j), observe(p, a, j, d, key))
+        replay(rec, c)
+        shadows[free] = seen
+    assert shadows[True] and all(j == [1] for j in shadows[True]) and shadows[False] == []
 
 
 def test_the_overall_row_is_the_geometric_mean_of_each_column():

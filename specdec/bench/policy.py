@@ -18,7 +18,8 @@ So each prompt is recorded once and replayed under any policy, with no timing no
   context (medians).
 - **Replay**: the decoder's loop without the model. A policy (the controller, or a fixed k) picks
   k; the step accepts min(k, runs[s]), costs t(1 + k) + d(k), and the controller is told what the
-  decoder would tell it. ``--noise`` multiplies every step's timings by a lognormal factor (the
+  decoder would tell it (for a free drafter, prompt lookup or suffix, also the shadow draft of a
+  class it gated off, scored against the one token the plain step commits). ``--noise`` multiplies every step's timings by a lognormal factor (the
   machine's noise, which the controller reads and reacts to), over ``--seeds`` replays.
 
     specdec bench-controller --books 3 --lengths 2048,7000 --instruction both --out results/policy
@@ -55,13 +56,14 @@ class Recording:
     verify: dict[int, float]  # rows per sequence (1 + k) -> seconds of a verify step
     draft: dict[int, float]  # k -> seconds of a k-token draft
     drafter: str = ""  # the --drafter it was recorded with (streaming at a budget: "streaming@512")
+    free: bool = False  # its drafts cost nothing and change nothing (``Drafter.shadow_drafts``)
 
     @staticmethod
     def from_json(d: dict) -> "Recording":
         return Recording(d["prompt"], d["tokens"], d["runs"], d["sizes"],
                          [tuple(c) if isinstance(c, list) else c for c in d["classes"]],
                          {int(q): t for q, t in d["verify"].items()}, {int(k): t for k, t in d["draft"].items()},
-                         d.get("drafter", ""))
+                         d.get("drafter", ""), d.get("free", False))
 
 
 class _Recorder(Drafter):
@@ -118,10 +120,12 @@ def record(model, make_drafter, ids: torch.Tensor, max_new_tokens: int, eos, key
         draft.setdefault(k, []).append(s.draft_time)
     return Recording(key, answer, runs, [len(d) for d in probe.drafts], probe.classes,
                      {q: statistics.median(v) for q, v in sorted(verify.items())},
-                     {k: statistics.median(v) for k, v in sorted(draft.items())}, drafter)
+                     {k: statistics.median(v) for k, v in sorted(draft.items())}, drafter,
+                     probe.inner.shadow_drafts)
 
 
-def replay(rec: Recording, controller=None, k: int = 0, noise: float = 0.0, seed: int = 0) -> tuple[float, int]:
+def replay(rec: Recording, controller=None, k: int = 0, noise: float = 0.0, seed: int = 0,
+           shadows: bool = True) -> tuple[float, int]:
     """(seconds, steps) of the answer's decode phase under ``controller`` (a DraftLengthController,
     told what the decoder tells it) or a fixed ``k`` (0: plain decoding); ``noise``: the sigma of a
     lognormal factor on each step's verify and draft seconds. A size not timed costs the nearest timed
@@ -151,11 +155,19 @@ def replay(rec: Recording, controller=None, k: int = 0, noise: float = 0.0, seed
         vt, dt = verify_time(1 + drafted), draft_time(drafted)
         if noise:
             vt, dt = vt * rng.lognormvariate(0, noise), dt * rng.lognormvariate(0, noise)
-        seconds, steps, pos = seconds + vt + dt, steps + 1, pos + 1 + accepted
+        shadow = 0
+        if controller is not None and drafted == 0 and rec.free and shadows:
+            # the decoder's shadow draft of a free drafter's gated-off class, scored against the one
+            # token the plain step commits
+            shadow = min(controller.shadow_size(wanted, key), size)
         if controller is not None:
             controller.update([drafted], [accepted], vt, dt, key)
             if drafted:
                 controller.observe_tree([list(range(-1, drafted - 1))], [list(range(accepted))], key)
+            if shadow > 0:
+                hit = min(1, rec.runs[pos] if pos < len(rec.runs) else 0)
+                controller.observe_shadow([list(range(-1, shadow - 1))], [list(range(hit))], [1], draft_time(shadow), key)
+        seconds, steps, pos = seconds + vt + dt, steps + 1, pos + 1 + accepted
     return seconds, steps
 
 
