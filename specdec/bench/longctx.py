@@ -308,13 +308,18 @@ def _ints(text: str, what: str) -> list[int]:
     return values
 
 
-def add_arguments(p) -> None:
+def add_prompt_arguments(p, lengths: str, max_new_tokens: int) -> None:
+    """The book prompts' options (also ``bench-controller``'s): model, excerpts, lengths, instruction."""
     p.add_argument("--model", default="default")
     p.add_argument("--questions", default=None, help=f"excerpts, JSONL of {{id, text}} (default: {BOOKS})")
     p.add_argument("--books", type=int, default=2, help="first N excerpts of the file")
-    p.add_argument("--lengths", default="1024,2048,4096,7000", help="excerpt tokens kept, from the start")
+    p.add_argument("--lengths", default=lengths, help="excerpt tokens kept, from the start")
     p.add_argument("--instruction", choices=["continue", "summary", "both"], default="both")
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+
+
+def add_arguments(p) -> None:
+    add_prompt_arguments(p, "1024,2048,4096,7000", 128)
     p.add_argument("--methods", default="hf-generate,none,streaming,snapkv,prompt-lookup")
     p.add_argument("--budgets", default="256,512,1024", help="KV rows of streaming and snapkv")
     p.add_argument("--batch-size", type=int, default=1,

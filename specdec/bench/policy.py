@@ -9,8 +9,8 @@ So each prompt is recorded once and replayed under any policy, with no timing no
   recording keeps ``runs[s]``, how many of them the target's greedy answer accepts, and the draft
   class the drafter reported. For a chain drafter this is what any step starting at s accepts:
   a k-token draft is the first k tokens of that chain, so it accepts min(k, runs[s]) where the
-  drafter's state is a function of the text alone (prompt lookup, suffix; StreamingLLM compacted
-  every step: the tests check every decoder step against the recording). With an ``overshoot`` the
+  drafter's state is a function of the text alone (prompt lookup; StreamingLLM compacted every
+  step: the tests check every decoder step against the recording). With an ``overshoot`` the
   StreamingLLM window holds budget .. budget + overshoot rows by where its last compaction fell, so
   a draft can differ by a token: at 7k tokens, budget 512, three decoder runs (fixed k = 1, 2 and the
   controller, ~300 steps) matched the recording at every step. A second generation cycles the draft
@@ -18,9 +18,10 @@ So each prompt is recorded once and replayed under any policy, with no timing no
   context (medians).
 - **Replay**: the decoder's loop without the model. A policy (the controller, or a fixed k) picks
   k; the step accepts min(k, runs[s]), costs t(1 + k) + d(k), and the controller is told what the
-  decoder would tell it (for a free drafter, prompt lookup or suffix, also the shadow draft of a
-  class it gated off, scored against the one token the plain step commits). ``--noise`` multiplies every step's timings by a lognormal factor (the
-  machine's noise, which the controller reads and reacts to), over ``--seeds`` replays.
+  decoder would tell it (for a free drafter, prompt lookup, also the shadow draft of a class it
+  gated off, scored against the one token the plain step commits). ``--noise`` multiplies every
+  step's timings by a lognormal factor (the machine's noise, which the controller reads and reacts
+  to), over ``--seeds`` replays.
 
     specdec bench-controller --books 3 --lengths 2048,7000 --instruction both --out results/policy
 
@@ -197,16 +198,11 @@ def overall(rows: list[dict]) -> dict:
 
 
 def add_arguments(p) -> None:
-    from specdec.bench.longctx import BOOKS
+    from specdec.bench.longctx import add_prompt_arguments
 
-    p.add_argument("--model", default="default")
-    p.add_argument("--questions", default=None, help=f"excerpts, JSONL of {{id, text}} (default: {BOOKS})")
-    p.add_argument("--books", type=int, default=2, help="first N excerpts of the file")
-    p.add_argument("--lengths", default="2048,7000", help="excerpt tokens kept, from the start")
-    p.add_argument("--instruction", choices=["continue", "summary", "both"], default="both")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    add_prompt_arguments(p, "2048,7000", 256)
     p.add_argument("--drafter", default="streaming", help="a chain drafter: streaming, snapkv (at --budget), "
-                                                          "or a registry name (prompt-lookup, suffix)")
+                                                          "or a registry name (prompt-lookup; not a tree drafter)")
     p.add_argument("--budget", type=int, default=512, help="KV rows of streaming / snapkv")
     p.add_argument("--depth", type=int, default=10, help="tokens drafted per position (the longest fixed k)")
     p.add_argument("--noise", type=float, default=0.05, help="sigma of the lognormal noise on step timings")
