@@ -52,6 +52,13 @@ BOOKS = next((p for p in (Path.cwd().parent / "shared" / "longctx" / "books.json
 INSTRUCTIONS = {"continue": "Continue the story.", "summary": "Summarize the passage above."}
 
 
+def prompt_key(books: tuple[str, ...], length: int, instruction: str) -> str:
+    """A prompt's name in the records. Example: ("b1",), 2048, "summary" -> "b1/2048/summary"."""
+    if len(books) == 1:
+        return f"{books[0]}/{length}/{instruction}"
+    return f"B{len(books)}:{'+'.join(books)}/{length}/{instruction}"
+
+
 @dataclass(frozen=True)
 class LongPrompt:
     books: tuple[str, ...]  # the excerpts' ids, one per sequence of the batch
@@ -61,9 +68,7 @@ class LongPrompt:
 
     @property
     def key(self) -> str:
-        if len(self.books) == 1:
-            return f"{self.books[0]}/{self.length}/{self.instruction}"
-        return f"B{len(self.books)}:{'+'.join(self.books)}/{self.length}/{self.instruction}"
+        return prompt_key(self.books, self.length, self.instruction)
 
     @property
     def tokens(self) -> int:
