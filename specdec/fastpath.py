@@ -15,6 +15,15 @@ steps): 1 row 20.4 -> 16.7 ms, 8 rows 25.7 -> 22.8 ms (unfused: 18.4 and 23.5 ms
 batch 1, path on vs off: plain decoding 1.96x vs 1.72x HF ``generate``, prompt lookup 3.06x vs 2.79x
 (docs/benchmarks.md, "The lean forward").
 
+fp32 blocks on CPU then run the ops between the matmuls fused (``csrc/layer_ops.cpp``, built with the
+kernels): each RMSNorm with the residual add before it, the q/k/v split with the rotary embedding,
+SiLU x up; 4 op calls a layer instead of ~35. Each of those small ops cost 5-7 us in place (the weight
+stream had just pushed its code and data out of the caches): ~6.9 ms of a 1-row step went to them
+on a Xeon, 3.2 ms since, and whole steps got 12-16% faster at 1-16 rows (2026-11-25, 2 threads;
+docs/benchmarks.md, "Verify cost in place"). The rotary embedding is bit for bit HF's, the norms
+and SiLU agree to fp32 rounding (another summation order, Cephes' exp), as the kernels' linears do.
+``SPECDEC_FUSED=off`` runs HF's ops one by one (read when a path is built).
+
 Only plain Llama-shaped decoders take it: ``llama``, and ``mistral`` / ``qwen2`` without a sliding
 window (Qwen2's q/k/v biases are fused too); RMSNorm, SiLU-gated MLP, one rotary table, no
 tensor-parallel split. Each path is checked against HF's forward once when built (a 5-token block;
@@ -93,6 +102,8 @@ class FastPath:
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
                 _cat_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj))
         self._sources = self._stamp()
+        # the fused layer ops (``_fused_layers``) where they apply; False: HF's ops, one by one
+        self.fuse = os.environ.get("SPECDEC_FUSED", "on") != "off"
 
     def replaced(self) -> list[nn.Module]:
         """The linears whose weights live on in the fused copies (never called by this path)."""
@@ -122,6 +133,11 @@ class FastPath:
         Dh, qs, kvs = self.head_dim, self.q_size, self.kv_size
         x = self.decoder.embed_tokens(input_ids)  # [B, Q, C]
         cos, sin = self.decoder.rotary_emb(x, position_ids)
+        ops = self._fused_ops(x, cos)
+        if ops is not None:
+            hidden = self._fused_layers(ops, cache, x, cos, sin, attention_mask, attention)
+            rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
+            return _linear(rows, self.head.weight, self.head.bias), hidden
         for i, layer in enumerate(self.layers):
             h = _rms(layer.norm1, x)
             q, k, v = _linear(h, layer.qkv, layer.qkv_bias).split([qs, kvs, kvs], dim=-1)
@@ -137,6 +153,33 @@ class FastPath:
         hidden = _rms(self.decoder.norm, x)
         rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
         return _linear(rows, self.head.weight, self.head.bias), hidden
+
+    def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor):
+        """The kernels' fused layer ops (``csrc/layer_ops.cpp``) if they take this forward (fp32 on CPU,
+        the rotary table as wide as a head, the kernels built and on), else None: HF's ops below."""
+        if not (self.fuse and x.dtype == torch.float32 and x.device.type == "cpu" and cos.dtype == torch.float32
+                and cos.dim() == 3 and cos.shape[-1] == self.head_dim):
+            return None
+        return kernels.extension()
+
+    def _fused_layers(self, ops, cache, x, cos, sin, attention_mask, attention) -> torch.Tensor:
+        """The layers through the fused ops: each norm fused with the residual add before it, q/k/v split
+        and rotated in one op, SiLU x up in one; the same math as the loop in ``__call__`` (the rotary
+        embedding bit for bit, the norms and SiLU to fp32 rounding). Returns the final norm's output."""
+        B, Q, _ = x.shape
+        cos, sin = cos.contiguous(), sin.contiguous()
+        hq, hkv = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        norms = [layer.norm1 for layer in self.layers[1:]] + [self.decoder.norm]
+        h = ops.rms_norm(x, self.layers[0].norm1.weight, self.layers[0].norm1.variance_epsilon)
+        for i, layer in enumerate(self.layers):
+            q, k, v = ops.rope_split(_linear(h, layer.qkv, layer.qkv_bias), cos, sin, hq, hkv)
+            k, v = cache.update(k, v, i)  # [B, Hkv, L, Dh] views of the store
+            o, _ = attention(layer.attn, q, k, v, attention_mask, dropout=0.0, scaling=layer.attn.scaling)
+            x, h = ops.add_rms_norm(x, _linear(o.reshape(B, Q, -1), layer.o.weight, layer.o.bias),
+                                    layer.norm2.weight, layer.norm2.variance_epsilon)
+            mlp = _linear(ops.silu_mul(_linear(h, layer.gate_up, layer.gate_up_bias)), layer.down.weight, layer.down.bias)
+            x, h = ops.add_rms_norm(x, mlp, norms[i].weight, norms[i].variance_epsilon)
+        return h
 
     def agrees(self, model) -> bool:
         """Run a 5-token block through HF's forward (``model``'s) and through this path; True if the

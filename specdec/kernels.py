@@ -89,7 +89,8 @@ MAX_ROWS = 16  # blocks up to this many rows take a fast path (0 turns them all 
 # chunks 11.4 / 12.8 / 17.4 / 34.0 / 67.1 (2026-11-25, 2 threads). Prefills of longer prompts keep F.linear.
 CHUNK_ROWS = 128
 MM_ROWS = 4  # uncalibrated: up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
-_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "decode_attention.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "decode_attention.cpp", "layer_ops.cpp")]
+_HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # in the build key, not compiled alone
 # variant -> (compiler flags, op namespace). "native" is what this CPU supports; "avx2" forces the
 # 8-float shape on any x86-64-v3 CPU, AVX-512 ones included.
 VARIANTS = {"native": (["-march=native"], "specdec_kernels"),
@@ -165,7 +166,7 @@ def _load(name: str, openmp: list[str]):
     from specdec.models import cache_root
 
     flags, ns = VARIANTS[name]
-    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES) + torch.__version__.encode() + " ".join([name, *flags, *openmp]).encode()
+    key = hashlib.sha256(b"".join(f.read_bytes() for f in _SOURCES + _HEADERS) + torch.__version__.encode() + " ".join([name, *flags, *openmp]).encode()
                          ).hexdigest()[:16]
     build = cache_root() / "torch_extensions" / f"packed_linear-{key}"
     build.mkdir(parents=True, exist_ok=True)

@@ -34,83 +34,21 @@
 #include <type_traits>
 #include <vector>
 
+#include "vec.h"
+
 #ifndef SPECDEC_OPS
 #define SPECDEC_OPS specdec_kernels
 #endif
 
 namespace {
 
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float vec __attribute__((vector_size(kLanes * sizeof(float))));
-typedef int32_t ivec __attribute__((vector_size(kLanes * sizeof(int32_t))));
+using namespace specdec_vec;
 
 constexpr int kMaxRows = 64;  // grouped query rows per KV head (the caller falls back past this)
 constexpr int kTile = 64;     // keys per tile: scores [rows, tile] stay in L1
 constexpr int64_t kSplitKeys = 64;  // fewest keys worth a work item of their own (a tile)
 constexpr int kLaneRows = 12;  // from this many rows on, the rows are the vector lanes (attend_rows)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-
-inline vec load(const float* p) {
-  vec v;
-  std::memcpy(&v, p, sizeof(vec));
-  return v;
-}
-
-inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
-
-inline vec splat(float x) { return vec{} + x; }
-
-inline float hsum(vec v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
-#elif defined(__AVX2__)
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(reinterpret_cast<__m256>(v)),
-                        _mm256_extractf128_ps(reinterpret_cast<__m256>(v), 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-#else
-  float s = 0.f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
-#endif
-}
-
-inline float hmax(vec v) {
-#if defined(__AVX512F__)
-  return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
-#else
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
-#endif
-}
-
-// e^x per lane (Cephes' expf: x = n ln2 + r, |r| <= ln2 / 2, a degree-6 polynomial in r, times 2^n);
-// exactly 0 below -87.3 (-inf included), where e^x is under float's smallest normal.
-inline vec vexp(vec x) {
-  const vec lo = splat(-87.3365447505531f), hi = splat(88.3762626647949f);
-  const vec xc = x < lo ? lo : (x > hi ? hi : x);
-  const vec magic = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer in the low bits
-  const vec t = xc * 1.44269504088896341f + magic;
-  const vec n = t - magic;
-  const vec r = xc - n * 0.693359375f - n * -2.12194440e-4f;
-  vec p = splat(1.9875691500e-4f);
-  p = p * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * r * r + r + 1.f;
-  ivec bits = reinterpret_cast<ivec>(t) - reinterpret_cast<ivec>(magic);  // n as an integer
-  bits = (bits + 127) << 23;
-  const vec y = p * reinterpret_cast<vec>(bits);
-  return x < lo ? vec{} : y;
-}
 
 template <int D>
 inline void prefetch_row(const float* p) {

@@ -1,0 +1,164 @@
+// The small ops between a decoder layer's matmuls, one op each instead of 5-15 of torch's.
+//
+// A decode or verify step of the default model (30 layers, 576 features) spends its time streaming
+// weights through the linears and ~6 ms of a ~30 ms step (the Xeon, 1 row, 2026-11-25) in the ops
+// between them: RMSNorm as HF writes it (8 ops), the q/k/v split, views and rotary embedding (~15),
+// the residual adds and SiLU x up. Each is a few hundred floats of work, but each is a Python call
+// and a dispatch whose code and data the weight stream has just pushed out of the caches: 5-7 us an
+// op in place (1-2 us in a loop). For the lean forward (specdec/fastpath.py):
+//   rms_norm(x, w, eps)          w * (x * 1 / sqrt(mean(x^2) + eps)) per row, fp32 statistics;
+//   add_rms_norm(x, d, w, eps)   (x + d, rms_norm(x + d)): the residual add and the next norm;
+//   rope_split(qkv, cos, sin, hq, hkv)  a fused q/k/v projection's rows split into q [B, hq, Q, D],
+//                                k and v [B, hkv, Q, D] (contiguous), q and k rotated as HF's
+//                                apply_rotary_pos_emb does: x * cos + rotate_half(x) * sin;
+//   silu_mul(gu)                 silu(g) * u for the fused gate/up output [..., 2I] -> [..., I].
+// Same formulas in the same order as HF's ops, compiled without contracting a * b + c into one FMA,
+// so the rotary embedding is bit for bit torch's; the norm's sum of squares is added in another order
+// and SiLU's exp is Cephes' (~1 ulp, torch's is Sleef's): those agree with torch to fp32 rounding,
+// like the kernels' linears. Every row is computed alone, the same in a block of 1 or 16 rows.
+#pragma GCC optimize("fp-contract=off")
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <tuple>
+
+#include "vec.h"
+
+#ifndef SPECDEC_OPS
+#define SPECDEC_OPS specdec_kernels
+#endif
+
+namespace {
+
+using namespace specdec_vec;
+
+void check(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
+              ": expected a contiguous float32 CPU tensor");
+}
+
+// out[j] = w[j] * (x[j] * r), r = 1 / sqrt(sum(x^2) / C + eps)
+void rms_row(const float* x, const float* w, float* out, int64_t C, float eps) {
+  vec acc{};
+  int64_t j = 0;
+  for (; j + kLanes <= C; j += kLanes) {
+    const vec v = load(x + j);
+    acc += v * v;
+  }
+  float s = 0.f;
+  for (int l = 0; l < kLanes; ++l) s += acc[l];
+  for (; j < C; ++j) s += x[j] * x[j];
+  const float r = 1.f / std::sqrt(s / static_cast<float>(C) + eps);
+  for (j = 0; j < C; ++j) out[j] = w[j] * (x[j] * r);
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check(x, "rms_norm x");
+  check(w, "rms_norm w");
+  const int64_t C = x.size(-1);
+  TORCH_CHECK(w.numel() == C, "rms_norm: weight of ", w.numel(), " for ", C, " features");
+  auto out = at::empty_like(x);
+  const int64_t rows = C ? x.numel() / C : 0;
+  for (int64_t i = 0; i < rows; ++i)
+    rms_row(x.data_ptr<float>() + i * C, w.data_ptr<float>(), out.data_ptr<float>() + i * C, C, static_cast<float>(eps));
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& d, const at::Tensor& w,
+                                                double eps) {
+  check(x, "add_rms_norm x");
+  check(d, "add_rms_norm d");
+  check(w, "add_rms_norm w");
+  TORCH_CHECK(x.sizes() == d.sizes(), "add_rms_norm: shapes ", x.sizes(), " and ", d.sizes());
+  const int64_t C = x.size(-1);
+  TORCH_CHECK(w.numel() == C, "add_rms_norm: weight of ", w.numel(), " for ", C, " features");
+  auto sum = at::empty_like(x), out = at::empty_like(x);
+  const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>();
+  float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
+  const int64_t n = x.numel();
+  for (int64_t j = 0; j < n; ++j) sp[j] = xp[j] + dp[j];
+  for (int64_t i = 0; C && i < n / C; ++i) rms_row(sp + i * C, w.data_ptr<float>(), op + i * C, C, static_cast<float>(eps));
+  return {sum, out};
+}
+
+// heads [B, Q, H, D] read at row stride N from src -> dst [B, H, Q, D]; rotated when cos != nullptr
+void heads(const float* src, int64_t N, float* dst, int64_t B, int64_t Q, int64_t H, int64_t D,
+           const float* cos, const float* sin, int64_t cs_batch) {
+  const int64_t half = D / 2;
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t t = 0; t < Q; ++t) {
+        const float* x = src + (b * Q + t) * N + h * D;
+        float* y = dst + ((b * H + h) * Q + t) * D;
+        if (cos == nullptr) {
+          std::memcpy(y, x, D * sizeof(float));
+          continue;
+        }
+        const float* c = cos + (b * cs_batch + t) * D;
+        const float* s = sin + (b * cs_batch + t) * D;
+        for (int64_t j = 0; j < half; ++j) y[j] = x[j] * c[j] + (-x[j + half]) * s[j];
+        for (int64_t j = half; j < D; ++j) y[j] = x[j] * c[j] + x[j - half] * s[j];
+      }
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv, const at::Tensor& cos,
+                                                          const at::Tensor& sin, int64_t hq, int64_t hkv) {
+  check(qkv, "rope_split qkv");
+  check(cos, "rope_split cos");
+  check(sin, "rope_split sin");
+  TORCH_CHECK(qkv.dim() == 3 && cos.dim() == 3 && cos.sizes() == sin.sizes(), "rope_split: qkv [B, Q, N], cos and sin [B or 1, Q, D]");
+  const int64_t B = qkv.size(0), Q = qkv.size(1), N = qkv.size(2), D = cos.size(2);
+  TORCH_CHECK(D % 2 == 0 && N == (hq + 2 * hkv) * D && cos.size(1) == Q && (cos.size(0) == B || cos.size(0) == 1),
+              "rope_split: qkv ", qkv.sizes(), " does not hold ", hq, " + 2 x ", hkv, " heads of cos ", cos.sizes());
+  auto q = at::empty({B, hq, Q, D}, qkv.options());
+  auto k = at::empty({B, hkv, Q, D}, qkv.options());
+  auto v = at::empty({B, hkv, Q, D}, qkv.options());
+  const float* src = qkv.data_ptr<float>();
+  const int64_t cb = cos.size(0) == 1 ? 0 : Q;
+  heads(src, N, q.data_ptr<float>(), B, Q, hq, D, cos.data_ptr<float>(), sin.data_ptr<float>(), cb);
+  heads(src + hq * D, N, k.data_ptr<float>(), B, Q, hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), cb);
+  heads(src + (hq + hkv) * D, N, v.data_ptr<float>(), B, Q, hkv, D, nullptr, nullptr, 0);
+  return {q, k, v};
+}
+
+at::Tensor silu_mul(const at::Tensor& gu) {
+  check(gu, "silu_mul");
+  const int64_t I2 = gu.size(-1), I = I2 / 2;
+  TORCH_CHECK(I2 % 2 == 0, "silu_mul: an odd last dimension ", I2);
+  auto sizes = gu.sizes().vec();
+  sizes.back() = I;
+  auto out = at::empty(sizes, gu.options());
+  const int64_t rows = I2 ? gu.numel() / I2 : 0;
+  const vec one = splat(1.f);
+  for (int64_t i = 0; i < rows; ++i) {
+    const float* g = gu.data_ptr<float>() + i * I2;
+    const float* u = g + I;
+    float* y = out.data_ptr<float>() + i * I;
+    int64_t j = 0;
+    for (; j + kLanes <= I; j += kLanes) {
+      const vec x = load(g + j);
+      store(y + j, x / (one + vexp(-x)) * load(u + j));
+    }
+    for (; j < I; ++j) y[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
+  }
+  return out;
+}
+
+}  // namespace
+
+#define SPECDEC_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
+#define SPECDEC_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
+SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
+  m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
+  m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
+  m.def("silu_mul(Tensor gu) -> Tensor");
+}
+SPECDEC_FRAGMENT_IMPL(SPECDEC_OPS, CPU, m) {
+  m.impl("rms_norm", &rms_norm);
+  m.impl("add_rms_norm", &add_rms_norm);
+  m.impl("rope_split", &rope_split);
+  m.impl("silu_mul", &silu_mul);
+}

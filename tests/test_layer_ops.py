@@ -1,0 +1,128 @@
+"""The fused layer ops (csrc/layer_ops.cpp) against HF's own ops, and the lean forward through them.
+
+fp32 targets take them (the float64 tiny models of most tests run HF's ops one by one): each op
+against the formula it replaces (the rotary embedding bit for bit), the path's logits against the
+unfused path's on chains, trees and ragged batches, and decoding through it token for token as the
+target's own greedy decoding, with drafts accepted in part.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from conftest import hf_greedy, perturbed, tiny_llama
+from specdec import fastpath
+from specdec.controller import DraftLengthConfig
+from specdec.decoder import SpecDecoder, SpecDecoderConfig
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.forward import forward_block
+from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.tree import ancestor_mask
+from specdec import kernels
+
+
+@pytest.fixture
+def ops():
+    ops = kernels.extension()
+    if ops is None:
+        pytest.skip("no kernel on this machine")
+    return ops
+
+
+def _rms(x, w, eps):
+    return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 576), (2, 5, 64), (1, 3, 70)])  # 70: a tail past the vectors
+def test_norms_match_hf_rmsnorm(ops, shape):
+    g = torch.Generator().manual_seed(sum(shape))
+    x, d, w = torch.randn(shape, generator=g), torch.randn(shape, generator=g), torch.randn(shape[-1], generator=g)
+    torch.testing.assert_close(ops.rms_norm(x, w, 1e-6), _rms(x, w, 1e-6), rtol=1e-6, atol=1e-6)
+    s, h = ops.add_rms_norm(x, d, w, 1e-5)
+    assert torch.equal(s, x + d)
+    torch.testing.assert_close(h, _rms(x + d, w, 1e-5), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("B,Q,hq,hkv,D,cos_batch", [(1, 1, 9, 3, 64, 1), (2, 7, 4, 2, 16, 2), (3, 4, 4, 2, 16, 1)])
+def test_rope_split_is_hf_rotary_bit_for_bit(ops, B, Q, hq, hkv, D, cos_batch):
+    g = torch.Generator().manual_seed(B * Q + D)
+    qkv = torch.randn(B, Q, (hq + 2 * hkv) * D, generator=g)
+    cos, sin = torch.randn(cos_batch, Q, D, generator=g), torch.randn(cos_batch, Q, D, generator=g)
+    q, k, v = qkv.split([hq * D, hkv * D, hkv * D], dim=-1)
+    q, k, v = (t.view(B, Q, -1, D).transpose(1, 2) for t in (q, k, v))
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k, got_v = ops.rope_split(qkv, cos, sin, hq, hkv)
+    assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k) and torch.equal(got_v, v)
+    assert got_q.is_contiguous() and got_k.is_contiguous() and got_v.is_contiguous()
+
+
+@pytest.mark.parametrize("shape", [(1, 1, 3072), (2, 3, 256), (1, 2, 70)])
+def test_silu_mul_matches_torch(ops, shape):
+    gu = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 6
+    gate, up = gu.chunk(2, dim=-1)
+    torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+def test_bad_shapes_are_named(ops):
+    with pytest.raises(RuntimeError, match="rope_split: qkv"):
+        ops.rope_split(torch.randn(1, 2, 100), torch.randn(1, 2, 16), torch.randn(1, 2, 16), 4, 2)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        ops.rms_norm(torch.randn(2, 8, dtype=torch.float64), torch.randn(8), 1e-6)
+    with pytest.raises(RuntimeError, match="silu_mul: an odd"):
+        ops.silu_mul(torch.randn(2, 7))
+
+
+def _blocks(model, fuse: bool):
+    """Logits and hidden states of a ragged batch of two: a chain, a tree block, a SPLIT chain."""
+    fastpath.get(model).fuse = fuse
+    g = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    cache = BMCCache.for_model(model, 2, BMCConfig(8))
+    ids = torch.randint(1, V, (2, 9), generator=g)
+    out = [forward_block(model, cache, ids, None, None, want_hidden=True)]
+    cache.commit([list(range(9)), list(range(5))])
+    mask = ancestor_mask(torch.tensor([[-1, 0, 0], [-1, -1, 1]]))
+    depth = torch.tensor([[0, 1, 2, 2], [0, 1, 1, 2]])
+    out.append(forward_block(model, cache, torch.randint(1, V, (2, 4), generator=g), mask, depth, want_hidden=True))
+    cache.commit([[0, 1, 3], [0, 2]])
+    out.append(forward_block(model, cache, torch.randint(1, V, (2, 3), generator=g), None, None, want_hidden=True,
+                             split=True))
+    return [(o.logits, o.hidden) for o in out]
+
+
+def test_fused_path_matches_the_unfused_one(ops, monkeypatch):
+    calls = {"n": 0}
+    real = fastpath.FastPath._fused_layers
+
+    def counted(self, *args):
+        calls["n"] += 1
+        return real(self, *args)
+
+    monkeypatch.setattr(fastpath.FastPath, "_fused_layers", counted)
+    model = tiny_llama(3, dtype=torch.float32)
+    assert fastpath.get(model) is not None  # built and checked against HF's forward (through the fused ops)
+    calls["n"] = 0
+    fused, plain = _blocks(model, True), _blocks(model, False)
+    assert calls["n"] == 3, "the fused layers did not run for every fp32 block"
+    for (lf, hf_), (lp, hp) in zip(fused, plain):
+        torch.testing.assert_close(lf, lp, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(hf_, hp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("batch", [1, 3])
+def test_decoding_through_the_fused_ops_is_exact(ops, seed, batch):
+    """fp32 targets, drafts accepted in part (a perturbed copy, prompt lookup), ragged batches: every row
+    equals the target's own greedy decoding (HF's generate, HF's ops)."""
+    target = tiny_llama(seed, dtype=torch.float32)
+    assert fastpath.get(target).fuse and fastpath.get(target)._fused_ops(torch.zeros(1, 1, 64),
+                                                                          torch.zeros(1, 1, 16)) is not None
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 128, (1, 5 + 4 * b), generator=g).repeat(1, 2) for b in range(batch)]
+    drafter = ModelDrafter(perturbed(target, 0.3, seed)) if seed % 2 else PromptLookupDrafter()
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(initial=5, maximum=5, adaptive=False, cost_aware=False))
+    out = SpecDecoder(target, drafter, config).generate([p[0] for p in prompts], max_new_tokens=30, eos_token_id=None)
+    for s, p in enumerate(prompts):
+        assert torch.equal(out.generated(s), hf_greedy(target, p, 30)[0, p.shape[1]:]), f"sequence {s}"
+    assert out.mean_accepted_tokens > 1.0, "no draft was accepted: the test would not see a verify"
