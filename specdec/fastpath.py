@@ -166,17 +166,35 @@ class FastPath:
         """The layers through the fused ops: each norm fused with the residual add before it, q/k/v split
         and rotated in one op, SiLU x up in one; the same math as the loop in ``__call__`` (the rotary
         embedding bit for bit, the norms and SiLU to fp32 rounding). Returns the final norm's output."""
+        from specdec.forward import grouped_attention
+
         B, Q, _ = x.shape
+        Dh = self.head_dim
         cos, sin = cos.contiguous(), sin.contiguous()
-        hq, hkv = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        hq, hkv = self.q_size // Dh, self.kv_size // Dh
+        rows = hq // hkv * Q  # grouped query rows per KV head
         norms = [layer.norm1 for layer in self.layers[1:]] + [self.decoder.norm]
         h = ops.rms_norm(x, self.layers[0].norm1.weight, self.layers[0].norm1.variance_epsilon)
+        # the attention kernel called here where grouped_attention would call it for every layer alike
+        # (a block with a mask, or one row): its route is asked once a forward, the mask cut once
+        kernel, direct = None, attention is grouped_attention and (attention_mask is not None or Q == 1)
         for i, layer in enumerate(self.layers):
             q, k, v = ops.rope_split(_linear(h, layer.qkv, layer.qkv_bias), cos, sin, hq, hkv)
             k, v = cache.update(k, v, i)  # [B, Hkv, L, Dh] views of the store
-            o, _ = attention(layer.attn, q, k, v, attention_mask, dropout=0.0, scaling=layer.attn.scaling)
-            x, h = ops.add_rms_norm(x, _linear(o.reshape(B, Q, -1), layer.o.weight, layer.o.bias),
-                                    layer.norm2.weight, layer.norm2.variance_epsilon)
+            if direct and kernel is None:  # the first layer decides for all that attend as many keys
+                keys = k.shape[2]
+                mask = None if attention_mask is None else attention_mask[..., :keys]
+                kernel = kernels.attention_op(q.view(B, hkv, rows, Dh), k, v, mask)
+                direct = kernel is not None
+            if direct and k.shape[2] == keys:
+                scale = layer.attn.scaling if layer.attn.scaling is not None else Dh**-0.5
+                o = kernel.attention(q.view(B, hkv, rows, Dh), k, v, mask, scale)
+                o = o.view(B, hq, Q, Dh).transpose(1, 2).reshape(B, Q, -1)
+            else:
+                o, _ = attention(layer.attn, q, k, v, attention_mask, dropout=0.0, scaling=layer.attn.scaling)
+                o = o.reshape(B, Q, -1)
+            x, h = ops.add_rms_norm(x, _linear(o, layer.o.weight, layer.o.bias), layer.norm2.weight,
+                                    layer.norm2.variance_epsilon)
             mlp = _linear(ops.silu_mul(_linear(h, layer.gate_up, layer.gate_up_bias)), layer.down.weight, layer.down.bias)
             x, h = ops.add_rms_norm(x, mlp, norms[i].weight, norms[i].variance_epsilon)
         return h

@@ -339,6 +339,13 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias:
     [B or 1, 1, Q, L] with R a multiple of Q (row r masked by bias row r % Q: the grouped rows of one
     query position share its mask), or None. Returns [B, H, R, D].
     """
+    ops = attention_op(query, key, value, bias)
+    return None if ops is None else ops.attention(query, key, value, bias, scale)
+
+
+def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None):
+    """The compiled ops whose ``attention`` takes this call (``attention``'s arguments, its rules), or
+    None for SDPA. A forward whose layers all attend alike asks once (``fastpath``), not per layer."""
     if (query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
             or value.dtype != torch.float32 or query.shape[2] > ATTENTION_ROWS
             or key.stride(-1) != 1 or value.stride(-1) != 1
@@ -351,7 +358,7 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias:
         return None
     if _attention_routes is not None and not _attention_routes.get(_attention_point(query.shape[2], key.shape[2])):
         return None
-    return ops.attention(query, key, value, bias, scale)
+    return ops
 
 
 def chunking() -> bool:

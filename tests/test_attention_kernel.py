@@ -117,14 +117,14 @@ def test_decoding_through_the_attention_kernel_stays_exact(seed, drafter, batch,
     partly accepted drafts, ragged batches; every row equals the target's own greedy decoding."""
     monkeypatch.setattr(kernels, "_attention_routes", None)  # uncalibrated: the kernel wherever it applies
     calls = {"kernel": 0}
-    real = kernels.attention
+    real = kernels.attention_op  # asked by kernels.attention, and once a forward by the lean path
 
     def counted(*args):
         out = real(*args)
         calls["kernel"] += out is not None
         return out
 
-    monkeypatch.setattr(kernels, "attention", counted)
+    monkeypatch.setattr(kernels, "attention_op", counted)
     target = tiny_llama(seed, dtype=torch.float32)
     if not ops.attention_supports(target.config.hidden_size // target.config.num_attention_heads):
         pytest.skip("no kernel shape for the tiny model's head size here")

@@ -126,3 +126,21 @@ def test_decoding_through_the_fused_ops_is_exact(ops, seed, batch):
     for s, p in enumerate(prompts):
         assert torch.equal(out.generated(s), hf_greedy(target, p, 30)[0, p.shape[1]:]), f"sequence {s}"
     assert out.mean_accepted_tokens > 1.0, "no draft was accepted: the test would not see a verify"
+
+
+@pytest.mark.parametrize("kind", ["streaming", "snapkv"])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_self_speculation_through_the_fused_ops_is_exact(ops, kind, seed):
+    """The drafter runs the target's own layers over a compressed cache (fewer keys than the target's
+    store): through the fused ops and the directly called attention kernel too, still exact."""
+    from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+
+    target = tiny_llama(seed, dtype=torch.float32)
+    ids = torch.randint(1, 128, (1, 40), generator=torch.Generator().manual_seed(seed)).repeat(1, 2)
+    drafter = (StreamingDrafter(target, budget=12, sink=4, overshoot=8) if kind == "streaming"
+               else SnapKVDrafter(target, budget=12, window=8, kernel=3, overshoot=8))
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(initial=4, maximum=4, adaptive=False, cost_aware=False))
+    out = SpecDecoder(target, drafter, config).generate(ids, max_new_tokens=30)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 30))
+    drafted = [s for s in out.steps if s.num_drafted[0]]
+    assert any(0 < s.num_accepted[0] < s.num_drafted[0] for s in drafted), "no draft was accepted in part"
