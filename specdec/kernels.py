@@ -130,7 +130,11 @@ def extension():
 
 def _in_use():
     """(the variant in use, its compiled ops): ``variant()`` and ``extension()`` from one read of
-    $SPECDEC_KERNEL (~0.65 us; the linear path took three a call, ~0.25 ms of a forward's 120)."""
+    $SPECDEC_KERNEL (~0.65 us; the linear path took three a call, ~0.25 ms of a forward's 120), or
+    none inside a ``skinny_linears`` block, which reads it once for the block (a generation)."""
+    pinned = _pinned.get()
+    if pinned is not None:
+        return pinned
     v = variant()
     return v, None if v is None else _build(v)
 
@@ -181,6 +185,8 @@ def _load(name: str, openmp: list[str]):
 # 0 outside any skinny_linears block: there a direct caller that follows it (fastpath) takes torch's
 # linears, as HF's unpatched modules would
 _max_rows: contextvars.ContextVar[int] = contextvars.ContextVar("specdec_max_rows", default=0)
+# (variant, ops) read once by the innermost ``skinny_linears`` block running, for its linears' calls
+_pinned: contextvars.ContextVar[tuple | None] = contextvars.ContextVar("specdec_pinned_variant", default=None)
 _routes: tuple[str, ...] | None = None  # route per block size 1..MAX_ROWS, once calibrated
 _chunked: bool | None = None  # whether chunks beat F.linear past MAX_ROWS rows, once calibrated
 
@@ -473,6 +479,7 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=()):
     patched = []
     skip = {id(m) for m in skip}
     token = _max_rows.set(max_rows)
+    pin = _pinned.set(_in_use() if max_rows > 0 else None)  # $SPECDEC_KERNEL once, not per call
     if max_rows > 0:
         calibrate()  # once per process, before any timed step
         for root in roots:
@@ -487,6 +494,7 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=()):
         for m in patched:
             del m.forward
         _max_rows.reset(token)
+        _pinned.reset(pin)
 
 
 def max_rows() -> int:

@@ -252,3 +252,28 @@ def test_a_compiler_without_openmp_still_builds_a_one_thread_kernel(monkeypatch,
     g = torch.Generator().manual_seed(5)
     w, x = torch.randn(50, 24, generator=g), torch.randn(7, 24, generator=g)
     torch.testing.assert_close(ops.linear(x, ops.pack(w), 50), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_skinny_linears_block_reads_the_variant_once(monkeypatch):
+    """$SPECDEC_KERNEL is read when a block starts (a generation), not at each of its ~120 linear calls
+    a forward; outside a block every call reads it."""
+    if kernels.extension() is None:
+        pytest.skip("no kernel on this machine")
+    monkeypatch.delenv("SPECDEC_KERNEL", raising=False)
+    reads = {"n": 0}
+    real = kernels.variant
+
+    def counted():
+        reads["n"] += 1
+        return real()
+
+    monkeypatch.setattr(kernels, "variant", counted)
+    x, w = torch.randn(8, 32), torch.randn(64, 32)
+    with kernels.skinny_linears(max_rows=16):
+        start = reads["n"]
+        monkeypatch.setenv("SPECDEC_KERNEL", "off")  # too late for this block: it keeps its variant
+        for _ in range(5):
+            assert kernels._packed_linear(x, w) is not None
+        assert reads["n"] == start
+    assert kernels._packed_linear(x, w) is None  # outside: the variable as it is now (off)
+    assert reads["n"] == start + 1
