@@ -40,9 +40,42 @@ def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForC
     return other
 
 
+def ragged_blocks(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(logits, hidden states) of three blocks of a ragged batch of two through ``forward_block``: a
+    prefill-sized chain, a tree block (row 0 forks under node 0, row 1 has two roots), a SPLIT chain."""
+    from specdec.forward import forward_block
+    from specdec.kv.bmc import BMCCache, BMCConfig
+    from specdec.tree import ancestor_mask
+
+    g = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    cache = BMCCache.for_model(model, 2, BMCConfig(8))
+    ids = torch.randint(1, V, (2, 9), generator=g)
+    out = [forward_block(model, cache, ids, None, None, want_hidden=True)]
+    cache.commit([list(range(9)), list(range(5))])  # row 1 keeps 5 of its 9: ragged from here
+    mask = ancestor_mask(torch.tensor([[-1, 0, 0], [-1, -1, 1]]))
+    depth = torch.tensor([[0, 1, 2, 2], [0, 1, 1, 2]])
+    out.append(forward_block(model, cache, torch.randint(1, V, (2, 4), generator=g), mask, depth, want_hidden=True))
+    cache.commit([[0, 1, 3], [0, 2]])
+    out.append(forward_block(model, cache, torch.randint(1, V, (2, 3), generator=g), None, None, want_hidden=True,
+                             split=True))
+    return [(o.logits, o.hidden) for o in out]
+
+
 def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                           pad_token_id=0, attention_mask=torch.ones_like(ids))
+
+
+@pytest.fixture
+def ops():
+    """The compiled CPU kernels (specdec/csrc), or the test is skipped on a machine without them."""
+    from specdec import kernels
+
+    ops = kernels.extension()
+    if ops is None:
+        pytest.skip("no kernel on this machine")
+    return ops
 
 
 @pytest.fixture(scope="session")

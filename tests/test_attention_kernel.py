@@ -16,14 +16,6 @@ from specdec.drafters import ModelDrafter, PromptLookupDrafter
 MIN = torch.finfo(torch.float32).min
 
 
-@pytest.fixture
-def ops():
-    ops = kernels.extension()
-    if ops is None:
-        pytest.skip("no kernel on this machine")
-    return ops
-
-
 def _sdpa(q, k, v, bias, n, scale):
     """SDPA with the bias repeated for the n grouped rows of each query position, as the decoder did."""
     mask = None if bias is None else bias.repeat(1, 1, n, 1)

@@ -14,14 +14,13 @@ import torch.nn as nn
 from transformers import (LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM,
                           Qwen3Config, Qwen3ForCausalLM)
 
-from conftest import hf_greedy, perturbed, tiny_llama
+from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
 from specdec import fastpath
 from specdec.decoder import SpecDecoder
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.tree import ancestor_mask
 
 SHAPE = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=256, bos_token_id=0, eos_token_id=None, pad_token_id=0)
@@ -45,22 +44,8 @@ def mistral(**kw):
 
 
 def _blocks(model, monkeypatch, on: bool):
-    """Logits and hidden states of a ragged batch: a prefill-sized chain, a tree block, a SPLIT chain."""
     monkeypatch.setenv("SPECDEC_FASTPATH", "on" if on else "off")
-    g = torch.Generator().manual_seed(0)
-    V = model.config.vocab_size
-    cache = BMCCache.for_model(model, 2, BMCConfig(8))
-    ids = torch.randint(1, V, (2, 9), generator=g)
-    out = [forward_block(model, cache, ids, None, None, want_hidden=True)]
-    cache.commit([list(range(9)), list(range(5))])  # row 1 keeps 5 of its 9: ragged from here
-    parents = torch.tensor([[-1, 0, 0], [-1, -1, 1]])  # row 0: a fork under node 0; row 1: two roots
-    mask = ancestor_mask(parents)
-    depth = torch.tensor([[0, 1, 2, 2], [0, 1, 1, 2]])
-    out.append(forward_block(model, cache, torch.randint(1, V, (2, 4), generator=g), mask, depth, want_hidden=True))
-    cache.commit([[0, 1, 3], [0, 2]])
-    out.append(forward_block(model, cache, torch.randint(1, V, (2, 3), generator=g), None, None, want_hidden=True,
-                             split=True))
-    return [(o.logits, o.hidden) for o in out]
+    return ragged_blocks(model)
 
 
 @pytest.mark.parametrize("make", [lambda: tiny_llama(3), qwen2, mistral], ids=["llama", "qwen2-bias", "mistral"])

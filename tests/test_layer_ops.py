@@ -11,23 +11,11 @@ import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from conftest import hf_greedy, perturbed, tiny_llama
+from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
 from specdec import fastpath
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
-from specdec.forward import forward_block
-from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.tree import ancestor_mask
-from specdec import kernels
-
-
-@pytest.fixture
-def ops():
-    ops = kernels.extension()
-    if ops is None:
-        pytest.skip("no kernel on this machine")
-    return ops
 
 
 def _rms(x, w, eps):
@@ -74,21 +62,8 @@ def test_bad_shapes_are_named(ops):
 
 
 def _blocks(model, fuse: bool):
-    """Logits and hidden states of a ragged batch of two: a chain, a tree block, a SPLIT chain."""
     fastpath.get(model).fuse = fuse
-    g = torch.Generator().manual_seed(0)
-    V = model.config.vocab_size
-    cache = BMCCache.for_model(model, 2, BMCConfig(8))
-    ids = torch.randint(1, V, (2, 9), generator=g)
-    out = [forward_block(model, cache, ids, None, None, want_hidden=True)]
-    cache.commit([list(range(9)), list(range(5))])
-    mask = ancestor_mask(torch.tensor([[-1, 0, 0], [-1, -1, 1]]))
-    depth = torch.tensor([[0, 1, 2, 2], [0, 1, 1, 2]])
-    out.append(forward_block(model, cache, torch.randint(1, V, (2, 4), generator=g), mask, depth, want_hidden=True))
-    cache.commit([[0, 1, 3], [0, 2]])
-    out.append(forward_block(model, cache, torch.randint(1, V, (2, 3), generator=g), None, None, want_hidden=True,
-                             split=True))
-    return [(o.logits, o.hidden) for o in out]
+    return ragged_blocks(model)
 
 
 def test_fused_path_matches_the_unfused_one(ops, monkeypatch):
