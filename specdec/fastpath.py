@@ -19,8 +19,9 @@ fp32 blocks on CPU then run the ops between the matmuls fused (``csrc/layer_ops.
 kernels): each RMSNorm with the residual add before it, the q/k/v split with the rotary embedding,
 SiLU x up; 4 op calls a layer instead of ~35. Each of those small ops cost 5-7 us in place (the weight
 stream had just pushed its code and data out of the caches): ~6.9 ms of a 1-row step went to them
-on a Xeon, 3.2 ms since, and whole steps got 12-16% faster at 1-16 rows (2026-11-25, 2 threads;
-docs/benchmarks.md, "Verify cost in place"). The rotary embedding is bit for bit HF's, the norms
+on a Xeon, 3.2 ms since (the attention kernel called here too), and whole steps got 15-18% faster
+at 1-16 rows at 200 tokens of context, 10-17% at 2,000 (2026-11-25, 2 threads; docs/benchmarks.md,
+"Verify cost in place"). The rotary embedding is bit for bit HF's, the norms
 and SiLU agree to fp32 rounding (another summation order, Cephes' exp), as the kernels' linears do.
 ``SPECDEC_FUSED=off`` runs HF's ops one by one (read when a path is built).
 
