@@ -119,3 +119,34 @@ def test_self_speculation_through_the_fused_ops_is_exact(ops, kind, seed):
     assert torch.equal(out.sequences, hf_greedy(target, ids, 30))
     drafted = [s for s in out.steps if s.num_drafted[0]]
     assert any(0 < s.num_accepted[0] < s.num_drafted[0] for s in drafted), "no draft was accepted in part"
+
+
+def test_fused_ops_that_disagree_are_dropped_not_the_path(ops, monkeypatch, caplog):
+    """The build-time check runs through the fused ops: if they disagree with HF's forward (here: made
+    to return junk), the path is kept without them, a warning says so, and decoding stays exact."""
+    import logging
+
+    real = fastpath.FastPath._fused_layers
+    monkeypatch.setattr(fastpath.FastPath, "_fused_layers", lambda self, *a: real(self, *a) * 1.5)
+    target = tiny_llama(5, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="specdec.fastpath"):
+        path = fastpath.get(target)
+    assert path is not None and not path.fuse
+    assert "fused layer ops disagree" in caplog.text
+    ids = torch.randint(1, 128, (1, 10), generator=torch.Generator().manual_seed(5)).repeat(1, 2)
+    out = SpecDecoder(target, PromptLookupDrafter()).generate(ids, max_new_tokens=20)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 20))
+
+
+def test_a_fused_op_that_fails_leaves_hf_ops(ops, monkeypatch, caplog):
+    import logging
+
+    def fails(self, *a):
+        raise RuntimeError("rope_split: qkv does not hold the heads")
+
+    monkeypatch.setattr(fastpath.FastPath, "_fused_layers", fails)
+    target = tiny_llama(6, dtype=torch.float32)
+    with caplog.at_level(logging.WARNING, logger="specdec.fastpath"):
+        path = fastpath.get(target)
+    assert path is not None and not path.fuse
+    assert "lean forward failed" in caplog.text and "rope_split" in caplog.text
