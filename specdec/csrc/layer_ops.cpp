@@ -16,7 +16,11 @@
 // so the rotary embedding is bit for bit torch's; the norm's sum of squares is added in another order
 // and SiLU's exp is Cephes' (~1 ulp, torch's is Sleef's): those agree with torch to fp32 rounding,
 // like the kernels' linears. Every row is computed alone, the same in a block of 1 or 16 rows.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#else
 #pragma GCC optimize("fp-contract=off")
+#endif
 
 #include <ATen/ATen.h>
 #include <torch/library.h>
