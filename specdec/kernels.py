@@ -90,7 +90,7 @@ MAX_ROWS = 16  # blocks up to this many rows take a fast path (0 turns them all 
 CHUNK_ROWS = 128
 MM_ROWS = 4  # uncalibrated: up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
 _SOURCES = [Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "decode_attention.cpp", "layer_ops.cpp")]
-_HEADERS = [Path(__file__).parent / "csrc" / "vec.h"]  # in the build key, not compiled alone
+_HEADERS = [Path(__file__).parent / "csrc" / f for f in ("vec.h", "ops.h")]  # in the build key, not compiled alone
 # variant -> (compiler flags, op namespace). "native" is what this CPU supports; "avx2" forces the
 # 8-float shape on any x86-64-v3 CPU, AVX-512 ones included.
 VARIANTS = {"native": (["-march=native"], "specdec_kernels"),

@@ -21,10 +21,6 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX512F__) || defined(__AVX2__)
-#include <immintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -34,11 +30,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "ops.h"
 #include "vec.h"
-
-#ifndef SPECDEC_OPS
-#define SPECDEC_OPS specdec_kernels
-#endif
 
 namespace {
 
@@ -406,10 +399,8 @@ bool attention_supports(int64_t D) { return supports(D); }
 
 }  // namespace
 
-#define SPECDEC_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define SPECDEC_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("attention(Tensor q, Tensor k, Tensor v, Tensor? bias, float scale) -> Tensor");
   m.def("attention_supports(int d) -> bool", &attention_supports);  // whether head size d has a shape
 }
-SPECDEC_FRAGMENT_IMPL(SPECDEC_OPS, CPU, m) { m.impl("attention", &attention); }
+SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("attention", &attention); }

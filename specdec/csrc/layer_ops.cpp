@@ -28,11 +28,8 @@
 #include <cmath>
 #include <tuple>
 
+#include "ops.h"
 #include "vec.h"
-
-#ifndef SPECDEC_OPS
-#define SPECDEC_OPS specdec_kernels
-#endif
 
 namespace {
 
@@ -152,15 +149,13 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 
 }  // namespace
 
-#define SPECDEC_FRAGMENT(ns, m) TORCH_LIBRARY_FRAGMENT(ns, m)
-#define SPECDEC_FRAGMENT_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
   m.def("silu_mul(Tensor gu) -> Tensor");
 }
-SPECDEC_FRAGMENT_IMPL(SPECDEC_OPS, CPU, m) {
+SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("add_rms_norm", &add_rms_norm);
   m.impl("rope_split", &rope_split);

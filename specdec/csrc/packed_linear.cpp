@@ -35,9 +35,7 @@
 #include <algorithm>
 #include <cstring>
 
-#ifndef SPECDEC_OPS
-#define SPECDEC_OPS specdec_kernels  // the op namespace; the AVX2 variant gets its own
-#endif
+#include "ops.h"
 
 namespace {
 
@@ -189,9 +187,6 @@ bool parallel() {
 
 }  // namespace
 
-// One more macro level so that SPECDEC_OPS expands before TORCH_LIBRARY pastes it.
-#define SPECDEC_LIBRARY(ns, m) TORCH_LIBRARY(ns, m)
-#define SPECDEC_LIBRARY_IMPL(ns, k, m) TORCH_LIBRARY_IMPL(ns, k, m)
 SPECDEC_LIBRARY(SPECDEC_OPS, m) {
   m.def("pack(Tensor w) -> Tensor");
   m.def("linear(Tensor x, Tensor wp, int n, bool wide=False) -> Tensor");
