@@ -277,3 +277,49 @@ def test_a_skinny_linears_block_reads_the_variant_once(monkeypatch):
         assert reads["n"] == start
     assert kernels._packed_linear(x, w) is None  # outside: the variable as it is now (off)
     assert reads["n"] == start + 1
+
+
+def test_huge_empty_is_aligned_and_marked_for_huge_pages(monkeypatch):
+    calls = []
+    monkeypatch.setattr(kernels, "_madvise", lambda: lambda addr, size, advice: calls.append((addr, size, advice)))
+    t = kernels.huge_empty(3 * 2**20 // 4 + 5)  # 3 MB and a bit: rounded to two huge pages
+    assert t.dtype == torch.float32 and t.numel() == 3 * 2**20 // 4 + 5
+    assert t.data_ptr() % kernels.HUGE_PAGE == 0
+    assert calls == [(t.data_ptr(), 2 * kernels.HUGE_PAGE, 14)]
+    t.fill_(1.5)  # writable to its last element
+    assert t[-1].item() == 1.5
+
+
+def test_hugepages_off_marks_nothing(monkeypatch):
+    monkeypatch.setenv("SPECDEC_HUGEPAGES", "off")
+    kernels._madvise.cache_clear()
+    try:
+        assert kernels._madvise() is None
+        assert kernels.huge_empty(10).numel() == 10
+    finally:
+        kernels._madvise.cache_clear()
+
+
+def test_slabs_cut_aligned_disjoint_tensors():
+    slabs = kernels.Slabs(slab_bytes=4 * 2**20)
+    sizes = [1, 17, 1000, 2**20 // 4, 3 * 2**20 // 4, 7]  # the fifth overflows the first slab
+    parts = [slabs.take(n) for n in sizes]
+    for p, n in zip(parts, sizes):
+        assert p.numel() == n and p.data_ptr() % 64 == 0
+        p.fill_(n)
+    for p, n in zip(parts, sizes):  # nothing cut twice: every part still holds its own fill
+        assert torch.all(p == n)
+    big = slabs.take(5 * 2**20 // 4)  # larger than a slab: a slab of its own
+    assert big.numel() == 5 * 2**20 // 4
+
+
+def test_packed_weights_live_in_the_slabs_and_stay_exact(monkeypatch):
+    if kernels.extension() is None:
+        pytest.skip("no kernel build here")
+    monkeypatch.setattr(kernels, "_slabs", kernels.Slabs(slab_bytes=2**20))
+    w = torch.randn(40, 24)
+    p = kernels.packed(w)
+    base = kernels._slabs._slab
+    assert base is not None and p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+    x = torch.randn(6, 24)
+    torch.testing.assert_close(kernels._packed_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
