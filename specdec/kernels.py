@@ -386,13 +386,14 @@ def chunking() -> bool:
 _packs: dict[tuple[int, str], tuple[weakref.ref, int, torch.Tensor]] = {}
 
 # The packed copies live in slabs of transparent huge pages (2 MB, x86-64 Linux): a step streams every
-# weight once, and with 4 KB pages ~130k TLB entries a step went to page walks. On a Xeon (Sapphire
-# Rapids class, KVM, 2 threads) the default model's linears took 21.0 -> 19.5 ms at 1 row, 24.2 ->
-# 22.5 at 8, 31.1 -> 30.0 at 16, and whole decoder steps at 200 tokens of context 31.5 -> 29.3 ms at
-# 1 row, 37.8 -> 35.3 at 8, 51.2 -> 47.7 at 16 (one process, alternating; 2026-11-25); the 1-row
-# kernel also stopped tying with F.linear at the self-check. Linux hands huge pages to regions marked
-# MADV_HUGEPAGE where transparent_hugepage is "madvise" or "always"; elsewhere the slabs are
-# ordinary memory. ``SPECDEC_HUGEPAGES=off`` leaves them ordinary.
+# weight once, ~130k pages of 4 KB (a plain read of all of them: 21.5 ms on 4 KB pages, 18 on 2 MB). On
+# a Xeon (Sapphire Rapids class, KVM, 2 threads) the default model's linears took 21.0 -> 19.5 ms at 1
+# row, 24.2 -> 22.5 at 8, 31.1 -> 30.0 at 16, and whole decoder steps at 200 tokens of context 31.5 ->
+# 29.3 ms at 1 row, 37.8 -> 35.3 at 8, 51.2 -> 47.7 at 16 (one process, alternating; 2026-11-26; at
+# 2,000 tokens see docs/benchmarks.md); the 1-row kernel also stopped tying with F.linear at the
+# self-check. Linux hands huge pages to regions marked MADV_HUGEPAGE where transparent_hugepage is
+# "madvise" or "always"; elsewhere the slabs are ordinary memory. ``SPECDEC_HUGEPAGES=off`` leaves
+# them ordinary.
 HUGE_PAGE = 2 << 20  # bytes
 SLAB_BYTES = 64 << 20  # one slab holds many packed weights (past glibc's mmap threshold: fresh pages)
 _MADV_HUGEPAGE = 14
