@@ -309,8 +309,10 @@ def test_slabs_cut_aligned_disjoint_tensors():
         p.fill_(n)
     for p, n in zip(parts, sizes):  # nothing cut twice: every part still holds its own fill
         assert torch.all(p == n)
+    storage = lambda t: t.untyped_storage().data_ptr()  # noqa: E731
+    assert storage(parts[4]) != storage(parts[0]) and storage(parts[5]) == storage(parts[4])
     big = slabs.take(5 * 2**20 // 4)  # larger than a slab: a slab of its own
-    assert big.numel() == 5 * 2**20 // 4
+    assert big.numel() == 5 * 2**20 // 4 and storage(big) not in (storage(parts[0]), storage(parts[4]))
 
 
 def test_packed_weights_live_in_the_slabs_and_stay_exact(monkeypatch):
