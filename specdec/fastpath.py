@@ -102,6 +102,8 @@ class FastPath:
                 _cat_bias(a.q_proj, a.k_proj, a.v_proj), a.o_proj, layer.post_attention_layernorm,
                 torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
                 _cat_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj))
+        # the norm after each layer: the next layer's input norm, the model's final norm after the last
+        self.next_norms = [layer.norm1 for layer in self.layers[1:]] + [self.decoder.norm]
         self._sources = self._stamp()
         # the fused layer ops (``_fused_layers``) where they apply; False: HF's ops, one by one
         self.fuse = os.environ.get("SPECDEC_FUSED", "on") != "off"
@@ -174,7 +176,6 @@ class FastPath:
         cos, sin = cos.contiguous(), sin.contiguous()
         hq, hkv = self.q_size // Dh, self.kv_size // Dh
         rows = hq // hkv * Q  # grouped query rows per KV head
-        norms = [layer.norm1 for layer in self.layers[1:]] + [self.decoder.norm]
         h = ops.rms_norm(x, self.layers[0].norm1.weight, self.layers[0].norm1.variance_epsilon)
         # the attention kernel called here where grouped_attention would call it for every layer alike
         # (a block with a mask, or one row): its route is asked once a forward, the mask cut once
@@ -197,7 +198,8 @@ class FastPath:
             x, h = ops.add_rms_norm(x, _linear(o, layer.o.weight, layer.o.bias), layer.norm2.weight,
                                     layer.norm2.variance_epsilon)
             mlp = _linear(ops.silu_mul(_linear(h, layer.gate_up, layer.gate_up_bias)), layer.down.weight, layer.down.bias)
-            x, h = ops.add_rms_norm(x, mlp, norms[i].weight, norms[i].variance_epsilon)
+            norm = self.next_norms[i]
+            x, h = ops.add_rms_norm(x, mlp, norm.weight, norm.variance_epsilon)
         return h
 
     def agrees(self, model) -> bool:

@@ -460,9 +460,8 @@ def _packed(weight: torch.Tensor, v: str, ops) -> torch.Tensor:
     if entry is not None and entry[0]() is weight and entry[1] == version:
         return entry[2]
     with torch.inference_mode(False), torch.no_grad():
-        p = ops.pack(weight.detach())
-        if p.device.type == "cpu" and p.dtype == torch.float32:
-            p = _slabs.take(p.numel()).view(p.shape).copy_(p)
+        p = ops.pack(weight.detach())  # fp32 on CPU (the op takes nothing else)
+        p = _slabs.take(p.numel()).view(p.shape).copy_(p)
     _packs[key] = (weakref.ref(weight, lambda _, k=key: _packs.pop(k, None)), version, p)
     return p
 
