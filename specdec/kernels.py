@@ -90,7 +90,8 @@ MAX_ROWS = 16  # blocks up to this many rows take a fast path (0 turns them all 
 # chunks 11.4 / 12.8 / 17.4 / 34.0 / 67.1 (2026-11-25, 2 threads). Prefills of longer prompts keep F.linear.
 CHUNK_ROWS = 128
 MM_ROWS = 4  # uncalibrated: up to here W @ x^T (MKL's skinny GEMM); past it the packed kernel
-_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "decode_attention.cpp", "layer_ops.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / f for f in ("packed_linear.cpp", "decode_attention.cpp", "layer_ops.cpp",
+                                                                 "layers.cpp")]
 _HEADERS = [Path(__file__).parent / "csrc" / f for f in ("vec.h", "ops.h")]  # in the build key, not compiled alone
 # variant -> (compiler flags, op namespace). "native" is what this CPU supports; "avx2" forces the
 # 8-float shape on any x86-64-v3 CPU, AVX-512 ones included.
@@ -496,6 +497,21 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if bias is not None:
         y = y + bias
     return y.contiguous().view(*x.shape[:-1], weight.shape[0])
+
+
+def plan(rows: int, max_rows: int) -> list[int]:
+    """How ``linear`` runs a block of ``rows`` rows, for a compiled caller that runs the routes itself
+    (``csrc/layers.cpp``): [start, end, route] per chunk of rows, route = its index in ROUTES (0: F.linear
+    over the whole block). Example (routes packed for 16 rows and 9, wide for 8): 17 rows -> [0, 9, 2,
+    9, 17, 3]; past max_rows -> [0, rows, 0]."""
+    if rows == 0 or rows > max_rows or rows > CHUNK_ROWS or (rows > MAX_ROWS and not chunking()):
+        return [0, rows, 0]
+    parts = [(0, rows)] if rows <= MAX_ROWS else chunks(rows)
+    r = routes()
+    ids = [ROUTES.index(r[b - a - 1]) for a, b in parts]
+    if 0 in ids:  # ``linear`` runs F.linear over the whole block if any chunk's route is F.linear's
+        return [0, rows, 0]
+    return [v for (a, b), i in zip(parts, ids) for v in (a, b, i)]
 
 
 def chunks(rows: int) -> list[tuple[int, int]]:

@@ -163,3 +163,41 @@ def test_period_model_grows_t_with_the_sequence_and_caps_padding():
     assert ts == sorted(ts) and ts[0] == 64 and ts[-1] == 1024  # never below 64; grows with the length
     with pytest.raises(ValueError, match="costs"):
         optimal_period(1, 1, PeriodCosts(copy=0.0, pad=1.0))
+
+
+def test_direct_buffers_grow_to_hold_the_planned_block():
+    """A forward that writes by itself (fastpath's one compiled call) gets every layer's buffers with room
+    for the planned block (capacity a multiple of T, grown once for all layers) and the rows' starts;
+    before the store has buffers it gets None (the layers' update makes them)."""
+    cache = BMCCache(num_layers=3, batch_size=2, config=BMCConfig(4), dtype=torch.float32)
+    cache.prepare_chain(5)
+    assert cache.direct_buffers() is None
+    k, v = torch.randn(2, 7, 16), torch.randn(2, 7, 16)
+    for i in range(3):
+        cache.layers[i].load_prefix(0, k, v, 8)
+        cache.layers[i].load_prefix(1, k[:, :5], v[:, :5], 8)
+    cache.lengths = [7, 5]
+    cache.prepare_chain(3)  # ragged: rows 7-9 and 5-7, the view 10 rows
+    keys, values, starts = cache.direct_buffers()
+    assert starts == [7, 5] and len(keys) == len(values) == 3
+    assert all(t.shape == (2, 2, 12, 16) and t.is_contiguous() for t in keys + values)  # 10 -> 12 (T = 4)
+    assert torch.equal(keys[0][0, :, :7], k) and torch.equal(values[2][1, :, :5], v[:, :5])  # kept rows copied
+    assert cache.num_allocations == 1  # counted once for the three layers
+
+
+@pytest.mark.parametrize("period,n", [(1, 30), (8, 50)])
+def test_allocations_are_ceil_n_over_t_through_the_one_call(period, n):
+    """fp32 targets write through the lean forward's one compiled call: still one reallocation per T tokens."""
+    from specdec import kernels
+
+    if kernels.extension() is None:
+        pytest.skip("no kernel on this machine")
+    model = tiny_llama(0, dtype=torch.float32)
+    cache = BMCCache.for_model(model, 1, BMCConfig(period))
+    _chain_forward(model, cache, torch.tensor([[5]]))  # the first block makes the buffers (the layers' update)
+    cache.commit([[0]])
+    for t in torch.randint(0, 128, (n - 1,)).tolist():
+        _chain_forward(model, cache, torch.tensor([[t]]))
+        cache.commit([[0]])
+    assert cache.num_allocations == math.ceil(n / period)
+    assert cache.capacity == math.ceil(n / period) * period

@@ -325,3 +325,22 @@ def test_packed_weights_live_in_the_slabs_and_stay_exact(monkeypatch):
     assert base is not None and p.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
     x = torch.randn(6, 24)
     torch.testing.assert_close(kernels._packed_linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_plan_gives_each_chunk_its_route(monkeypatch):
+    """``plan`` (for the one compiled call of csrc/layers.cpp) runs a block as ``linear`` would: one chunk
+    of its size's route up to MAX_ROWS, balanced chunks past it, F.linear (route 0) over the whole block
+    past max_rows or CHUNK_ROWS, where chunks lost the self-check, or where any chunk's route is F.linear's."""
+    routes = ["mm"] * 4 + ["packed"] * 4 + ["wide"] * 8
+    monkeypatch.setattr(kernels, "_routes", tuple(routes))
+    monkeypatch.setattr(kernels, "_chunked", True)
+    assert kernels.plan(1, 16) == [0, 1, 1]
+    assert kernels.plan(6, 16) == [0, 6, 2]
+    assert kernels.plan(17, 128) == [0, 9, 3, 9, 17, 2]  # 9 + 8 rows: wide, packed
+    assert kernels.plan(17, 16) == [0, 17, 0]  # past the caller's max_rows
+    assert kernels.plan(129, 1000) == [0, 129, 0]  # past CHUNK_ROWS
+    monkeypatch.setattr(kernels, "_routes", tuple(routes[:8] + ["linear"] + routes[9:]))
+    assert kernels.plan(18, 128) == [0, 18, 0]  # 9 + 9, and 9 rows take F.linear
+    assert kernels.plan(16, 128) == [0, 16, 3]
+    monkeypatch.setattr(kernels, "_chunked", False)
+    assert kernels.plan(17, 128) == [0, 17, 0]

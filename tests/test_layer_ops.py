@@ -150,3 +150,134 @@ def test_a_fused_op_that_fails_leaves_hf_ops(ops, monkeypatch, caplog):
         path = fastpath.get(target)
     assert path is not None and not path.fuse
     assert "lean forward failed" in caplog.text and "rope_split" in caplog.text
+
+
+def _count_one_calls(monkeypatch) -> dict:
+    calls = {"ran": 0, "declined": 0}
+    real = fastpath.FastPath._one_call
+
+    def counted(self, *args):
+        out = real(self, *args)
+        calls["ran" if out is not None else "declined"] += 1
+        return out
+
+    monkeypatch.setattr(fastpath.FastPath, "_one_call", counted)
+    return calls
+
+
+@pytest.mark.parametrize("kernel_routes", [False, True])
+def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes):
+    """All layers in one compiled call (csrc/layers.cpp) give the loop's logits and hidden states exactly,
+    through torch's linears and through the kernels' routes, on a chain, a ragged tree block and a SPLIT
+    block (the last declines: SPLIT attends per row, so the loop runs it)."""
+    from specdec import kernels
+
+    model = tiny_llama(3, dtype=torch.float32)
+    path = fastpath.get(model)
+    calls = _count_one_calls(monkeypatch)
+    outs = {}
+    for one_call in (True, False):
+        path.one_call = one_call
+        if kernel_routes:
+            with kernels.skinny_linears(model):
+                outs[one_call] = ragged_blocks(model)
+        else:
+            outs[one_call] = ragged_blocks(model)
+    # the first block fills a store with no buffers yet (its update makes them): declined; the tree block ran
+    assert calls == {"ran": 1, "declined": 1}
+    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+@pytest.mark.parametrize("attention", ["kernel", "sdpa"])
+def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, attention):
+    """Seeded property test: random batches (1-4 rows, ragged lengths), random trees and chains of 1-6
+    rows, BMC periods 1-16, random accepted paths: two stores, one fed by the one call and one by the
+    loop, give the same logits and hold the same K/V after every block, bit for bit."""
+    if attention == "sdpa":
+        monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
+    from specdec import kernels
+    from specdec.forward import forward_block
+    from specdec.kv.bmc import BMCCache, BMCConfig
+    from specdec.tree import ancestor_mask
+
+    model = tiny_llama(4, dtype=torch.float32)
+    path = fastpath.get(model)
+    calls = _count_one_calls(monkeypatch)
+    g = torch.Generator().manual_seed(0)
+    V = model.config.vocab_size
+    rand = lambda n: int(torch.randint(n, (1,), generator=g))  # noqa: E731
+    with kernels.skinny_linears(model):
+        for case in range(150):
+            B, T = 1 + rand(4), [1, 2, 3, 8, 16][rand(5)]
+            caches = {m: BMCCache.for_model(model, B, BMCConfig(T)) for m in (True, False)}
+            prompt = torch.randint(1, V, (B, 3 + rand(6)), generator=g)
+            for step in range(4):
+                Q = 1 + rand(6)
+                ids = torch.randint(1, V, (B, Q), generator=g)
+                chain = step == 0 or rand(2) == 0
+                if not chain:  # a random tree per row under the pending token: node j's parent is -1 (the
+                    # pending token) or an earlier node
+                    parents = torch.stack([torch.tensor([rand(j + 1) - 1 for j in range(Q - 1)], dtype=torch.long)
+                                           for _ in range(B)])
+                    mask = ancestor_mask(parents)
+                    depth = mask.sum(-1) - 1
+                outs = {}
+                for one_call, cache in caches.items():
+                    path.one_call = one_call
+                    block = prompt if step == 0 else ids
+                    outs[one_call] = (forward_block(model, cache, block, None, None) if chain
+                                      else forward_block(model, cache, block, mask, depth))
+                assert torch.equal(outs[True].logits, outs[False].logits), f"case {case} step {step}"
+                q = (prompt if step == 0 else ids).shape[1]
+                if chain:
+                    keep = [list(range(1 + rand(q))) for _ in range(B)]
+                else:  # the pending token and the path down to a random node of each row's tree
+                    keep = []
+                    for b in range(B):
+                        node, rows = rand(q) - 1, []
+                        while node >= 0:
+                            rows.append(1 + node)
+                            node = int(parents[b, node])
+                        keep.append([0] + rows[::-1])
+                for cache in caches.values():
+                    cache.commit(keep)
+                a, b_ = caches[True], caches[False]
+                assert a.lengths == b_.lengths
+                for la, lb in zip(a.layers, b_.layers):
+                    for b in range(B):
+                        n = a.lengths[b]
+                        assert torch.equal(la.keys[b, :, :n], lb.keys[b, :, :n])
+                        assert torch.equal(la.values[b, :, :n], lb.values[b, :, :n])
+    assert calls["ran"] >= 400, calls  # every block after a case's first went through the one call
+
+
+def test_one_call_with_sdpa_attention_is_the_loop_bit_for_bit(ops, monkeypatch):
+    """Where attention takes SDPA (the self-check found it faster, or SPECDEC_ATTENTION=sdpa), the one call
+    calls SDPA over the grouped rows as grouped_attention does: the loop's results exactly."""
+    monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
+    model = tiny_llama(3, dtype=torch.float32)
+    path = fastpath.get(model)
+    calls = _count_one_calls(monkeypatch)
+    outs = {}
+    for one_call in (True, False):
+        path.one_call = one_call
+        outs[one_call] = ragged_blocks(model)
+    assert calls == {"ran": 1, "declined": 1}
+    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+def test_the_layers_op_names_bad_arguments(ops):
+    x = torch.randn(1, 1, 64)
+    k = torch.zeros(1, 2, 8, 16)
+    with pytest.raises(RuntimeError, match="per layer 4 weights"):
+        ops.layers(x, x, [torch.randn(64, 64)], [], [None], [x[0, 0]] * 2, [1e-5] * 2, [k], [k], [0],
+                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 1, 0])
+    with pytest.raises(RuntimeError, match="1 starts for a batch of 2|starts for a batch"):
+        x2 = torch.randn(2, 1, 64)
+        ops.layers(x2, x2, [torch.randn(64, 64)] * 4, [], [None] * 4, [x[0, 0]] * 2, [1e-5] * 2, [k], [k], [0],
+                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 2, 0])
+    with pytest.raises(RuntimeError, match="route 7"):
+        ops.layers(x, x, [torch.randn(64, 64)] * 4, [], [None] * 4, [x[0, 0]] * 2, [1e-5] * 2, [k], [k], [0],
+                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 1, 7])

@@ -272,6 +272,21 @@ class BMCCache(Cache):
         position_ids = torch.arange(s, s + q, device=self.device)[None]
         return BlockInputs(position_ids.expand(B, q), bias.expand(B, 1, q, L))
 
+    def direct_buffers(self) -> tuple[list[torch.Tensor], list[torch.Tensor], list[int]] | None:
+        """For a forward that writes its block and attends by itself (the lean forward's one compiled
+        call, ``csrc/layers.cpp``): every layer's K/V buffers [B, H, C, D], grown now to hold the planned
+        block, and each batch row's first block row (the block goes to rows start .. start + Q, as
+        ``update`` writes it); None if a layer is not a plain BMC layer or has no buffers yet (its
+        ``update`` then does the work)."""
+        plan = self._plan
+        assert plan is not None, "BMCCache.prepare() must run before each forward"
+        if any(type(layer) is not BMCLayer or layer.keys is None for layer in self.layers):
+            return None
+        for layer in self.layers:
+            if plan.end > layer.capacity:
+                layer._grow(plan.end, layer.keys, layer.values)
+        return [layer.keys for layer in self.layers], [layer.values for layer in self.layers], plan.starts
+
     def commit(self, keep: list[list[int]]) -> None:
         """Keep block rows ``keep[b]`` (in order) of the last forward as batch row b's new rows.
 

@@ -1,0 +1,161 @@
+// Every decoder layer of a decode or verify block in one call: the lean forward's loop, without Python.
+//
+// A 1-row step of the default model (30 layers) made ~10 Python-level calls a layer between its four
+// linears: the fused ops, the K/V store's write, views, the attention kernel. Each call costs a few
+// microseconds of interpreter and dispatch, more in place (the weight stream has just pushed their code
+// and data out of the caches), and each gap leaves the memory system idle before the next linear starts
+// streaming its weights. ``layers`` runs the same ops in the same order for every layer of a block:
+//   h = the first layer's input norm (the caller's); for each layer i:
+//     q, k, v = rope_split(linear(h, qkv_i));  k, v written at rows starts[b] .. starts[b] + Q of the
+//     store's buffers (as BMCLayer.update writes them); o = attention(q, k_view, v_view, mask) over the
+//     first ``end`` rows (the kernel, or where the self-check found SDPA faster, SDPA over the grouped
+//     query rows as forward.grouped_attention calls it);  x, h = add_rms_norm(x, linear(o, o_i), norm2_i);
+//     x, h = add_rms_norm(x, linear(silu_mul(linear(h, gate_up_i)), down_i), next_norm_i)
+// and returns (x, h). The ops are this build's own (the dispatcher's handles, found once), the linears
+// by the routes the caller planned: per chunk of rows, F.linear (0), W @ x^T (1: an odd row count padded
+// with a zero row, as kernels._skinny), the packed kernel (2) or its wide shape (3). Same ops, same
+// order, same arguments as specdec/fastpath.py's loop: the results are the loop's, bit for bit.
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+#include <cstring>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "ops.h"
+
+#define SPECDEC_STR2(x) #x
+#define SPECDEC_STR(x) SPECDEC_STR2(x)
+
+namespace {
+
+using at::Tensor;
+using Pair = std::tuple<Tensor, Tensor>;
+using Triple = std::tuple<Tensor, Tensor, Tensor>;
+
+c10::OperatorHandle op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow((std::string(SPECDEC_STR(SPECDEC_OPS)) + "::" + name).c_str(), "");
+}
+
+struct Ops {
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t, bool)> linear;
+  c10::TypedOperatorHandle<Triple(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)> rope_split;
+  c10::TypedOperatorHandle<Pair(const Tensor&, const Tensor&, const Tensor&, double)> add_rms_norm;
+  c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>
+      attention;
+};
+
+const Ops& ops() {
+  static const Ops o{
+      op("linear").typed<Tensor(const Tensor&, const Tensor&, int64_t, bool)>(),
+      op("rope_split").typed<Triple(const Tensor&, const Tensor&, const Tensor&, int64_t, int64_t)>(),
+      op("add_rms_norm").typed<Pair(const Tensor&, const Tensor&, const Tensor&, double)>(),
+      op("silu_mul").typed<Tensor(const Tensor&)>(),
+      op("attention").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>(),
+  };
+  return o;
+}
+
+enum Route : int64_t { kLinear = 0, kMm = 1, kPacked = 2, kWide = 3 };
+
+// kernels.linear over x [..., K] by the planned chunks: plan = [start, end, route] per chunk of rows
+Tensor linear(const Tensor& x, const Tensor& w, const Tensor& packed, const std::optional<Tensor>& bias,
+              const std::vector<int64_t>& plan) {
+  const int64_t K = x.size(-1), rows = x.numel() / K, N = w.size(0);
+  auto out_sizes = x.sizes().vec();
+  out_sizes.back() = N;
+  if (plan.size() == 3 && plan[2] == kLinear) return at::linear(x, w, bias);
+  const Tensor x2 = x.reshape({rows, K});
+  std::vector<Tensor> parts;
+  for (size_t c = 0; c < plan.size(); c += 3) {
+    const Tensor xc = x2.slice(0, plan[c], plan[c + 1]);
+    const int64_t m = plan[c + 1] - plan[c];
+    if (plan[c + 2] == kMm) {
+      const Tensor xp = m % 2 ? at::cat({xc, at::zeros({1, K}, xc.options())}) : xc;
+      parts.push_back(at::mm(w, xp.t()).t().slice(0, 0, m));
+    } else {
+      parts.push_back(ops().linear.call(xc, packed, N, plan[c + 2] == kWide));
+    }
+  }
+  Tensor y = parts.size() == 1 ? parts[0] : at::cat(parts);
+  if (bias.has_value()) y = y + *bias;
+  return y.contiguous().view(out_sizes);
+}
+
+Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::TensorList packed,
+            const c10::List<std::optional<Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
+            at::TensorList keys, at::TensorList values, at::IntArrayRef starts, const Tensor& cos, const Tensor& sin,
+            const std::optional<Tensor>& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef plan,
+            bool kernel_attention) {
+  const int64_t n = static_cast<int64_t>(keys.size());
+  TORCH_CHECK(x0.dim() == 3 && h0.sizes() == x0.sizes(), "layers: x and h [B, Q, C]");
+  TORCH_CHECK(values.size() == keys.size() && weights.size() == static_cast<size_t>(4 * n) &&
+                  biases.size() == weights.size() && norms.size() == static_cast<size_t>(2 * n) &&
+                  eps.size() == norms.size(),
+              "layers: per layer 4 weights and biases, 2 norms with their eps, keys and values; got ",
+              weights.size(), " weights, ", biases.size(), " biases, ", norms.size(), " norms, ", eps.size(),
+              " eps, ", keys.size(), " keys and ", values.size(), " values");
+  const std::vector<int64_t> chunks(plan.begin(), plan.end());
+  TORCH_CHECK(!chunks.empty() && chunks.size() % 3 == 0, "layers: a plan of [start, end, route] chunks");
+  bool kernel = false;
+  for (size_t c = 2; c < chunks.size(); c += 3) {
+    TORCH_CHECK(chunks[c] >= kLinear && chunks[c] <= kWide, "layers: route ", chunks[c], " is not 0-3");
+    kernel = kernel || chunks[c] >= kPacked;
+  }
+  TORCH_CHECK(!kernel || packed.size() == weights.size(), "layers: the plan runs the kernel, ", packed.size(),
+              " packed weights for ", weights.size());
+  const int64_t B = x0.size(0), Q = x0.size(1);
+  TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "layers: ", starts.size(), " starts for a batch of ", B);
+  int64_t end = 0;
+  for (int64_t s : starts) end = std::max(end, s + Q);
+  TORCH_CHECK(kernel_attention || (mask.has_value() && hq > hkv),
+              "layers: SDPA's attention here only for grouped heads under a mask (forward.grouped_attention's path)");
+  std::optional<Tensor> grouped_mask;  // SDPA's: the mask repeated for each query head of a group
+  if (!kernel_attention) grouped_mask = Q > 1 ? mask->repeat({1, 1, hq / hkv, 1}) : *mask;
+  Tensor x = x0, h = h0;
+  for (int64_t i = 0; i < n; ++i) {
+    const auto lin = [&](const Tensor& in, int64_t j) {
+      const int64_t at = 4 * i + j;
+      return linear(in, weights[at], kernel ? packed[at] : weights[at], biases.get(at), chunks);
+    };
+    auto [q, k, v] = ops().rope_split.call(lin(h, 0), cos, sin, hq, hkv);  // q [B, hq, Q, D], k/v [B, hkv, Q, D]
+    const Tensor &kb = keys[i], &vb = values[i];
+    const int64_t D = q.size(3);
+    TORCH_CHECK(kb.dim() == 4 && kb.size(0) == B && kb.size(1) == hkv && kb.size(3) == D && kb.size(2) >= end &&
+                    kb.is_contiguous() && vb.sizes() == kb.sizes() && vb.is_contiguous() &&
+                    kb.scalar_type() == at::kFloat && vb.scalar_type() == at::kFloat,
+                "layers: layer ", i, "'s K/V buffers ", kb.sizes(), " do not hold ", end, " rows of [", B, ", ", hkv,
+                ", ", D, "] float32");
+    const int64_t C = kb.size(2);
+    for (int64_t b = 0; b < B; ++b)  // the store's write: Q rows per (sequence, head) at starts[b]
+      for (int64_t j = 0; j < hkv; ++j) {
+        const size_t bytes = static_cast<size_t>(Q * D) * sizeof(float);
+        std::memcpy(kb.data_ptr<float>() + ((b * hkv + j) * C + starts[b]) * D,
+                    k.data_ptr<float>() + (b * hkv + j) * Q * D, bytes);
+        std::memcpy(vb.data_ptr<float>() + ((b * hkv + j) * C + starts[b]) * D,
+                    v.data_ptr<float>() + (b * hkv + j) * Q * D, bytes);
+      }
+    const Tensor qg = q.view({B, hkv, hq / hkv * Q, D});  // a KV head's query heads as rows of one block
+    Tensor o = kernel_attention
+                   ? ops().attention.call(qg, kb.slice(2, 0, end), vb.slice(2, 0, end), mask, scale)
+                   : at::scaled_dot_product_attention(qg, kb.slice(2, 0, end), vb.slice(2, 0, end), grouped_mask, 0.0,
+                                                      false, scale);
+    o = o.view({B, hq, Q, D}).transpose(1, 2).reshape({B, Q, hq * D});
+    std::tie(x, h) = ops().add_rms_norm.call(x, lin(o, 1), norms[2 * i], eps[2 * i]);
+    std::tie(x, h) = ops().add_rms_norm.call(x, lin(ops().silu_mul.call(lin(h, 2)), 3), norms[2 * i + 1], eps[2 * i + 1]);
+  }
+  return {x, h};
+}
+
+}  // namespace
+
+SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
+  m.def("layers(Tensor x, Tensor h, Tensor[] weights, Tensor[] packed, Tensor?[] biases, Tensor[] norms, "
+        "float[] eps, Tensor[] keys, Tensor[] values, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int hq, "
+        "int hkv, float scale, int[] plan, bool kernel_attention=True) -> (Tensor, Tensor)");
+}
+SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("layers", &layers); }
