@@ -181,7 +181,7 @@ class FastPath:
         """The layers through the fused ops: each norm fused with the residual add before it, q/k/v split
         and rotated in one op, SiLU x up in one; the same math as the loop in ``__call__`` (the rotary
         embedding bit for bit, the norms and SiLU to fp32 rounding). Returns the final norm's output."""
-        from specdec.forward import grouped_attention
+        from specdec.forward import _split_attention, grouped_attention
 
         B, Q, _ = x.shape
         Dh = self.head_dim
@@ -192,8 +192,8 @@ class FastPath:
         # the attention kernel called here where grouped_attention would call it for every layer alike
         # (a block with a mask, or one row): its route is asked once a forward, the mask cut once
         kernel, direct = None, attention is grouped_attention and (attention_mask is not None or Q == 1)
-        if direct and self.one_call:
-            out = self._one_call(ops, cache, x, h, cos, sin, attention_mask)
+        if self.one_call and (direct or (attention is _split_attention and attention_mask is not None)):
+            out = self._one_call(ops, cache, x, h, cos, sin, attention_mask, split=not direct)
             if out is not None:
                 return out
         for i, layer in enumerate(self.layers):
@@ -218,10 +218,11 @@ class FastPath:
             x, h = ops.add_rms_norm(x, mlp, norm.weight, norm.variance_epsilon)
         return h
 
-    def _one_call(self, ops, cache, x, h, cos, sin, attention_mask) -> torch.Tensor | None:
+    def _one_call(self, ops, cache, x, h, cos, sin, attention_mask, split: bool = False) -> torch.Tensor | None:
         """The loop of ``_fused_layers`` as one compiled call (``csrc/layers.cpp``: the same ops in the
         same order, the store's write included, bit for bit the loop's results), where the cache hands
-        over its buffers (a BMC store) and every layer attends through the kernel; None otherwise (the
+        over its buffers (a BMC store); attention as ``grouped_attention`` runs it (PAD), or with
+        ``split`` as ``_split_attention`` does (each batch row over its own rows); None otherwise (the
         loop then runs). A 1-row step made ~10 Python-level calls a layer between its linears; at 200
         tokens of context one call took a 1-row step of the default model from 29.2 to 21.5 ms, 8 rows
         from 35.4 to 28.2, 16 rows from 49.0 to 39.3 (the Xeon, 2026-11-26, same process, alternating)."""
@@ -236,13 +237,16 @@ class FastPath:
         end = max(starts) + Q
         mask = None if attention_mask is None else attention_mask[..., :end]
         probe = x.new_empty(B, hkv, hq // hkv * Q, Dh)  # the kernel's rules read shapes, not values
-        kernel = kernels.attention_op(probe, keys[0][:, :, :end], values[0][:, :, :end], mask) is ops
-        if not kernel and (mask is None or hq == hkv):  # SDPA's grouped path needs both (grouped_attention)
+        # per attention call (the block, or each row alone): the kernel, or SDPA where the self-check says
+        rows = [(b, b + 1, starts[b] + Q) for b in range(B)] if split else [(0, B, end)]
+        kernel = [kernels.attention_op(probe[a:b], keys[0][a:b, :, :e], values[0][a:b, :, :e],
+                                       None if mask is None else mask[a:b, ..., :e]) is ops for a, b, e in rows]
+        if not all(kernel) and (mask is None or hq == hkv):  # SDPA's grouped path needs both (grouped_attention)
             return None
         plan = kernels.plan(B * Q, kernels.max_rows())
         packed = self._packed() if any(r in (2, 3) for r in plan[2::3]) else []
         _, h = ops.layers(x, h, self._weights, packed, self._biases, self._norms, self._eps, keys, values, starts,
-                          cos, sin, mask, hq, hkv, self._scale, plan, kernel)
+                          cos, sin, mask, hq, hkv, self._scale, plan, kernel, split)
         return h
 
     def _packed(self) -> list[torch.Tensor]:

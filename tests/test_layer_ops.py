@@ -156,8 +156,8 @@ def _count_one_calls(monkeypatch) -> dict:
     calls = {"ran": 0, "declined": 0}
     real = fastpath.FastPath._one_call
 
-    def counted(self, *args):
-        out = real(self, *args)
+    def counted(self, *args, **kwargs):
+        out = real(self, *args, **kwargs)
         calls["ran" if out is not None else "declined"] += 1
         return out
 
@@ -169,7 +169,7 @@ def _count_one_calls(monkeypatch) -> dict:
 def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes):
     """All layers in one compiled call (csrc/layers.cpp) give the loop's logits and hidden states exactly,
     through torch's linears and through the kernels' routes, on a chain, a ragged tree block and a SPLIT
-    block (the last declines: SPLIT attends per row, so the loop runs it)."""
+    block (each batch row attending over its own rows)."""
     from specdec import kernels
 
     model = tiny_llama(3, dtype=torch.float32)
@@ -183,8 +183,8 @@ def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes):
                 outs[one_call] = ragged_blocks(model)
         else:
             outs[one_call] = ragged_blocks(model)
-    # the first block fills a store with no buffers yet (its update makes them): declined; the tree block ran
-    assert calls == {"ran": 1, "declined": 1}
+    # the first block fills a store with no buffers yet (its update makes them): declined; the others ran
+    assert calls == {"ran": 2, "declined": 1}
     for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
         assert torch.equal(la, lb) and torch.equal(ha, hb)
 
@@ -192,8 +192,9 @@ def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes):
 @pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, attention):
     """Seeded property test: random batches (1-4 rows, ragged lengths), random trees and chains of 1-6
-    rows, BMC periods 1-16, random accepted paths: two stores, one fed by the one call and one by the
-    loop, give the same logits and hold the same K/V after every block, bit for bit."""
+    rows, PAD and SPLIT attention, BMC periods 1-16, random accepted paths: two stores, one fed by the
+    one call and one by the loop, give the same logits and hold the same K/V after every block, bit for
+    bit."""
     if attention == "sdpa":
         monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
     from specdec import kernels
@@ -222,12 +223,13 @@ def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, atte
                                            for _ in range(B)])
                     mask = ancestor_mask(parents)
                     depth = mask.sum(-1) - 1
+                split = B > 1 and rand(2) == 1  # SPLIT attention: each row over its own rows
                 outs = {}
                 for one_call, cache in caches.items():
                     path.one_call = one_call
                     block = prompt if step == 0 else ids
-                    outs[one_call] = (forward_block(model, cache, block, None, None) if chain
-                                      else forward_block(model, cache, block, mask, depth))
+                    outs[one_call] = (forward_block(model, cache, block, None, None, split=split) if chain
+                                      else forward_block(model, cache, block, mask, depth, split=split))
                 assert torch.equal(outs[True].logits, outs[False].logits), f"case {case} step {step}"
                 q = (prompt if step == 0 else ids).shape[1]
                 if chain:
@@ -263,7 +265,7 @@ def test_one_call_with_sdpa_attention_is_the_loop_bit_for_bit(ops, monkeypatch):
     for one_call in (True, False):
         path.one_call = one_call
         outs[one_call] = ragged_blocks(model)
-    assert calls == {"ran": 1, "declined": 1}
+    assert calls == {"ran": 2, "declined": 1}
     for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
         assert torch.equal(la, lb) and torch.equal(ha, hb)
 
@@ -273,11 +275,16 @@ def test_the_layers_op_names_bad_arguments(ops):
     k = torch.zeros(1, 2, 8, 16)
     with pytest.raises(RuntimeError, match="per layer 4 weights"):
         ops.layers(x, x, [torch.randn(64, 64)], [], [None], [x[0, 0]] * 2, [1e-5] * 2, [k], [k], [0],
-                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 1, 0])
+                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 1, 0], [True])
     with pytest.raises(RuntimeError, match="1 starts for a batch of 2|starts for a batch"):
         x2 = torch.randn(2, 1, 64)
         ops.layers(x2, x2, [torch.randn(64, 64)] * 4, [], [None] * 4, [x[0, 0]] * 2, [1e-5] * 2, [k], [k], [0],
-                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 2, 0])
+                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 2, 0], [True])
     with pytest.raises(RuntimeError, match="route 7"):
         ops.layers(x, x, [torch.randn(64, 64)] * 4, [], [None] * 4, [x[0, 0]] * 2, [1e-5] * 2, [k], [k], [0],
-                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 1, 7])
+                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 1, 7], [True])
+    with pytest.raises(RuntimeError, match="1 attention routes for 2 rows"):
+        x2 = torch.randn(2, 1, 64)
+        k2 = torch.zeros(2, 2, 8, 16)
+        ops.layers(x2, x2, [torch.randn(64, 64)] * 4, [], [None] * 4, [x[0, 0]] * 2, [1e-5] * 2, [k2], [k2], [0, 3],
+                   torch.ones(1, 1, 16), torch.zeros(1, 1, 16), None, 2, 1, 0.25, [0, 2, 0], [True], True)

@@ -8,8 +8,9 @@
 //   h = the first layer's input norm (the caller's); for each layer i:
 //     q, k, v = rope_split(linear(h, qkv_i));  k, v written at rows starts[b] .. starts[b] + Q of the
 //     store's buffers (as BMCLayer.update writes them); o = attention(q, k_view, v_view, mask) over the
-//     first ``end`` rows (the kernel, or where the self-check found SDPA faster, SDPA over the grouped
-//     query rows as forward.grouped_attention calls it);  x, h = add_rms_norm(x, linear(o, o_i), norm2_i);
+//     first ``end`` rows, or with ``split`` per batch row over its own start + Q rows (SPLIT attention);
+//     each by the kernel or, where the self-check found SDPA faster, SDPA over the grouped query rows
+//     as forward.grouped_attention calls it;  x, h = add_rms_norm(x, linear(o, o_i), norm2_i);
 //     x, h = add_rms_norm(x, linear(silu_mul(linear(h, gate_up_i)), down_i), next_norm_i)
 // and returns (x, h). The ops are this build's own (the dispatcher's handles, found once), the linears
 // by the routes the caller planned: per chunk of rows, F.linear (0), W @ x^T (1: an odd row count padded
@@ -60,6 +61,14 @@ const Ops& ops() {
   return o;
 }
 
+// the rows [b0, b1) of a batch that attend together over their first ``keys`` rows of the store, by the
+// kernel or by SDPA, under ``mask`` (cut to those keys; for SDPA repeated for the grouped rows)
+struct Group {
+  int64_t b0, b1, keys;
+  bool kernel;
+  std::optional<Tensor> mask;
+};
+
 enum Route : int64_t { kLinear = 0, kMm = 1, kPacked = 2, kWide = 3 };
 
 // kernels.linear over x [..., K] by the planned chunks: plan = [start, end, route] per chunk of rows
@@ -90,7 +99,7 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
             const c10::List<std::optional<Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
             at::TensorList keys, at::TensorList values, at::IntArrayRef starts, const Tensor& cos, const Tensor& sin,
             const std::optional<Tensor>& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef plan,
-            bool kernel_attention) {
+            c10::List<bool> kernel_attention, bool split) {
   const int64_t n = static_cast<int64_t>(keys.size());
   TORCH_CHECK(x0.dim() == 3 && h0.sizes() == x0.sizes(), "layers: x and h [B, Q, C]");
   TORCH_CHECK(values.size() == keys.size() && weights.size() == static_cast<size_t>(4 * n) &&
@@ -112,10 +121,20 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
   TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "layers: ", starts.size(), " starts for a batch of ", B);
   int64_t end = 0;
   for (int64_t s : starts) end = std::max(end, s + Q);
-  TORCH_CHECK(kernel_attention || (mask.has_value() && hq > hkv),
-              "layers: SDPA's attention here only for grouped heads under a mask (forward.grouped_attention's path)");
-  std::optional<Tensor> grouped_mask;  // SDPA's: the mask repeated for each query head of a group
-  if (!kernel_attention) grouped_mask = Q > 1 ? mask->repeat({1, 1, hq / hkv, 1}) : *mask;
+  // who attends over which keys: PAD, every row over the first ``end`` rows in one call; SPLIT, each
+  // batch row alone over its own rows (forward._split_attention). Each by the kernel or by SDPA.
+  const int64_t groups = split ? B : 1;
+  TORCH_CHECK(static_cast<int64_t>(kernel_attention.size()) == groups, "layers: ", kernel_attention.size(),
+              " attention routes for ", groups, split ? " rows (SPLIT)" : " block (PAD)");
+  std::vector<Group> parts;
+  for (int64_t g = 0; g < groups; ++g) {
+    Group p{split ? g : 0, split ? g + 1 : B, split ? starts[g] + Q : end, kernel_attention.get(g), std::nullopt};
+    if (mask.has_value()) p.mask = (split ? mask->slice(0, g, g + 1) : *mask).slice(3, 0, p.keys);
+    TORCH_CHECK(p.kernel || (p.mask.has_value() && hq > hkv),
+                "layers: SDPA's attention here only for grouped heads under a mask (forward.grouped_attention's path)");
+    if (!p.kernel && Q > 1) p.mask = p.mask->repeat({1, 1, hq / hkv, 1});  // SDPA's: a mask row per grouped row
+    parts.push_back(std::move(p));
+  }
   Tensor x = x0, h = h0;
   for (int64_t i = 0; i < n; ++i) {
     const auto lin = [&](const Tensor& in, int64_t j) {
@@ -140,10 +159,15 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
                     v.data_ptr<float>() + (b * hkv + j) * Q * D, bytes);
       }
     const Tensor qg = q.view({B, hkv, hq / hkv * Q, D});  // a KV head's query heads as rows of one block
-    Tensor o = kernel_attention
-                   ? ops().attention.call(qg, kb.slice(2, 0, end), vb.slice(2, 0, end), mask, scale)
-                   : at::scaled_dot_product_attention(qg, kb.slice(2, 0, end), vb.slice(2, 0, end), grouped_mask, 0.0,
-                                                      false, scale);
+    std::vector<Tensor> outs;
+    for (const Group& p : parts) {
+      const Tensor qp = groups == 1 ? qg : qg.slice(0, p.b0, p.b1);
+      const Tensor kp = (groups == 1 ? kb : kb.slice(0, p.b0, p.b1)).slice(2, 0, p.keys);
+      const Tensor vp = (groups == 1 ? vb : vb.slice(0, p.b0, p.b1)).slice(2, 0, p.keys);
+      outs.push_back(p.kernel ? ops().attention.call(qp, kp, vp, p.mask, scale)
+                              : at::scaled_dot_product_attention(qp, kp, vp, p.mask, 0.0, false, scale));
+    }
+    Tensor o = outs.size() == 1 ? outs[0] : at::cat(outs);
     o = o.view({B, hq, Q, D}).transpose(1, 2).reshape({B, Q, hq * D});
     std::tie(x, h) = ops().add_rms_norm.call(x, lin(o, 1), norms[2 * i], eps[2 * i]);
     std::tie(x, h) = ops().add_rms_norm.call(x, lin(ops().silu_mul.call(lin(h, 2)), 3), norms[2 * i + 1], eps[2 * i + 1]);
@@ -156,6 +180,6 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("layers(Tensor x, Tensor h, Tensor[] weights, Tensor[] packed, Tensor?[] biases, Tensor[] norms, "
         "float[] eps, Tensor[] keys, Tensor[] values, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int hq, "
-        "int hkv, float scale, int[] plan, bool kernel_attention=True) -> (Tensor, Tensor)");
+        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False) -> (Tensor, Tensor)");
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("layers", &layers); }
