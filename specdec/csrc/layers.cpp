@@ -78,6 +78,8 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& packed, const std:
   auto out_sizes = x.sizes().vec();
   out_sizes.back() = N;
   if (plan.size() == 3 && plan[2] == kLinear) return at::linear(x, w, bias);
+  if (plan.size() == 3 && plan[2] >= kPacked && !bias.has_value())  // the common case: one kernel block
+    return ops().linear.call(x.view({rows, K}), packed, N, plan[2] == kWide).view(out_sizes);
   const Tensor x2 = x.reshape({rows, K});
   std::vector<Tensor> parts;
   for (size_t c = 0; c < plan.size(); c += 3) {
