@@ -165,23 +165,23 @@ def _count_one_calls(monkeypatch) -> dict:
     return calls
 
 
-@pytest.mark.parametrize("kernel_routes", [False, True])
-def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes):
+@pytest.mark.parametrize("kernel_routes,attention", [(False, "kernel"), (True, "kernel"), (False, "sdpa")])
+def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes, attention):
     """All layers in one compiled call (csrc/layers.cpp) give the loop's logits and hidden states exactly,
     through torch's linears and through the kernels' routes, on a chain, a ragged tree block and a SPLIT
-    block (each batch row attending over its own rows)."""
+    block (each batch row attending over its own rows); with SDPA's attention too (where the self-check
+    finds it faster, or SPECDEC_ATTENTION=sdpa: SDPA over the grouped rows, as grouped_attention calls it)."""
     from specdec import kernels
 
+    if attention == "sdpa":
+        monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
     model = tiny_llama(3, dtype=torch.float32)
     path = fastpath.get(model)
     calls = _count_one_calls(monkeypatch)
     outs = {}
     for one_call in (True, False):
         path.one_call = one_call
-        if kernel_routes:
-            with kernels.skinny_linears(model):
-                outs[one_call] = ragged_blocks(model)
-        else:
+        with kernels.skinny_linears(model, max_rows=kernels.MAX_ROWS if kernel_routes else 0):
             outs[one_call] = ragged_blocks(model)
     # the first block fills a store with no buffers yet (its update makes them): declined; the others ran
     assert calls == {"ran": 2, "declined": 1}
@@ -252,22 +252,6 @@ def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, atte
                         assert torch.equal(la.keys[b, :, :n], lb.keys[b, :, :n])
                         assert torch.equal(la.values[b, :, :n], lb.values[b, :, :n])
     assert calls["ran"] >= 400, calls  # every block after a case's first went through the one call
-
-
-def test_one_call_with_sdpa_attention_is_the_loop_bit_for_bit(ops, monkeypatch):
-    """Where attention takes SDPA (the self-check found it faster, or SPECDEC_ATTENTION=sdpa), the one call
-    calls SDPA over the grouped rows as grouped_attention does: the loop's results exactly."""
-    monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
-    model = tiny_llama(3, dtype=torch.float32)
-    path = fastpath.get(model)
-    calls = _count_one_calls(monkeypatch)
-    outs = {}
-    for one_call in (True, False):
-        path.one_call = one_call
-        outs[one_call] = ragged_blocks(model)
-    assert calls == {"ran": 2, "declined": 1}
-    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
-        assert torch.equal(la, lb) and torch.equal(ha, hb)
 
 
 def test_the_layers_op_names_bad_arguments(ops):
