@@ -486,11 +486,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     if rows <= MAX_ROWS:  # the step's common case, kept short: this runs ~120 times a forward
         route = routes()[rows - 1]
         y = None if route == "linear" else _route(x.reshape(rows, x.shape[-1]), weight, route)
-    elif not chunking():
-        y = None
-    else:
+    else:  # balanced chunks, each by its size's route (``plan``: F.linear's over the block if any is)
         x2 = x.reshape(rows, x.shape[-1])
-        parts = [_route(x2[a:b], weight) for a, b in chunks(rows)]
+        steps = plan(rows, max_rows)
+        parts = [_route(x2[a:b], weight, ROUTES[r]) for a, b, r in zip(steps[0::3], steps[1::3], steps[2::3])]
         y = None if any(p is None for p in parts) else torch.cat(parts)
     if y is None:  # F.linear's route for a size, or no kernel on this machine
         return F.linear(x, weight, bias)
@@ -500,8 +499,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def plan(rows: int, max_rows: int) -> list[int]:
-    """How ``linear`` runs a block of ``rows`` rows, for a compiled caller that runs the routes itself
-    (``csrc/layers.cpp``): [start, end, route] per chunk of rows, route = its index in ROUTES (0: F.linear
+    """How ``linear`` runs a block of ``rows`` rows (its chunks past MAX_ROWS, and a compiled caller that
+    runs the routes itself: ``csrc/layers.cpp``): [start, end, route] per chunk of rows, route = its index in ROUTES (0: F.linear
     over the whole block). Example (routes packed for 16 rows and 9, wide for 8): 17 rows -> [0, 9, 2,
     9, 17, 3]; past max_rows -> [0, rows, 0]."""
     if rows == 0 or rows > max_rows or rows > CHUNK_ROWS or (rows > MAX_ROWS and not chunking()):
