@@ -16,7 +16,8 @@ from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
-from specdec.drafters.suffix import SuffixDrafter
+from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
+from specdec.models import text_config
 
 DrafterFactory = Callable[[object], "Drafter | None"]
 
@@ -32,11 +33,13 @@ SELF_SPEC_MAX_READ_RATIO = 0.5
 
 
 def make_auto(target) -> AutoDrafter:
-    """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts under 2,048 tokens, twice
-    what its head was trained on) and StreamingLLM self-speculation (prompts long enough that its
-    drafts read at most half of what a target step reads, at the batch's size); the controller picks
-    per step (drafters.auto)."""
-    sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()}
+    """Prompt lookup, suffix (over the stored answers too where they fit the target's vocabulary:
+    ``suffix-corpus``), EAGLE (if a head fits the target; prompts under 2,048 tokens, twice what its
+    head was trained on) and StreamingLLM self-speculation (prompts long enough that its drafts read
+    at most half of what a target step reads, at the batch's size); the controller picks per step
+    (drafters.auto)."""
+    suffix = SuffixDrafter.from_stored_answers() if stored_answers_fit(text_config(target).vocab_size) else SuffixDrafter()
+    sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": suffix}
     try:
         sources["eagle"] = make_eagle(target)
     except ValueError:

@@ -36,6 +36,7 @@ from typing import Callable
 import torch
 
 from specdec.bench.batch import left_padded, until_eos
+from specdec.bench.generation import prepare_corpus_drafter
 from specdec.decoder import SpecDecoder
 from specdec.models import text_config
 from specdec.questions import TASKS, Question, load_questions, select_questions, task_of
@@ -82,8 +83,18 @@ def hf_generate_answerer(model, eos: list[int], pad: int, temperature: float = 0
     return answer
 
 
-def specdec_answerer(model, drafter_name: str, eos: list[int], temperature: float = 0.0) -> Answerer:
-    decoder = SpecDecoder(model, make_drafter(drafter_name, model))  # drafters reset in begin()
+def _drafter(model, name: str, questions: list[Question] | None, tokenizer):
+    """The named drafter; one that keeps a corpus (suffix-corpus, auto) without the stored answers to
+    the benchmark's own ``questions``, its index built before any timed answer."""
+    drafter = make_drafter(name, model)
+    if drafter is not None and questions:
+        prepare_corpus_drafter(drafter, questions, tokenizer, exclude=True, corpus_file=None, say=lambda *_: None)
+    return drafter
+
+
+def specdec_answerer(model, drafter_name: str, eos: list[int], temperature: float = 0.0,
+                     questions: list[Question] | None = None, tokenizer=None) -> Answerer:
+    decoder = SpecDecoder(model, _drafter(model, drafter_name, questions, tokenizer))  # drafters reset in begin()
     sampling = sampling_kwargs(model, temperature)
 
     def answer(ids: torch.Tensor, max_new_tokens: int) -> TurnResult:
@@ -115,8 +126,9 @@ def hf_batch_answerer(model, eos: list[int], pad: int, temperature: float = 0.0)
     return answer
 
 
-def specdec_batch_answerer(model, drafter_name: str, eos: list[int], temperature: float = 0.0) -> BatchAnswerer:
-    decoder = SpecDecoder(model, make_drafter(drafter_name, model))
+def specdec_batch_answerer(model, drafter_name: str, eos: list[int], temperature: float = 0.0,
+                           questions: list[Question] | None = None, tokenizer=None) -> BatchAnswerer:
+    decoder = SpecDecoder(model, _drafter(model, drafter_name, questions, tokenizer))
     sampling = sampling_kwargs(model, temperature)
 
     def answer(prompts: list[torch.Tensor], max_new_tokens: int) -> list[TurnResult]:
@@ -331,7 +343,8 @@ def answer_all(model, tokenizer, model_name: str, questions: list[Question], con
     eos = stop_token_ids(model, tokenizer)  # the same stop tokens for every method
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     answerers = {BASELINE: hf_generate_answerer(model, eos, pad, config.temperature)}
-    answerers.update({d: specdec_answerer(model, d, eos, config.temperature) for d in config.drafters})
+    answerers.update({d: specdec_answerer(model, d, eos, config.temperature, questions, tokenizer)
+                      for d in config.drafters})
     context_window = getattr(text_config(model), "max_position_embeddings", None)
 
     if config.batch_size > 1:
@@ -366,7 +379,8 @@ def _answer_all_batched(model, tokenizer, model_name, questions, config, files, 
     each batch's answers are written as soon as it is done (a crash loses at most one batch)."""
     methods = [BASELINE, *config.drafters]
     answerers = {BASELINE: hf_batch_answerer(model, eos, pad, config.temperature)}
-    answerers.update({d: specdec_batch_answerer(model, d, eos, config.temperature) for d in config.drafters})
+    answerers.update({d: specdec_batch_answerer(model, d, eos, config.temperature, questions, tokenizer)
+                      for d in config.drafters})
     B = config.batch_size
     with torch.inference_mode():
         if config.warmup_tokens > 0:

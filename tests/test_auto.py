@@ -238,3 +238,31 @@ def test_auto_refuses_sources_of_different_vocabularies():
 def test_auto_is_registered_without_an_eagle_head_for_the_target(target):
     drafter = make_drafter("auto", target)  # the packaged head is for SmolLM2: skipped here
     assert isinstance(drafter, AutoDrafter) and "eagle" not in drafter.sources
+
+
+def test_auto_forwards_its_corpus_to_the_suffix_source_and_stays_exact():
+    target = tiny_llama(3)
+    ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9))
+    ref = hf_greedy(target, ids, 40)
+    drafter = AutoDrafter({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()})
+    first = SpecDecoder(target, drafter).generate(ids, max_new_tokens=40, eos_token_id=None)
+    drafter.remember(first.sequences[0].tolist(), prompt_len=12)  # as `specdec bench --remember` does
+    assert len(drafter.sources["suffix"].corpus.docs) == 1
+    drafter.build_index()
+    second = SpecDecoder(target, drafter).generate(ids, max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(first.sequences, ref) and torch.equal(second.sequences, ref)
+    assert len(second.steps) < len(first.steps) / 2  # the remembered answer drafted whole
+    words = lambda toks: " ".join(f"w{t}" for t in toks)  # noqa: E731
+    question = words(ids[0, 2:8].tolist())
+    assert drafter.exclude_questions([question], words) == 1
+    assert drafter.sources["suffix"].corpus.docs == []
+
+
+def test_auto_drafts_from_the_stored_answers_only_for_their_vocabulary(target):
+    from specdec.drafters.suffix import STORED_ANSWERS_VOCAB, stored_answers_fit
+
+    assert make_drafter("auto", target).sources["suffix"].corpus is None  # a 128-token vocabulary
+    assert not stored_answers_fit(128) and not stored_answers_fit(None)
+    smol_vocab = tiny_llama(0, vocab=STORED_ANSWERS_VOCAB, layers=1)
+    suffix = make_drafter("auto", smol_vocab).sources["suffix"]
+    assert suffix.corpus is not None and len(suffix.corpus.docs) > 1000  # data/eagle_answers.jsonl

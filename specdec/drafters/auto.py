@@ -147,3 +147,27 @@ class AutoDrafter(Drafter):
     def select(self, rows: list[int]) -> None:
         for name in self.active:
             self.sources[name].select(rows)
+
+    # ---- corpus: forwarded to the sources that keep one (suffix), as the bench and chat use it -----
+
+    def _corpus_sources(self) -> list[Drafter]:
+        return [d for d in self.sources.values() if hasattr(d, "remember")]
+
+    def remember(self, sequence, prompt_len: int = 0) -> None:
+        """A finished conversation into every corpus source (``SuffixDrafter.remember``)."""
+        for d in self._corpus_sources():
+            d.remember(sequence, prompt_len)
+
+    def add_documents(self, docs) -> None:
+        docs = list(docs)
+        for d in self._corpus_sources():
+            d.add_documents(docs)
+
+    def build_index(self) -> None:
+        for d in self._corpus_sources():
+            d.build_index()
+
+    def exclude_questions(self, questions, decode) -> int:
+        """Drop stored conversations answering one of ``questions`` from every corpus source; the
+        number dropped (counted once per source)."""
+        return sum(d.exclude_questions(questions, decode) for d in self._corpus_sources())

@@ -320,6 +320,16 @@ def default_answers_path() -> Path:
     return Path(__file__).resolve().parents[2] / "data" / "eagle_answers.jsonl"
 
 
+STORED_ANSWERS_VOCAB = 49152  # the stored answers are token ids of SmolLM2's tokenizer
+
+
+def stored_answers_fit(vocab_size: int | None) -> bool:
+    """Whether the stored answers can serve a target of this vocabulary as a corpus: the repository's
+    data/ is there (not in an installed wheel) and the vocabulary is SmolLM2's (the default model and
+    its larger siblings share the tokenizer)."""
+    return vocab_size == STORED_ANSWERS_VOCAB and default_answers_path().is_file()
+
+
 def _normalize(text: str) -> str:
     return " ".join(text.split())
 
