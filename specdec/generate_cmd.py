@@ -41,8 +41,9 @@ def run(args) -> int:
                                            return_tensors="pt", return_dict=True)["input_ids"][0] for t in texts]
     ids = prompts[0][None] if len(prompts) == 1 else prompts
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model))
-    with console.status("preparing specdec's CPU kernels ..."):
+    with console.status("preparing specdec's CPU kernels and packed weights ..."):
         kernels.prepare()  # a first-use build (~20 s) and the route self-check are not generation time
+        decoder.warm_up()  # the lean forward's check and the weights' packing (~1.5 s), once
         if hasattr(decoder.drafter, "build_index"):  # a drafter's corpus (suffix-corpus, auto): ~0.5 s
             decoder.drafter.build_index()
     t = time.perf_counter()

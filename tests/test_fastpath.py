@@ -147,3 +147,15 @@ def test_bad_switch_value_is_an_error(monkeypatch):
     monkeypatch.setenv("SPECDEC_FASTPATH", "yes")
     with pytest.raises(ValueError, match="SPECDEC_FASTPATH='yes'"):
         fastpath.get(tiny_llama(0))
+
+
+def test_warm_up_builds_the_path_and_leaves_the_controller_unmeasured():
+    target = tiny_llama(5, dtype=torch.float32)
+    dec = SpecDecoder(target, PromptLookupDrafter())
+    assert target not in fastpath._paths
+    dec.warm_up()
+    assert fastpath._paths.get(target) is not None  # built and checked: not in the first timed generate
+    assert dec.controller.classes == {} and dec.controller.step_time == {} and dec.controller.draft_time == 0.0
+    ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
+    out = dec.generate(ids, max_new_tokens=16, eos_token_id=None)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 16))
