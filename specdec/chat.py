@@ -117,9 +117,7 @@ class ChatSession:
 
     def set_drafter(self, name: str) -> None:
         self.decoder = SpecDecoder(self.model, make_drafter(name, self.model))  # ValueError if unknown
-        self.decoder.warm_up()  # the first reply then pays no one-time packing (~1.5 s, once a model)
-        if hasattr(self.decoder.drafter, "build_index"):  # a corpus is indexed now, not in the first reply
-            self.decoder.drafter.build_index()
+        self.decoder.warm_up()  # the first reply then pays no one-time packing or corpus index
         self.drafter_name = name
 
     def clear(self) -> None:

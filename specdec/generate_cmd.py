@@ -43,9 +43,7 @@ def run(args) -> int:
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model))
     with console.status("preparing specdec's CPU kernels and packed weights ..."):
         kernels.prepare()  # a first-use build (~20 s) and the route self-check are not generation time
-        decoder.warm_up()  # the lean forward's check and the weights' packing (~1.5 s), once
-        if hasattr(decoder.drafter, "build_index"):  # a drafter's corpus (suffix-corpus, auto): ~0.5 s
-            decoder.drafter.build_index()
+        decoder.warm_up()  # the lean forward's check, the weights' packing, a drafter's corpus index
     t = time.perf_counter()
     out = decoder.generate(ids, max_new_tokens=args.max_new_tokens, **sampling)
     dt = time.perf_counter() - t

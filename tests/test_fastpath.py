@@ -156,6 +156,11 @@ def test_warm_up_builds_the_path_and_leaves_the_controller_unmeasured():
     dec.warm_up()
     assert fastpath._paths.get(target) is not None  # built and checked: not in the first timed generate
     assert dec.controller.classes == {} and dec.controller.step_time == {} and dec.controller.draft_time == 0.0
+    from specdec.drafters.suffix import SuffixDrafter
+
+    corpus_drafter = SuffixDrafter.from_corpus([[5, 6, 7, 8]])
+    SpecDecoder(target, corpus_drafter).warm_up()
+    assert corpus_drafter.corpus._index is not None  # indexed now, not in the first timed generate
     ids = torch.randint(0, 128, (1, 20), generator=torch.Generator().manual_seed(2))
     out = dec.generate(ids, max_new_tokens=16, eos_token_id=None)
     assert torch.equal(out.sequences, hf_greedy(target, ids, 16))

@@ -220,12 +220,11 @@ def run_method(spec: MethodSpec, model, rows: tuple[torch.Tensor, ...], max_new_
     from specdec.decoder import SpecDecoderConfig
 
     drafter = make_drafter(spec, model) if spec.drafter != "none" else None
-    if hasattr(drafter, "build_index"):  # a corpus (suffix-corpus, auto) is indexed before the clock,
-        drafter.build_index()  # as a session's drafter is once for all its generations
-    config = fixed_setting(spec.fixed) if spec.fixed else SpecDecoderConfig()
+    decoder = SpecDecoder(model, drafter, fixed_setting(spec.fixed) if spec.fixed else SpecDecoderConfig())
+    decoder.warm_up()  # a corpus (suffix-corpus, auto) is indexed before the clock, as a session's is once
     first_step: list[float] = []
     t = time.perf_counter()
-    out = SpecDecoder(model, drafter, config).generate(
+    out = decoder.generate(
         list(rows) if len(rows) > 1 else rows[0][None], max_new_tokens=max_new_tokens, eos_token_id=eos,
         callback=lambda e: first_step or first_step.append(time.perf_counter()))
     seconds = time.perf_counter() - t
