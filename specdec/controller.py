@@ -66,6 +66,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Collection, Hashable
 
 from specdec import sequoia
+from specdec.tree import subtree_depth
 
 
 @dataclass(frozen=True)
@@ -398,7 +399,8 @@ class DraftLengthController:
         c, states = self.config, {k: self.state(k) for k in keys}
         fresh = sorted((k for k, st in states.items() if st.gain_samples < c.min_samples and k not in free),
                        key=lambda k: states[k].gain_samples)
-        due = [k for k, st in states.items() if st.idle >= c.revisit_every and k not in fresh]
+        # a class whose shadow drafts are scored this run is measured every step: no turn needed
+        due = [k for k, st in states.items() if st.idle >= c.revisit_every and k not in fresh and not st.shadowed]
         rest = sorted((k for k in keys if k not in fresh and k not in due),
                       key=lambda k: -(states[k].gain or 0.0))
         asked, pick, n = [], None, 0
@@ -494,7 +496,13 @@ class DraftLengthController:
             st.row_share = _running_mean(st.row_share, share, self.config.decay)
         t1 = self.step_time.get(1)
         if t1:
-            per_row = sum(1 + len(a) for a in accepted) / len(accepted)
+            tokens = 0.0
+            for par, acc, judge in zip(parents, accepted, judged):
+                tokens += 1 + len(acc)
+                deeper = subtree_depth(par, acc[-1] if acc else -1) if par and len(acc) == judge else 0
+                if deeper:  # the text ran out before the draft did: its expected rest at the class's rates
+                    tokens += sequoia.chain_values(st.positions.chain(judge + deeper)[judge:])[deeper]
+            per_row = tokens / len(accepted)
             self._add_gain(st, per_row / (self.cost_ratio(1 + n) + self.draft_cost(n, key) / t1))
 
     def _add_gain(self, st: _ClassState, gain: float) -> None:

@@ -181,6 +181,18 @@ def path_along(parents: list[int], tokens: list[int], text: list[int]) -> list[i
     return path
 
 
+def subtree_depth(parents: list[int], node: int) -> int:
+    """How many levels of one row's tree (parents of its real nodes, each after its parent) lie below
+    ``node`` (-1: the root). Example: parents [-1, 0, 0, 1] -> node 0: 2, node 2: 0, -1: 3."""
+    below = {node: 0}
+    deepest = 0
+    for i, p in enumerate(parents):
+        if p in below:
+            below[i] = below[p] + 1
+            deepest = max(deepest, below[i])
+    return deepest
+
+
 def chain_mask(batch_size: int, q: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """The block mask of a chain (or a prefill): causal, [B, Q, Q] bool."""
     return torch.ones(q, q, dtype=torch.bool, device=device).tril().expand(batch_size, q, q)

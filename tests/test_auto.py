@@ -78,11 +78,11 @@ def test_a_shadow_draft_is_measured_without_drafting():
     copy, model = ("lookup", 2), ("eagle", 0)
     for _ in range(2):
         c.update([3], [3], verify_time=1.2, draft_time=0.3, key=model)  # 4 tokens in 1.5 steps
-    c.observe_shadow([[-1, 0, 1]], [[0, 1]], judged=[2], draft_time=0.0, key=copy)
+    c.observe_shadow([[-1, 0, 1]], [[0, 1]], judged=[3], draft_time=0.0, key=copy)  # node 2 missed
     st = c.state(copy)
     assert st.gain == pytest.approx(3 / 1.2) and st.gain_samples == 1  # t(4) = 1.2, d = 0
     trials = [row[0] for row in st.positions.trials[:3]]
-    assert trials == [1.0, 1.0, 0.0] and st.positions.hits[1][0] == 1.0  # depth 3: not judged
+    assert trials == [1.0, 1.0, 1.0] and st.positions.hits[1][0] == 1.0 and st.positions.hits[2][0] == 0.0
     assert _pick(c, [copy, model]) == copy  # measured once (< min_samples): tried first
     assert c.choose([copy, model], lambda k: 1, free=[copy])[0] == model  # by gain: 2.67 > 2.5
     for _ in range(60):  # the copies stop matching: a gain below 1 (1 / 1.2), and no probe ever
@@ -92,17 +92,59 @@ def test_a_shadow_draft_is_measured_without_drafting():
     assert not st.shadowed and c.budget(copy) > 0
 
 
+def test_a_shadow_draft_cut_short_by_the_text_is_scored_at_its_expected_rest():
+    """A shadow whose path runs as far as the committed tokens go (the chosen draft stopped there) was
+    not judged deeper: its gain counts the expected rest of the path at the class's measured rates,
+    not 0 (scored as 0, a longer-reaching source looked no better than the one chosen, which kept
+    the step). Depth 3 never judged reads as depth 2's rate (sequoia: the flat tail)."""
+    c = DraftLengthController(DraftLengthConfig(min_samples=2))
+    c.update([0], [0], verify_time=1.0)
+    c.update([3], [3], verify_time=1.2)  # t(4) = 1.2
+    copy = ("lookup", 2)
+    c.observe_shadow([[-1, 0, 1]], [[0, 1]], judged=[3], draft_time=0.0, key=copy)  # rates 1, 1, 0
+    c.observe_shadow([[-1, 0, 1]], [[0]], judged=[1], draft_time=0.0, key=copy)  # cut after node 0
+    st = c.state(copy)
+    rates = st.positions.chain(3)
+    rest = rates[1] + rates[1] * rates[2]  # nodes 1 and 2 below the judged depth
+    assert 0 < rest < 2
+    assert st.gain == pytest.approx((3 / 1.2 + (2 + rest) / 1.2) / 2)
+    # a tree cut at the root's child that has no children below it: nothing to add
+    c2 = DraftLengthController(DraftLengthConfig(min_samples=2))
+    c2.update([0], [0], verify_time=1.0)
+    c2.update([2], [2], verify_time=1.2)  # t(3) = 1.2
+    c2.observe_shadow([[-1, -1]], [[1]], judged=[1], draft_time=0.0, key=copy)
+    assert c2.state(copy).gain == pytest.approx(2 / 1.2)
+
+
+def test_a_shadowed_class_gets_no_revisit_turn():
+    """A class measured by its shadow drafts every step needs no turn after ``revisit_every``
+    passed-over steps (a turn would draft it where another class measures better)."""
+    c = DraftLengthController(DraftLengthConfig(min_samples=1, revisit_every=4))
+    c.update([0], [0], verify_time=1.0)
+    copy, model = ("lookup", 1), ("eagle", 0)
+    c.update([3], [3], verify_time=1.0, key=model)  # gain 4
+    c.observe_shadow([[-1]], [[]], judged=[1], draft_time=0.0, key=copy)  # gain 1
+    picks = [c.choose([copy, model], lambda k: 1, free=[copy])[0] for _ in range(20)]
+    assert picks == [model] * 20
+    unshadowed = DraftLengthController(DraftLengthConfig(min_samples=1, revisit_every=4))
+    unshadowed.update([0], [0], verify_time=1.0)
+    unshadowed.update([3], [3], verify_time=1.0, key=model)
+    unshadowed.update([1], [0], verify_time=1.0, key=copy)  # gain 0.5, measured where drafted
+    assert copy in [unshadowed.choose([copy, model], lambda k: 1)[0] for _ in range(20)]
+
+
 def test_a_shadow_draft_at_a_batch_is_scored_per_row_of_the_batch():
-    """Batch 2: row 0's 2-node chain gets 1 node accepted, row 1 has no draft (it pays for row 0's
-    verify rows all the same): (2 + 1) / 2 tokens per row over t(3) = 1.25 plain steps -> gain 1.2;
-    half the rows drafted; only row 0's nodes enter the acceptance table."""
+    """Batch 2: row 0's 2-node chain gets 1 node accepted and the text it is judged against ends
+    there (node 1 unjudged: its expected acceptance, 1.0 from the one hit, counts), row 1 has no draft
+    (it pays for row 0's verify rows all the same): (3 + 1) / 2 tokens per row over t(3) = 1.25
+    plain steps -> gain 1.6; half the rows drafted; only row 0's judged node enters the table."""
     c = DraftLengthController(DraftLengthConfig(min_samples=2))
     c.set_batch(2)
     c.update([0, 0], [0, 0], verify_time=1.0)
     c.update([2, 2], [0, 0], verify_time=1.25)  # t(3) at batch 2
     c.observe_shadow([[-1, 0], []], [[0], []], judged=[1, 2], draft_time=0.0, key="copy")
     st = c.state("copy")
-    assert st.gain == pytest.approx(1.5 / 1.25) and st.row_share == 0.5 and st.shadowed
+    assert st.gain == pytest.approx(2 / 1.25) and st.row_share == 0.5 and st.shadowed
     assert [row[0] for row in st.positions.trials[:2]] == [1.0, 0.0]  # depth 2: past what row 0 judged
 
 
