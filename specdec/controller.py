@@ -461,10 +461,14 @@ class DraftLengthController:
         """A draft of class ``key`` that was made but not verified (greedy), per row of the batch: its
         nodes' parents, scored against the ``judged`` tokens the target committed in the row in the
         step (``tree.path_along``: exactly what the verifier would have kept, as far as those tokens
-        go; a path as long as them is cut there, so the score errs low). Its acceptance enters the
-        class's table and its would-be gain the class's measured gain, priced at the verify time
-        measured for its block size at the live batch and its draft time: per row of the batch,
-        mean(1 + accepted) / ((t(1 + n) + d(n)) / t(1)), n the most nodes of a row. At a batch the
+        go). Its acceptance enters the class's table (judged depths only) and its would-be gain the
+        class's measured gain, priced at the verify time measured for its block size at the live
+        batch and its draft time: per row of the batch, mean(1 + accepted) / ((t(1 + n) + d(n)) /
+        t(1)), n the most nodes of a row. A path as long as the committed tokens was cut by them (the
+        chosen draft stopped there), so the levels of the draft below its end count at the class's
+        measured rates (their expected rest, ``sequoia.chain_values``): scored as stopped, a source
+        that reached further than the one chosen looked no better than it, and the source chosen
+        kept the steps. At a batch the
         rows without a draft count too (they pay for the others' verify rows), as in ``update``.
 
         Drafters whose drafts cost microseconds and change nothing (prompt lookup, suffix) are
