@@ -7,10 +7,11 @@ Reads the records of ``specdec bench`` (one per question and method) or ``specde
 (one per prompt and method) and, per Spec-Bench task (or prompt length) and overall, prints method
 A's speed over each other method's, both timed on the same questions in the same process:
 sum(tokens) / sum(seconds) of A over the same for B, with a 95% interval from resampling the
-questions (a percentile bootstrap, seeded). The interval holds what one run can say: on this
-machine three questions a task moved a ratio by +-5% between two runs of the same commit, so a
-task's -1.5% is "level", not "slower". ``--best`` compares A with the fastest of the others in each
-group (chosen on the whole sample, which favours it).
+questions (a percentile bootstrap, seeded). The interval holds what one run can say about the
+questions' spread, not the machine's drift between runs: on the Xeon, `auto` over suffix-corpus on
+rag and summarization went from -6% to +1% between two runs of the same code (3 and 4 questions a
+task). ``--best`` compares A with the fastest of the others in each group (chosen on the whole
+sample, which favours it).
 """
 
 from __future__ import annotations
