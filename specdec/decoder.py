@@ -180,6 +180,79 @@ class _Batch:
         return keep
 
 
+def draft_step(drafter: Drafter | None, controller: DraftLengthController, batch_size: int, wanted: int,
+               shadow: bool = False) -> tuple[object, DraftTree, list[_Shadow]]:
+    """One step's draft: its class, the tree (empty when drafting does not pay), and with ``shadow``
+    (greedy), the free sources' unchosen drafts (``shadow_drafts``). The decoder's step 1, shared with
+    the replays of stored answers (``specdec.bench.replay``), so a replay drafts as the decoder does."""
+    if drafter is None or wanted <= 0:
+        return None, DraftTree.empty(batch_size), []
+    options = drafter.candidates()
+
+    def size(key) -> int:
+        if options is not None:
+            drafter.use(key)  # several sources: the class's own source drafts it
+        if drafter.follows_controller:
+            return min(controller.budget(key), wanted)
+        # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
+        return controller.tree_budget(wanted, key)
+
+    shadows = []
+    if options is None:
+        key = drafter.draft_class()
+        budget = size(key)
+        if budget <= 0 and shadow and drafter.shadow_drafts:
+            # a free drafter's gated-off class is scored unverified (as auto's free sources are):
+            # its probes, spaced up to 64 steps, left prompt lookup's 1- and 2-gram classes shut
+            # through answers where they paid 1.4-1.6x at long contexts (replayed: the controller
+            # 4% slower than with its own class scored, 2% behind a fixed 9-token draft)
+            shadows = shadow_drafts(drafter, controller, [key], wanted, own=True)
+    else:  # several sources: the one measured fastest that drafts (or one due a turn); or none
+        free = drafter.shadows(options) if shadow else []
+        key, budget = controller.choose(options, size, free)
+        shadows = shadow_drafts(drafter, controller, [k for k in free if k != key], wanted)
+        if key is None:
+            return None, DraftTree.empty(batch_size), shadows
+        drafter.use(key)
+    return key, (drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size)), shadows
+
+
+def shadow_drafts(drafter: Drafter, controller: DraftLengthController, keys: list, wanted: int,
+                  own: bool = False) -> list[_Shadow]:
+    """Unverified drafts of classes ``keys`` (free sources' classes not chosen, ``drafters.auto``;
+    ``own``: a single free drafter's class that drafts nothing this step). Their seconds (0.1-0.5
+    ms a step for suffix) are part of the step's draft time: the price of scoring them."""
+    out = []
+    for key in keys:
+        own_tree = not drafter.follows_controller if own else drafter.sizes_own_tree(key)
+        n = controller.shadow_size(wanted, key, tree=own_tree)
+        if n <= 0:
+            continue
+        t0 = time.perf_counter()
+        tree = drafter.propose(n) if own else drafter.shadow(key, n)
+        out.append(_Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
+    return out
+
+
+def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted: list[list[int]],
+               verify_time: float | None, draft_time: float | None, shadows: list[_Shadow] = (),
+               texts: list[list[int]] = (), grew: bool = False, resume: float = 0.0,
+               catch_up: float = 0.0) -> None:
+    """What the controller learns from a verified step (the decoder's step 5, shared with the
+    replays): the drafted and accepted counts with the step's seconds, the verified tree's accepted
+    path per row (``accepted``: node indices, -1 padded), and each shadow draft scored against
+    ``texts``, the tokens each row committed. ``grew``, ``resume``, ``catch_up``: see
+    ``DraftLengthController.update``."""
+    drafted = tree.num_nodes.tolist()
+    controller.update(drafted, [sum(a >= 0 for a in acc) for acc in accepted], verify_time, draft_time, key,
+                      grew=grew, resume=resume, catch_up=catch_up)
+    if any(drafted):
+        controller.observe_tree(tree.real_nodes()[0], accepted, key)
+    for sh in shadows:
+        paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, texts)]
+        controller.observe_shadow(sh.parents, paths, [len(x) for x in texts], sh.seconds, sh.key)
+
+
 class SpecDecoder:
     def __init__(self, target, drafter: Drafter | None = None,
                  config: SpecDecoderConfig = SpecDecoderConfig()) -> None:
@@ -292,7 +365,7 @@ class SpecDecoder:
             # shadow drafts are scored against the committed text: greedy only (a sampled token
             # that differs from a draft does not mean the draft would have been rejected)
             shadow = self.config.shadow_drafts and judge.sampling is None
-            key, tree, shadows = self._draft(controller, len(batch.rows), batch.wanted(), shadow)
+            key, tree, shadows = draft_step(self.drafter, controller, len(batch.rows), batch.wanted(), shadow)
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
             allocations = cache.num_allocations
@@ -306,15 +379,10 @@ class SpecDecoder:
             # the part after a pause is a price of drafting again (the step's gain)
             catch_up, resume = (self.drafter.catch_up_seconds(), self.drafter.resume_seconds()) \
                 if self.drafter is not None else (0.0, 0.0)
-            controller.update(stats.num_drafted, stats.num_accepted, stats.verify_time,
-                              max(0.0, stats.draft_time - catch_up), key,
-                              grew=cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
-            if any(stats.num_drafted):
-                controller.observe_tree(tree.real_nodes()[0], ver.accepted.tolist(), key)
             texts = [commit.new_tokens(b) for b in range(len(batch.rows))] if shadows else []
-            for sh in shadows:
-                paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, texts)]
-                controller.observe_shadow(sh.parents, paths, [len(x) for x in texts], sh.seconds, sh.key)
+            learn_step(controller, key, tree, ver.accepted.tolist(), stats.verify_time,
+                       max(0.0, stats.draft_time - catch_up), shadows, texts,
+                       grew=cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
             live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
             controller.set_batch(len(live))
             pending = ver.next_token[live, None].to(device)
@@ -357,55 +425,6 @@ class SpecDecoder:
             lengths = torch.tensor([len(p) for p in prompts])
             self.drafter.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
         return ver, _make_commit(DraftTree.empty(B), ver, last)
-
-    def _draft(self, controller: DraftLengthController, batch_size: int, wanted: int, shadow: bool = False):
-        """The draft class and the tree for this step (an empty tree when drafting does not pay), and
-        with several sources and ``shadow``, the free sources' unchosen drafts (``_shadows``)."""
-        if self.drafter is None or wanted <= 0:
-            return None, DraftTree.empty(batch_size), []
-        options = self.drafter.candidates()
-
-        def size(key) -> int:
-            if options is not None:
-                self.drafter.use(key)  # several sources: the class's own source drafts it
-            if self.drafter.follows_controller:
-                return min(controller.budget(key), wanted)
-            # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
-            return controller.tree_budget(wanted, key)
-
-        shadows = []
-        if options is None:
-            key = self.drafter.draft_class()
-            budget = size(key)
-            if budget <= 0 and shadow and self.drafter.shadow_drafts:
-                # a free drafter's gated-off class is scored unverified (as auto's free sources are):
-                # its probes, spaced up to 64 steps, left prompt lookup's 1- and 2-gram classes shut
-                # through answers where they paid 1.4-1.6x at long contexts (replayed: the controller
-                # 4% slower than with its own class scored, 2% behind a fixed 9-token draft)
-                shadows = self._shadows(controller, [key], wanted, own=True)
-        else:  # several sources: the one measured fastest that drafts (or one due a turn); or none
-            free = self.drafter.shadows(options) if shadow else []
-            key, budget = controller.choose(options, size, free)
-            shadows = self._shadows(controller, [k for k in free if k != key], wanted)
-            if key is None:
-                return None, DraftTree.empty(batch_size), shadows
-            self.drafter.use(key)
-        return key, (self.drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size)), shadows
-
-    def _shadows(self, controller: DraftLengthController, keys: list, wanted: int, own: bool = False) -> list[_Shadow]:
-        """Unverified drafts of classes ``keys`` (free sources' classes not chosen, ``drafters.auto``;
-        ``own``: a single free drafter's class that drafts nothing this step). Their seconds (0.1-0.5
-        ms a step for suffix) are part of the step's draft time: the price of scoring them."""
-        out = []
-        for key in keys:
-            own_tree = not self.drafter.follows_controller if own else self.drafter.sizes_own_tree(key)
-            n = controller.shadow_size(wanted, key, tree=own_tree)
-            if n <= 0:
-                continue
-            t0 = time.perf_counter()
-            tree = self.drafter.propose(n) if own else self.drafter.shadow(key, n)
-            out.append(_Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
-        return out
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):
         """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path

@@ -635,6 +635,21 @@ def test_draft_cost_is_timed_per_size_and_fitted_to_a_line_between():
     assert c.draft_cost(6, "self") == pytest.approx(4.2)
 
 
+def test_a_budget_search_prices_blocks_as_cost_ratio_does():
+    """The table a budget search reads (``_verify_prices``, built once per search) gives every block
+    size the nearest smaller timed size's seconds, as ``cost_ratio`` does; random timed sets."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(200):
+        c = _cost_aware()
+        c.step_time.update({q: rng.uniform(0.5, 3.0) for q in rng.sample(range(1, 20), rng.randint(1, 8))})
+        c.step_time.setdefault(1, 1.0)
+        prices = c._verify_prices(24)
+        for q in range(1, 25):
+            assert prices(q) == pytest.approx(c.cost_ratio(q) * c.step_time[1])
+
+
 def test_a_block_of_fewer_rows_never_reads_as_dearer_than_a_bigger_one():
     """The 1-row time is measured on the first step (cold: 2x); every later step drafts, so without the
     clamp it would stand for the session and every drafted size would look cheap against it."""

@@ -1,6 +1,7 @@
 """The suffix drafter: its index against brute force, its trees by hand, whole generations against HF
 greedy decoding (trees with several branches, accepted in part)."""
 
+import json
 import random
 
 import pytest
@@ -289,15 +290,6 @@ def test_remembered_answer_makes_the_second_ask_faster():
 # replay on stored answers (no model)
 
 
-def test_accepted_along_follows_the_matching_branch():
-    from specdec.bench.replay import accepted_along
-
-    assert accepted_along([3, 4, 5], [-1, 0, -1], [3, 4, 9]) == 2
-    assert accepted_along([3, 4, 5, 6], [-1, 0, -1, 2], [5, 6, 7]) == 2  # the second branch
-    assert accepted_along([3, 4, 5], [-1, 0, -1], [9]) == 0
-    assert accepted_along([], [], [1, 2]) == 0
-
-
 def test_replay_of_a_remembered_answer_accepts_whole_trees():
     from specdec.bench.replay import replay
 
@@ -330,13 +322,61 @@ def test_a_replay_prices_each_step_by_the_verify_curve():
     assert _ranges("all", 3) == [0, 1, 2] and _ranges("1-2,5", 9) == [1, 2, 5]
 
 
-@pytest.mark.parametrize("curve", ["1:1,8", "a:1", "0:1", "1:0"])
+@pytest.mark.parametrize("curve", ["1:1,8", "a:1", "0:1", "1:0", "missing.json"])
 def test_a_malformed_verify_curve_is_named(curve, capsys):
     from specdec.bench.replay import main
 
     with pytest.raises(SystemExit):
         main(["--verify-curve", curve])
     assert "--verify-curve" in capsys.readouterr().err
+
+
+def test_a_verify_curve_reads_bench_verify_json(tmp_path):
+    from specdec.bench.replay import read_curve
+
+    f = tmp_path / "curve.json"
+    f.write_text(json.dumps({"in_decoder": True, "seconds": {"1": 0.02, "2": 0.02, "8": 0.03}}))
+    assert read_curve(str(f)) == pytest.approx({1: 1.0, 2: 1.0, 8: 1.5})
+    f.write_text(json.dumps({"seconds": {"2": 0.02}}))
+    with pytest.raises(ValueError, match="1-row"):
+        read_curve(str(f))
+
+
+@pytest.mark.parametrize("argv, named", [(["--settings", "controller"], "--verify-curve"),
+                                         (["--settings", "m=3"], "--settings"),
+                                         (["--drafters", "eagle"], "--drafters")])
+def test_replay_arguments_are_checked(argv, named, capsys):
+    from specdec.bench.replay import main
+
+    with pytest.raises(SystemExit):
+        main(argv)
+    assert named in capsys.readouterr().err
+
+
+def test_a_replayed_controller_stops_drafting_what_does_not_pay():
+    """The corpus says 7 is followed by 8, 9; in the answer every other token is a 7 followed by
+    something else, and a verify row costs 2 plain steps: a fixed budget verifies the 2-node corpus
+    tree after every 7 (5 steps' time), the controller (the decoder's own sizing and learning, shared
+    through draft_step / learn_step) closes the class's gate after its first measured drafts."""
+    from specdec.bench.generation import fixed_setting
+    from specdec.bench.replay import replay
+    from specdec.controller import DraftLengthConfig, DraftLengthController
+
+    prompt = [1, 2, 3]
+    answer = [7] + [t for x in range(11, 71) for t in (x, 7)]  # 7 11 7 12 7 ...: never 7 8
+    curve = {1: 1.0, 2: 3.0, 17: 33.0}
+
+    def run(config):
+        d = SuffixDrafter()
+        d.remember([5, 6, 7, 8, 9, 10], 0)
+        return replay(d, prompt, answer, curve=curve, controller=DraftLengthController(config))
+
+    fixed, ctrl = run(fixed_setting("n=8").draft_length), run(DraftLengthConfig())
+    assert fixed.tau == pytest.approx(1.0) and ctrl.tau == pytest.approx(1.0)  # nothing is ever accepted
+    assert fixed.nodes > 0 and ctrl.nodes < fixed.nodes
+    assert ctrl.cost / ctrl.tokens < 0.5 * fixed.cost / fixed.tokens
+    with pytest.raises(ValueError, match="verify curve"):
+        replay(SuffixDrafter(), prompt, answer, controller=DraftLengthController())
 
 
 def test_bench_repeat_pass_two_drafts_from_remembered_answers(target, tmp_path):

@@ -1,34 +1,47 @@
-"""Replay: a text drafter's tau on stored greedy answers, without running the model.
+"""Replay: a text drafter's tau and speed on stored greedy answers, without running the model.
 
 A greedy answer is what the target emits whatever it was drafted with (lossless), so the accepted
 length of each draft is the longest path of its tree that spells the stored continuation, and the
 step then adds that path plus the target's next token -- exactly the decoder's step, with the stored
 answer standing in for the target's argmax. Good for drafters that read only tokens (suffix, prompt
 lookup): their tau (tokens per target forward, as Spec-Bench counts it) in seconds, with no
-timing noise. It assumes the draft of every step is verified (no controller gating: the decoder's
-``cost_aware=False``) and that the stored answers are greedy answers of the target.
+timing noise. Drafts are sized as the decoder sizes them (``decoder.draft_step``, ``learn_step``),
+under a fixed setting (``--settings k=10``, the default: every draft verified, chains of 10, trees
+whole; ``n=8``: trees of 8 nodes) or the controller (``controller``), which then reads each step's
+verify cost from ``--verify-curve`` (in plain steps; its drafts cost nothing). Timing noise and the
+run-to-run drift of a shared machine are absent, so two budget rules compare on the same answers to
+the digit; what a replay leaves out (draft and controller seconds, a store's growth) a timed
+``specdec bench`` keeps. It assumes the stored answers are greedy answers of the target.
 
     python -m specdec.bench.replay --held-out 100-129,500-519 --max-new-tokens 256
       suffix (no corpus), suffix (corpus = the other stored conversations), prompt lookup
     specdec bench --questions ../shared/specbench/question.jsonl --per-category 3 --max-new-tokens 256 \
         --no-hf-lookup --drafters none --save-answers results/answers.jsonl
+    specdec bench-verify --in-decoder --tree --context 300 --repeats 3 --sizes 1,2,...,17 --out results/curve.json
     python -m specdec.bench.replay --answers results/answers.jsonl --held-out all \
-        --corpus data/eagle_answers.jsonl --verify-curve 1:1,2:1.08,4:1.11,8:1.28,16:1.63
-      the target's own answers to Spec-Bench questions, the project's stored answers as the corpus
+        --corpus data/eagle_answers.jsonl --verify-curve results/curve.json --drafters suffix-corpus \
+        --settings controller,n=4,n=6,n=8,n=16
+      the target's own answers to Spec-Bench questions, the project's stored answers as the corpus:
+      the tree-size controller against fixed node budgets on this machine's verify curve
 
-With ``--verify-curve`` (a step's cost per verified rows, in plain steps, e.g. from ``specdec
-bench-verify --in-decoder``; linear in between) it also prints tokens per plain step's time, the
-speed the drafts would give if every one were verified.
+With ``--verify-curve`` (a step's cost per verified rows in plain steps, "1:1,8:1.28,16:1.63", linear
+in between, or ``specdec bench-verify --in-decoder --out``'s JSON) it also prints tokens per plain
+step's time, the speed the drafts give.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass
 
 import torch
 
+from specdec.bench.generation import fixed_setting
+from specdec.controller import DraftLengthConfig, DraftLengthController
+from specdec.decoder import draft_step, learn_step
 from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.tree import path_along
 
 
 @dataclass(frozen=True)
@@ -59,43 +72,37 @@ def step_cost(curve: dict[int, float], rows: int) -> float:
     return curve[sizes[-1]]
 
 
-def accepted_along(tokens: list[int], parents: list[int], truth: list[int]) -> int:
-    """Drafted tokens accepted when the target's greedy continuation is ``truth``: the deepest path
-    from the root whose tokens spell truth's prefix (siblings are distinct, so the walk is unique).
-
-    Example: tokens [3, 4, 5], parents [-1, 0, -1], truth [3, 4, 9] -> 2.
-    """
-    node, a = -1, 0
-    while a < len(truth):
-        node = next((j for j, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == truth[a]), None)
-        if node is None:
-            break
-        a += 1
-    return a
-
-
 def replay(drafter: Drafter, prompt: list[int], answer: list[int], budget: int = 10,
-           curve: dict[int, float] | None = None) -> ReplayStats:
-    """One generation of ``answer`` after ``prompt``, batch 1; ``budget`` caps each draft (for
-    drafters that follow the controller; self-sized ones get the tokens still wanted); ``curve``:
-    verify cost per rows (``step_cost``), to price each step."""
+           curve: dict[int, float] | None = None, controller: DraftLengthController | None = None) -> ReplayStats:
+    """One generation of ``answer`` after ``prompt``, batch 1; ``curve``: verify cost per rows
+    (``step_cost``), to price each step. Drafts are sized by ``controller`` as the decoder sizes them
+    (``decoder.draft_step``; it learns from each step, ``decoder.learn_step``, priced by the curve in
+    plain steps, drafts free): pass the same controller for a session's answers, as a decoder keeps
+    its own. Without one, every draft is verified: ``budget`` caps a chain drafter's, a self-sized
+    tree drafter gets the tokens still wanted."""
     if not answer:
         return ReplayStats(0, 0, 0)
+    if controller is None:
+        controller = DraftLengthController(fixed_setting(f"k={budget}").draft_length)
+    if controller.config.cost_aware and not curve:
+        raise ValueError("the controller prices drafts by verify times: give a verify curve")
+    controller.new_run(1)
     drafter.begin(Prompt(torch.tensor([prompt]), torch.tensor([len(prompt)])))
     pos, steps, nodes = 1, 1, 0  # the prefill's forward gives answer[0]
     cost = 1.0 if curve else 0.0  # the prefill counted as one forward, as tau counts it
     drafter.accept(Commit(torch.tensor([answer[:1]]), torch.tensor([1]), torch.tensor([0])))
     while pos < len(answer):
         wanted = len(answer) - pos - 1
-        drafter.draft_class()
-        cap = min(budget, wanted) if drafter.follows_controller else wanted
-        tree = drafter.propose(cap) if cap > 0 else None
-        n = 0 if tree is None else int(tree.num_nodes[0])
-        a = 0 if n == 0 else accepted_along(tree.tokens[0, :n].tolist(), tree.parents[0, :n].tolist(), answer[pos:])
-        new = answer[pos: pos + a + 1]
-        drafter.accept(Commit(torch.tensor([new]), torch.tensor([len(new)]), torch.tensor([a])))
+        key, tree, shadows = draft_step(drafter, controller, 1, wanted, shadow=True)
+        n = int(tree.num_nodes[0]) if tree.tokens.shape[1] else 0
+        parents, tokens = (tree.parents[0, :n].tolist(), tree.tokens[0, :n].tolist()) if n else ([], [])
+        path = path_along(parents, tokens, answer[pos:])
+        new = answer[pos: pos + len(path) + 1]
+        seconds = step_cost(curve, 1 + n) if curve else None
+        learn_step(controller, key, tree, [path], seconds, 0.0 if curve else None, shadows, [new])
+        drafter.accept(Commit(torch.tensor([new]), torch.tensor([len(new)]), torch.tensor([len(path)])))
         pos, steps, nodes = pos + len(new), steps + 1, nodes + n
-        cost += step_cost(curve, 1 + n) if curve else 0.0
+        cost += seconds or 0.0
     return ReplayStats(len(answer), steps, nodes, cost)
 
 
@@ -110,6 +117,26 @@ def _ranges(text: str, n: int) -> list[int]:
     return out
 
 
+def read_curve(text: str) -> dict[int, float]:
+    """A verify curve in plain steps: "ROWS:COST,..." pairs, or a JSON file written by ``specdec
+    bench-verify --in-decoder --out`` (its seconds per block size, over the 1-row step's). Raises
+    ValueError naming what is wrong. Example: "1:1,8:1.28" -> {1: 1.0, 8: 1.28}."""
+    if text.endswith(".json"):
+        with open(text) as f:
+            seconds = json.load(f).get("seconds")
+        if not isinstance(seconds, dict) or "1" not in seconds:
+            raise ValueError(f"{text}: no 'seconds' per block size with a 1-row step (bench-verify --out)")
+        curve = {int(q): float(t) / float(seconds["1"]) for q, t in seconds.items()}
+    else:
+        try:
+            curve = {int(r): float(c) for r, c in (part.split(":") for part in text.split(","))}
+        except ValueError:
+            raise ValueError(f"ROWS:COST pairs, comma-separated, e.g. 1:1,8:1.28 (got {text!r})") from None
+    if not curve or min(curve) < 1 or min(curve.values()) <= 0:
+        raise ValueError(f"rows >= 1 and costs > 0 (got {text!r})")
+    return curve
+
+
 def main(argv: list[str] | None = None) -> int:
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
     from specdec.drafters.suffix import SuffixCorpus, SuffixDrafter, default_answers_path, read_token_jsonl
@@ -121,35 +148,54 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", default=None,
                    help="token-id JSONL the suffix drafter searches (default: --answers minus the held-out "
                         "prompts' conversations)")
-    p.add_argument("--verify-curve", default=None, metavar="ROWS:COST,...",
-                   help="verify cost per rows in plain steps (e.g. 1:1,8:1.28,16:1.63): prints speed too")
+    p.add_argument("--verify-curve", default=None, metavar="ROWS:COST,...|FILE.json",
+                   help="verify cost per rows in plain steps (e.g. 1:1,8:1.28,16:1.63), or bench-verify "
+                        "--in-decoder --out's JSON: prints speed too")
+    p.add_argument("--drafters", default="suffix,suffix-corpus,prompt-lookup", help="comma-separated")
+    p.add_argument("--settings", default="k=10", metavar="SETTING,...",
+                   help="'controller' (needs --verify-curve), k=N (chains of N; trees whole) or n=N (trees "
+                        "of N nodes): each drafter is replayed under each")
     p.add_argument("--max-new-tokens", type=int, default=256)
     args = p.parse_args(argv)
     curve = None
     if args.verify_curve:
         try:
-            curve = {int(r): float(c) for r, c in (part.split(":") for part in args.verify_curve.split(","))}
-        except ValueError:
-            p.error(f"--verify-curve: ROWS:COST pairs, comma-separated, e.g. 1:1,8:1.28 (got {args.verify_curve!r})")
-        if not curve or min(curve) < 1 or min(curve.values()) <= 0:
-            p.error(f"--verify-curve: rows >= 1 and costs > 0 (got {args.verify_curve!r})")
+            curve = read_curve(args.verify_curve)
+        except (ValueError, OSError) as e:
+            p.error(f"--verify-curve: {e}")
+    settings = args.settings.split(",")
+    for setting in settings:
+        if setting == "controller" and curve is None:
+            p.error("--settings controller: the controller prices drafts by verify times; give --verify-curve")
+        if setting != "controller":
+            try:
+                fixed_setting(setting)
+            except ValueError as e:
+                p.error(f"--settings: {e}")
     docs = read_token_jsonl(args.answers)
     held = _ranges(args.held_out, len(docs))
     held_prompts = {docs[i].ids[: docs[i].prompt_len] for i in held}
     # the corpus leaves out every conversation with a held-out prompt (sampled answers to it too)
     source = read_token_jsonl(args.corpus) if args.corpus else docs
     corpus = SuffixCorpus(d for d in source if d.ids[: d.prompt_len] not in held_prompts)
-    drafters = {"suffix": lambda: SuffixDrafter(), "suffix-corpus": lambda: SuffixDrafter(corpus=corpus),
-                "prompt-lookup": lambda: PromptLookupDrafter()}
-    for name, make in drafters.items():
-        st = ReplayStats(0, 0, 0)
-        for i in held:
-            d = docs[i]
-            st = st + replay(make(), list(d.ids[: d.prompt_len]), list(d.ids[d.prompt_len:][: args.max_new_tokens]),
-                             curve=curve)
-        speed = f"  tokens per plain step's time {st.tokens / st.cost:.2f}" if curve else ""
-        print(f"{name:14s} tau {st.tau:.2f}  drafted nodes per step {st.nodes / st.steps:.1f}  "
-              f"({len(held)} answers, {st.tokens} tokens){speed}")
+    makers = {"suffix": lambda: SuffixDrafter(), "suffix-corpus": lambda: SuffixDrafter(corpus=corpus),
+              "prompt-lookup": lambda: PromptLookupDrafter()}
+    names = args.drafters.split(",")
+    if unknown := [n for n in names if n not in makers]:
+        p.error(f"--drafters: unknown {', '.join(unknown)} (known: {', '.join(makers)})")
+    for name in names:
+        for setting in settings:
+            # one controller over the session's answers, as one decoder keeps its own
+            config = DraftLengthConfig() if setting == "controller" else fixed_setting(setting).draft_length
+            controller, st = DraftLengthController(config), ReplayStats(0, 0, 0)
+            for i in held:
+                d = docs[i]
+                st = st + replay(makers[name](), list(d.ids[: d.prompt_len]),
+                                 list(d.ids[d.prompt_len:][: args.max_new_tokens]), curve=curve,
+                                 controller=controller)
+            speed = f"  tokens per plain step's time {st.tokens / st.cost:.3f}" if curve else ""
+            print(f"{name:14s} {setting:10s} tau {st.tau:.2f}  drafted nodes per step {st.nodes / st.steps:.1f}  "
+                  f"({len(held)} answers, {st.tokens} tokens){speed}")
     return 0
 
 
