@@ -337,9 +337,10 @@ def test_a_verify_curve_reads_bench_verify_json(tmp_path):
     f = tmp_path / "curve.json"
     f.write_text(json.dumps({"in_decoder": True, "seconds": {"1": 0.02, "2": 0.02, "8": 0.03}}))
     assert read_curve(str(f)) == pytest.approx({1: 1.0, 2: 1.0, 8: 1.5})
-    f.write_text(json.dumps({"seconds": {"2": 0.02}}))
-    with pytest.raises(ValueError, match="1-row"):
-        read_curve(str(f))
+    for bad in ({"seconds": {"2": 0.02}}, [0.02, 0.03]):
+        f.write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match="1-row"):
+            read_curve(str(f))
 
 
 @pytest.mark.parametrize("argv, named", [(["--settings", "controller"], "--verify-curve"),

@@ -123,7 +123,8 @@ def read_curve(text: str) -> dict[int, float]:
     ValueError naming what is wrong. Example: "1:1,8:1.28" -> {1: 1.0, 8: 1.28}."""
     if text.endswith(".json"):
         with open(text) as f:
-            seconds = json.load(f).get("seconds")
+            data = json.load(f)
+        seconds = data.get("seconds") if isinstance(data, dict) else None
         if not isinstance(seconds, dict) or "1" not in seconds:
             raise ValueError(f"{text}: no 'seconds' per block size with a 1-row step (bench-verify --out)")
         curve = {int(q): float(t) / float(seconds["1"]) for q, t in seconds.items()}
