@@ -266,8 +266,9 @@ class DraftLengthController:
         return lambda n: sizes[n] if n in sizes else a + b * n
 
     def _verify_prices(self, q_max: int) -> Callable[[int], float]:
-        """Verify seconds of a q-row block for q <= ``q_max`` (``cost_ratio`` x t(1)), tabled once for a
-        budget search. Needs a timed 1-row step."""
+        """Verify seconds of a q-row block for q <= ``q_max``, tabled once for a budget search: a timed
+        size's own, an untimed one the nearest smaller timed size's (``cost_ratio``'s rule). Needs a
+        timed 1-row step."""
         table, last = [0.0], self.step_time[1]
         for q in range(1, q_max + 1):
             last = self.step_time.get(q, last)
@@ -295,8 +296,7 @@ class DraftLengthController:
         t1 = self.step_time.get(1)
         if t1 is None:
             return None
-        below = max(s for s in self.step_time if s <= q)
-        return self.step_time[below] / t1
+        return self._verify_prices(q)(q) / t1
 
     def explored(self) -> int:
         """The most nodes worth pricing: one row past the largest block timed at the live batch. An

@@ -164,13 +164,15 @@ def main(argv: list[str] | None = None) -> int:
             curve = read_curve(args.verify_curve)
         except (ValueError, OSError) as e:
             p.error(f"--verify-curve: {e}")
-    settings = args.settings.split(",")
-    for setting in settings:
-        if setting == "controller" and curve is None:
-            p.error("--settings controller: the controller prices drafts by verify times; give --verify-curve")
-        if setting != "controller":
+    configs: dict[str, DraftLengthConfig] = {}
+    for setting in args.settings.split(","):
+        if setting == "controller":
+            if curve is None:
+                p.error("--settings controller: the controller prices drafts by verify times; give --verify-curve")
+            configs[setting] = DraftLengthConfig()
+        else:
             try:
-                fixed_setting(setting)
+                configs[setting] = fixed_setting(setting).draft_length
             except ValueError as e:
                 p.error(f"--settings: {e}")
     docs = read_token_jsonl(args.answers)
@@ -185,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     if unknown := [n for n in names if n not in makers]:
         p.error(f"--drafters: unknown {', '.join(unknown)} (known: {', '.join(makers)})")
     for name in names:
-        for setting in settings:
+        for setting, config in configs.items():
             # one controller over the session's answers, as one decoder keeps its own
-            config = DraftLengthConfig() if setting == "controller" else fixed_setting(setting).draft_length
             controller, st = DraftLengthController(config), ReplayStats(0, 0, 0)
             for i in held:
                 d = docs[i]
