@@ -1,6 +1,6 @@
 """EAGLE-2 trees from the head packaged for the default model, checked against plain greedy decoding.
 
-The default tree is small (6 nodes, depth 3, top-k 3: it verifies in 7 rows, which specdec.kernels
+The default tree is small (6 nodes, depth 3, top-k 3: it verifies in 7 rows, which specdec.runtime.kernels
 makes cheap); deeper ones accept a little more and cost a head forward per level (sweep in
 docs/benchmarks.md).
 For another target, train a head first (examples/train_eagle.py) and load it with make_eagle(target, DIR).

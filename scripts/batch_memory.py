@@ -31,7 +31,7 @@ def _prompts(tokenizer, batch: int, tokens: int):
 def _child(method: str, batch: int, tokens: int, new: int, queue) -> None:
     import torch
 
-    from specdec import kernels
+    from specdec.runtime import kernels
     from specdec.decoder import SpecDecoder
     from specdec.kv.bmc import BMCCache
     from specdec.models import load_model

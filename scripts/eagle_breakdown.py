@@ -10,8 +10,8 @@ from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.eagle import EagleConfig, EagleDrafter
 from specdec.models import load_model
-from specdec.questions import load_questions, select_questions
-from specdec.specbench import chat_input_ids, stop_token_ids
+from specdec.bench.questions import load_questions, select_questions
+from specdec.cli.specbench import chat_input_ids, stop_token_ids
 torch.set_num_threads(2)
 ALWAYS = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # the tree every step: no gate
 m = load_model("default"); model, tok = m.model.eval(), m.tokenizer

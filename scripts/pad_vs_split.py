@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.forward import forward_block, prefill
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import load_model

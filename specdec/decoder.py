@@ -25,12 +25,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec import fastpath, kernels
+from specdec.runtime import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block, prefill
-from specdec.kv import period
+from specdec.controller import period
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import attention_shape, sliding_window, text_config
 from specdec.sampling import SamplingParams, target_probs
@@ -46,10 +46,10 @@ PREFILL_TOKENS = 4096  # prompt tokens per prefill forward (prompts of one lengt
 class SpecDecoderConfig:
     bmc: BMCConfig = BMCConfig(period=64)  # T for the target's store (its first T if adaptive_period)
     # T chosen at every reallocation from the rows held and still wanted, by costs calibrated on the
-    # machine (specdec.kv.period: grows with the sequence, padding capped at 1/8 of the rows)
+    # machine (specdec.controller.period: grows with the sequence, padding capped at 1/8 of the rows)
     adaptive_period: bool = True
     draft_length: DraftLengthConfig = DraftLengthConfig()
-    # CPU: linear layers over blocks of <= this many rows take specdec.kernels' routes (MKL's
+    # CPU: linear layers over blocks of <= this many rows take specdec.runtime.kernels' routes (MKL's
     # skinny GEMM for 1-4 rows, the packed kernel for 5-16, balanced chunks of those up to 128);
     # 0 keeps torch's default path everywhere
     skinny_rows: int = kernels.CHUNK_ROWS
@@ -322,7 +322,7 @@ class SpecDecoder:
             seed = int(torch.randint(2**62, ())) if seed is None else seed
             generator = torch.Generator().manual_seed(seed)  # CPU: the verifier samples on the CPU
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
-        # Llama-shaped models run the lean forward (specdec.fastpath), built and checked here, not in step 1
+        # Llama-shaped models run the lean forward (specdec.runtime.fastpath), built and checked here, not in step 1
         paths = [p for p in map(fastpath.get, modules) if p is not None]
         replaced = [m for p in paths for m in p.replaced()]
         with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows, skip=replaced):

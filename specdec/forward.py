@@ -31,7 +31,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from specdec import fastpath, kernels
+from specdec.runtime import fastpath, kernels
 from specdec.kv.bmc import BMCCache
 
 PAD, SPLIT = "specdec_pad", "specdec_split"  # the attention implementation names the blocks run under

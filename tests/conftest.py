@@ -69,8 +69,8 @@ def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) 
 
 @pytest.fixture
 def ops():
-    """The compiled CPU kernels (specdec/csrc), or the test is skipped on a machine without them."""
-    from specdec import kernels
+    """The compiled CPU kernels (specdec/runtime/csrc), or the test is skipped on a machine without them."""
+    from specdec.runtime import kernels
 
     ops = kernels.extension()
     if ops is None:

@@ -1,4 +1,4 @@
-"""The attention kernel (specdec/csrc/decode_attention.cpp): grouped query rows over a KV store,
+"""The attention kernel (specdec/runtime/csrc/decode_attention.cpp): grouped query rows over a KV store,
 against torch's SDPA on random shapes, masks and store views, and a decoder through it still exact."""
 
 import random
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import hf_greedy, perturbed, tiny_llama
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter

@@ -146,7 +146,7 @@ def test_period_chosen_at_each_reallocation_keeps_logits_exact():
 
 
 def test_period_model_grows_t_with_the_sequence_and_caps_padding():
-    from specdec.kv.period import PeriodCosts, PeriodModel, optimal_period
+    from specdec.controller.period import PeriodCosts, PeriodModel, optimal_period
 
     costs = PeriodCosts(copy=2e-6, pad=1e-6)
     # the worked example: sqrt(2 x 512 x 2304 x 2) = 2172 -> 2048, capped at 2048 / 8 = 256
@@ -188,7 +188,7 @@ def test_direct_buffers_grow_to_hold_the_planned_block():
 @pytest.mark.parametrize("period,n", [(1, 30), (8, 50)])
 def test_allocations_are_ceil_n_over_t_through_the_one_call(period, n):
     """fp32 targets write through the lean forward's one compiled call: still one reallocation per T tokens."""
-    from specdec import kernels
+    from specdec.runtime import kernels
 
     if kernels.extension() is None:
         pytest.skip("no kernel on this machine")

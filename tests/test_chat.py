@@ -19,7 +19,7 @@ from rich.console import Console
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoderConfig
 
-from specdec.chat import ChatSession, IncrementalDetokenizer, printable
+from specdec.cli.chat import ChatSession, IncrementalDetokenizer, printable
 from tiny_chat import save_tiny_chat, tiny_chat_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

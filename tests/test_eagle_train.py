@@ -13,7 +13,7 @@ from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
 from specdec.kv.bmc import BMCConfig
-from specdec.train_eagle import (PROMPTS_FILE, Conversation, DataConfig, TrainConfig, add_arguments, batch_indices,
+from specdec.cli.train_eagle import (PROMPTS_FILE, Conversation, DataConfig, TrainConfig, add_arguments, batch_indices,
                                  generate_data, load_data, lr_at, read_answers, read_prompts, restore_answers, run,
                                  save_answers, split_held_out, train_head)
 

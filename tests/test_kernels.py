@@ -1,4 +1,4 @@
-"""specdec.kernels: the fast routes for few-row linear layers on CPU (MKL's skinny GEMM for 1-4 rows,
+"""specdec.runtime.kernels: the fast routes for few-row linear layers on CPU (MKL's skinny GEMM for 1-4 rows,
 the packed kernel for 5-16, balanced chunks of those for 17-128)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import hf_greedy, perturbed, tiny_llama
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
@@ -244,7 +244,7 @@ def test_a_compiler_without_openmp_still_builds_a_one_thread_kernel(monkeypatch,
     monkeypatch.setattr(kernels, "_OPENMP", ["-fno-such-openmp-flag"])  # the compiler rejects it
     monkeypatch.setitem(kernels.VARIANTS, "one-thread-test",
                         (kernels.VARIANTS["native"][0], "specdec_kernels_one_thread_test"))
-    with caplog.at_level("WARNING", logger="specdec.kernels"):
+    with caplog.at_level("WARNING", logger="specdec.runtime.kernels"):
         ops = kernels._build("one-thread-test")
     if ops is None:
         pytest.skip("no compiler: the kernel is not built here")

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
-from specdec import fastpath
+from specdec.runtime import fastpath
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
@@ -129,7 +129,7 @@ def test_fused_ops_that_disagree_are_dropped_not_the_path(ops, monkeypatch, capl
     real = fastpath.FastPath._fused_layers
     monkeypatch.setattr(fastpath.FastPath, "_fused_layers", lambda self, *a: real(self, *a) * 1.5)
     target = tiny_llama(5, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="specdec.fastpath"):
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.fastpath"):
         path = fastpath.get(target)
     assert path is not None and not path.fuse
     assert "fused layer ops disagree" in caplog.text
@@ -146,7 +146,7 @@ def test_a_fused_op_that_fails_leaves_hf_ops(ops, monkeypatch, caplog):
 
     monkeypatch.setattr(fastpath.FastPath, "_fused_layers", fails)
     target = tiny_llama(6, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="specdec.fastpath"):
+    with caplog.at_level(logging.WARNING, logger="specdec.runtime.fastpath"):
         path = fastpath.get(target)
     assert path is not None and not path.fuse
     assert "lean forward failed" in caplog.text and "rope_split" in caplog.text
@@ -171,7 +171,7 @@ def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes, atten
     through torch's linears and through the kernels' routes, on a chain, a ragged tree block and a SPLIT
     block (each batch row attending over its own rows); with SDPA's attention too (where the self-check
     finds it faster, or SPECDEC_ATTENTION=sdpa: SDPA over the grouped rows, as grouped_attention calls it)."""
-    from specdec import kernels
+    from specdec.runtime import kernels
 
     if attention == "sdpa":
         monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
@@ -197,7 +197,7 @@ def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, atte
     bit."""
     if attention == "sdpa":
         monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
-    from specdec import kernels
+    from specdec.runtime import kernels
     from specdec.forward import forward_block
     from specdec.kv.bmc import BMCCache, BMCConfig
     from specdec.tree import ancestor_mask

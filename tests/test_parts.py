@@ -195,7 +195,7 @@ def test_cost_gate_picks_the_cheapest_length_that_pays():
 def test_chain_acceptance_per_depth_is_smoothed_toward_the_depth_above():
     """The hand-checked example of PositionalAcceptance.chain; an untried depth reads as the one
     above; one miss in one trial does not read as 0."""
-    from specdec.sequoia import PositionalAcceptance, chain_values
+    from specdec.controller.sequoia import PositionalAcceptance, chain_values
 
     pos = PositionalAcceptance(decay=1.0)
     for drafted, accepted in [(2, 2)] * 3 + [(2, 1)] + [(1, 1)] + [(1, 0)] * 5:
@@ -614,7 +614,7 @@ def test_draft_cost_is_timed_per_size_and_fitted_to_a_line_between():
     (0.1, 0.15 of a step), the fitted line prices 8 nodes at 0.45, where a per-node price from the
     2-node trees would say 0.6, and Sequoia's budget grows; a drafter that pays a forward per token
     (self-speculation) is priced per token."""
-    from specdec import sequoia
+    from specdec.controller import sequoia
 
     c = _cost_aware(retree_every=10**9)
     c.update([0], [0], verify_time=1.0)

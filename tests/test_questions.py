@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import shared_file
-from specdec.questions import (TASK_OF_CATEGORY, TASKS, Question, default_questions_path, load_questions,
+from specdec.bench.questions import (TASK_OF_CATEGORY, TASKS, Question, default_questions_path, load_questions,
                                select_questions, task_of)
 
 SPEC_BENCH = shared_file("specbench/question.jsonl")

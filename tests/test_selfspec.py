@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy, tiny_llama
 from specdec import SpecDecoder
 from specdec.controller import DraftLengthConfig
-from specdec.cost_model import best_gamma, omega, read_ratio, shortest_paying_prompt, speedup
+from specdec.controller.cost_model import best_gamma, omega, read_ratio, shortest_paying_prompt, speedup
 from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter

@@ -5,7 +5,7 @@ import random
 
 import pytest
 
-from specdec.sequoia import PositionalAcceptance, best_budget, best_trees, one_step_beyond
+from specdec.controller.sequoia import PositionalAcceptance, best_budget, best_trees, one_step_beyond
 
 
 def tree_value(parents, acc):

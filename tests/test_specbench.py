@@ -14,8 +14,8 @@ import pytest
 import torch
 from rich.console import Console
 
-from specdec.questions import Question
-from specdec.specbench import BASELINE, AnswerFile, SpecBenchConfig, evaluate, method_stats, summarize
+from specdec.bench.questions import Question
+from specdec.cli.specbench import BASELINE, AnswerFile, SpecBenchConfig, evaluate, method_stats, summarize
 from tiny_chat import save_tiny_chat, tiny_chat_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,7 +101,7 @@ def test_answers_in_spec_bench_format_and_identical(tiny, tmp_path):
 
 
 def test_second_turn_sees_the_models_own_answer(tiny, tmp_path, monkeypatch):
-    import specdec.specbench as sb
+    import specdec.cli.specbench as sb
 
     seen = []
     real = sb.chat_input_ids

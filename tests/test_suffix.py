@@ -382,7 +382,7 @@ def test_a_replayed_controller_stops_drafting_what_does_not_pay():
 
 def test_bench_repeat_pass_two_drafts_from_remembered_answers(target, tmp_path):
     from specdec.bench.generation import Method, run_bench, specdec_method
-    from specdec.questions import Question
+    from specdec.bench.questions import Question
 
     class Tok:  # characters as token ids, enough for run_bench
         def __call__(self, text, return_tensors=None):

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.bench.generation import make_decoder
 from specdec.decoder import SpecDecoder
 
@@ -169,7 +169,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from specdec.models import load_model
-    from specdec.questions import load_questions
+    from specdec.bench.questions import load_questions
 
     try:
         sizes = [int(x) for x in args.batch_size.split(",")]

@@ -13,7 +13,7 @@ import argparse
 import json
 from pathlib import Path
 
-from specdec.questions import TASKS
+from specdec.bench.questions import TASKS
 
 BASELINES = {"baseline", "hf-generate"}  # the reference each file's speedups are relative to
 

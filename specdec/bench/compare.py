@@ -22,7 +22,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdec.questions import task_of
+from specdec.bench.questions import task_of
 
 
 @dataclass(frozen=True)

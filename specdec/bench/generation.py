@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.registry import make_drafter
@@ -246,7 +246,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from specdec.models import load_model
-    from specdec.questions import load_questions, select_questions, task_of
+    from specdec.bench.questions import load_questions, select_questions, task_of
 
     console = Console()
     sampling_kwargs(None, args.temperature)  # a bad --temperature fails before the model loads

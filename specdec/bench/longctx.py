@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specdec import cost_model
+from specdec.controller import cost_model
 
 # the steering repo's shared/ data beside the clone (run from the repo root: ../shared), else /work/shared
 BOOKS = next((p for p in (Path.cwd().parent / "shared" / "longctx" / "books.jsonl",

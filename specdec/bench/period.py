@@ -6,7 +6,7 @@ steps of ``--rows`` rows (a pending token + drafts) of which a seeded random num
 speculated tokens fill are written into the padding, as in the decoder). Per step: the store's
 bias mask, the K/V write, grouped attention over the view, the commit; every ``T`` rows a
 reallocation. Periods alternate inside each repeat; the figure is the median over repeats, in
-microseconds per generated token; beside it the model's choice (``specdec.kv.period``) from the
+microseconds per generated token; beside it the model's choice (``specdec.controller.period``) from the
 costs calibrated on this machine (timed too, if outside the sweep), the measured best of the sweep,
 and the time at the model's T over the best's.
 
@@ -26,7 +26,7 @@ from types import SimpleNamespace
 
 from specdec.forward import grouped_attention
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.kv.period import PeriodModel, calibrate
+from specdec.controller.period import PeriodModel, calibrate
 
 HQ, HKV, D = 9, 3, 64  # SmolLM2-135M attention shape
 PERIODS = (8, 16, 32, 64, 128, 256, 512)

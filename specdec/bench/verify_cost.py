@@ -6,7 +6,7 @@ same curve at run time). Methods, each over the same context of ``--context`` to
     hf          plain HF forward on a DynamicCache, causal mask (a copy of the context's cache per call)
     bmc-chain   specdec's verify forward on the BMC store, causal fast path (chains)
     bmc-tree    the same with a tree's general mask (the ancestor mask of a chain, built per call)
-    skinny-chain, skinny-tree   the same two with specdec.kernels' few-row linear path (what
+    skinny-chain, skinny-tree   the same two with specdec.runtime.kernels' few-row linear path (what
                 SpecDecoder runs on CPU): the "after" of the curve, the three above its "before"
 
 Methods and block sizes alternate inside each repeat; figures are medians over repeats.
@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Drafter
 from specdec.forward import cache_arg, forward_block

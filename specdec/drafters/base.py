@@ -76,7 +76,7 @@ class Drafter(ABC):
         """Draft the next step in class ``key``, one of ``candidates()``."""
 
     def torch_modules(self) -> list:
-        """The nn.Modules the drafter runs, for the decoder's CPU kernel routing (specdec.kernels)."""
+        """The nn.Modules the drafter runs, for the decoder's CPU kernel routing (specdec.runtime.kernels)."""
         return []
 
     def catch_up_seconds(self) -> float:

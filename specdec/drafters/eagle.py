@@ -57,7 +57,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.forward import cache_arg
 from specdec.kv.bmc import BMCCache, BMCConfig

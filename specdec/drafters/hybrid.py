@@ -5,7 +5,7 @@ small drafter's guesses (summaries, RAG answers, code edits and translations cop
 where nothing long enough matches, the other drafter guesses. Each sequence uses one source per step,
 chosen by the length of its suffix n-gram match: ``min_ngram`` or longer, lookup's continuation as a
 chain; shorter, the other drafter's draft. So a verify row never carries both (on a CPU a verify
-over more rows costs more, specdec.kernels); in a batch each row takes its own source. Both sources
+over more rows costs more, specdec.runtime.kernels); in a batch each row takes its own source. Both sources
 see every commit, so the one not used stays in step (EAGLE's head feeds the skipped pairs at its
 next draft, in one forward).
 

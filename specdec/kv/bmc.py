@@ -197,7 +197,7 @@ class BMCCache(Cache):
         self.lengths: list[int] = [0] * batch_size  # committed rows per batch row (host copy: no syncs)
         self.num_allocations = 0  # reallocations so far (counted once for all layers)
         self.period = config.period  # T now (``set_period``); starts at the config's
-        # asked at every reallocation with the rows held, returns T for it (specdec.kv.period: T grows
+        # asked at every reallocation with the rows held, returns T for it (specdec.controller.period: T grows
         # with the sequence); None keeps T fixed
         self.period_policy = None
         self._plan: _WritePlan | None = None

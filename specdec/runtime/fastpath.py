@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.models import sliding_window
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -1,6 +1,6 @@
 """Draft-length control: how many tokens to ask the drafter for at the next step.
 
-Verification is not free on a CPU: with specdec.kernels a default-model forward over 2 tokens costs
+Verification is not free on a CPU: with specdec.runtime.kernels a default-model forward over 2 tokens costs
 what 1 does, over 3-8 ~1.15x, over 12 ~1.45x, over 16 ~1.7x. So drafting pays only while enough of
 it is accepted, and only as much of it as the measured cost curve allows. Two rules:
 
@@ -33,7 +33,7 @@ That is MagicDec's choice of drafter, between this drafter and none, made from l
 With several sources (``drafters.auto``) ``choose`` first picks the class with the best measured
 gain among those that can draft now and whose own rule drafts something; the free sources' classes
 not chosen are measured too, from drafts scored but never verified (``observe_shadow``). When the
-gate is open, ``tree_budget`` sizes the tree (Sequoia, specdec.sequoia): from the acceptance per
+gate is open, ``tree_budget`` sizes the tree (Sequoia, specdec.controller.sequoia): from the acceptance per
 depth and sibling rank measured on the trees verified so far, the node budget with the most expected
 tokens per second given the verify times of this batch size (more nodes where a verify is cheap
 relative to a step, fewer where it is not).
@@ -65,13 +65,13 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Collection, Hashable
 
-from specdec import sequoia
+from specdec.controller import sequoia
 from specdec.tree import subtree_depth
 
 
 @dataclass(frozen=True)
 class DraftLengthConfig:
-    initial: int = 3  # first draft length: 4 verify rows (cost about what 1 does, specdec.kernels)
+    initial: int = 3  # first draft length: 4 verify rows (cost about what 1 does, specdec.runtime.kernels)
     minimum: int = 1  # never ask for fewer (0 would turn drafting off for good)
     maximum: int = 10  # past ~10 tokens a CPU verify forward costs more than it can win
     step_up: int = 2  # BASS: +2 after a step where some sequence accepted everything
@@ -289,7 +289,7 @@ class DraftLengthController:
 
         A size not timed yet is assumed as cheap as the nearest smaller timed one (cost never falls
         as q grows, so this is a lower bound): the controller is optimistic about it, drafts it when
-        that would pay, and so times it. On a CPU the curve has steps (through specdec.kernels 2 rows
+        that would pay, and so times it. On a CPU the curve has steps (through specdec.runtime.kernels 2 rows
         cost what 1 does, 3-8 ~1.15x, 16 ~1.7x; without them 2 rows cost 1.6x), which neither
         extrapolation nor a guess would find.
         """

@@ -7,7 +7,7 @@ import time
 
 from rich.console import Console
 
-from specdec import kernels
+from specdec.runtime import kernels
 from specdec.decoder import SpecDecoder
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import add_sampling_arguments, sampling_arguments

@@ -6,7 +6,7 @@ how fast the weights stream from memory. On this project's machines (torch's MKL
 
 - 1-4 rows: ``torch.mm(W, x.T)``, MKL's GEMM with the rows as 2-4 right-hand columns (an odd count
   padded with a zero row: one row alone would take MKL's GEMV again), 20-30 GB/s;
-- 5-16 rows: ``specdec/csrc/packed_linear.cpp``, a kernel over a copy of the weight packed in panels
+- 5-16 rows: ``specdec/runtime/csrc/packed_linear.cpp``, a kernel over a copy of the weight packed in panels
   of 8 (AVX2) or 16 (AVX-512; two shapes: one panel or two at a time) output features (built on
   first use with torch's C++ extension tools and ``-march=native``; the packed copy is made when
   ``skinny_linears`` routes the module, or at a direct caller's first block, and kept while the

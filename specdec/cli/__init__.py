@@ -9,16 +9,16 @@ import os
 import sys
 
 COMMANDS = {  # name -> (module, one-line help)
-    "generate": ("specdec.generate_cmd", "generate from a prompt on the default (or any) model"),
+    "generate": ("specdec.cli.generate", "generate from a prompt on the default (or any) model"),
     "bench": ("specdec.bench.generation", "ours vs HF generate vs HF prompt lookup, same process"),
     "bench-kv": ("specdec.bench.kv", "KV store microbenchmark: iterative vs upfront vs BMC"),
     "bench-period": ("specdec.bench.period", "BMC period sweep: attention-block time over T, lengths, batches"),
     "bench-verify": ("specdec.bench.verify_cost", "target forward time over 1..32 tokens (verify-cost curve)"),
     "bench-longctx": ("specdec.bench.longctx", "long-context self-speculation (MagicDec) vs HF generate"),
     "bench-controller": ("specdec.bench.policy", "the draft-length controller vs every fixed length, on replayed steps"),
-    "chat": ("specdec.chat", "terminal chat with speculative decoding"),
-    "specbench": ("specdec.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
-    "train-eagle": ("specdec.train_eagle", "train an EAGLE head for a target, offline"),
+    "chat": ("specdec.cli.chat", "terminal chat with speculative decoding"),
+    "specbench": ("specdec.cli.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
+    "train-eagle": ("specdec.cli.train_eagle", "train an EAGLE head for a target, offline"),
 }
 
 

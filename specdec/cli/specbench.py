@@ -39,7 +39,7 @@ from specdec.bench.batch import left_padded, until_eos
 from specdec.bench.generation import prepare_corpus_drafter
 from specdec.decoder import SpecDecoder
 from specdec.models import text_config
-from specdec.questions import TASKS, Question, load_questions, select_questions, task_of
+from specdec.bench.questions import TASKS, Question, load_questions, select_questions, task_of
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import sampling_kwargs
 

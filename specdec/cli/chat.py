@@ -24,7 +24,7 @@ from specdec.decoder import SpecDecoder, StepEvent
 from specdec.models import text_config
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import add_sampling_arguments, sampling_arguments
-from specdec.specbench import chat_input_ids, stop_token_ids
+from specdec.cli.specbench import chat_input_ids, stop_token_ids
 
 DRAFT_STYLE = "cyan"  # text from accepted drafts
 HELP = ("/clear  start a new conversation    /drafter NAME  switch drafter ({names})\n"

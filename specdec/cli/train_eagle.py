@@ -37,7 +37,7 @@ from specdec.drafters.eagle import EagleHead, EagleHeadConfig, causal_bias, load
 from specdec.jsonl import read_jsonl
 from specdec.models import text_config
 
-PROMPTS_FILE = Path(__file__).resolve().parent / "data" / "eagle_prompts.txt"
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "eagle_prompts.txt"
 STATE_FORMAT = 1
 
 
