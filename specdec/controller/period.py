@@ -31,7 +31,8 @@ class PeriodModel:
 def calibrate(batch: int, kv_heads: int, head_dim: int, layers: int, rows: int = 8192,
               dtype: torch.dtype = torch.float32, repeats: int = 5) -> PeriodCosts:
     """Time what a reallocation does on this machine, per row: copying ``rows`` rows of K and V into a
-    new buffer, and allocating + zero-filling ``rows`` new ones (medians of ``repeats``). Both scale with batch x layers alike: T* depends on their ratio only."""
+    new buffer, and allocating + zero-filling ``rows`` new ones (medians of ``repeats``). Both scale
+    with batch x layers alike: T* depends on their ratio only."""
     shape = (batch, kv_heads, rows, head_dim)
     src = torch.randn(*shape, dtype=dtype)
     copies, pads = [], []
