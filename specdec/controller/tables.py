@@ -28,7 +28,7 @@ def running_time(old: float | None, sample: float, decay: float) -> float:
 
 def nearest_batch(sizes: Iterable[int], batch: int) -> int | None:
     """The batch size nearest ``batch`` on a log scale (ties to the larger), None if there is none.
-    Example: {1, 8} for 3 -> 1 (log 3 < log 8/3); for 4 -> 8 (a tie)."""
+    Example: {1, 8} for 2 -> 1 (log 2 < log 4), for 3 -> 8; {2, 8} for 4 -> 8 (a tie)."""
     return min(sizes, key=lambda b: (abs(math.log(b / batch)), -b), default=None)
 
 
