@@ -42,24 +42,22 @@ from specdec.tree import subtree_depth
 
 @dataclass(frozen=True)
 class DraftLengthConfig:
-    # the length schedule (fixed or BASS's)
+    # (one flat config: users pass these keywords; grouped by the part that reads them in the comments)
     initial: int = 3  # first draft length (a 4-row verify)
     minimum: int = 1  # never ask for fewer (0 would turn drafting off for good)
     maximum: int = 10  # the longest chain the cost model may pick
     step_up: int = 2  # BASS: +2 after a step where some sequence accepted everything
     adaptive: bool = True  # False: always ask for `initial`
-    shrink: str = "one"  # after a step with no whole draft accepted: "one" token, or "bass" (bass_shrink)
-    # the cost gate
     cost_aware: bool = True  # draft only when the expected gain beats the measured verify cost
     explore_every: int = 8  # while gated off, probe every n steps (backs off to 8n)
     probe_share: float = 0.02  # ...and never more often than keeps probes' extra cost under this share
     decay: float = 0.8  # weight of the past in the running means (alpha, verify and draft times)
     gate_decay: float = 0.95  # the measured gain's running mean: a long memory (~20 steps)
-    min_samples: int = 3  # drafting steps measured before a class's gain is judged (and chosen first until then)
-    # trees and sources
-    tree_decay: float = 0.98  # weight of the past per observed tree in the depth x rank acceptance
-    retree_every: int = 16  # re-run Sequoia's program after this many observed trees
+    shrink: str = "one"  # after a step with no whole draft accepted: "one" token, or "bass" (bass_shrink)
+    tree_decay: float = 0.98  # trees: weight of the past per observed tree in the depth x rank acceptance
+    retree_every: int = 16  # trees: re-run Sequoia's program after this many observed trees
     revisit_every: int = 64  # several sources: a candidate passed over this many steps gets a turn
+    min_samples: int = 3  # drafting steps measured before a class's gain is judged (and chosen first until then)
     tree_nodes: int = 0  # > 0 with cost_aware off: a fixed tree budget (a sweep's fixed setting)
 
     @classmethod
