@@ -42,7 +42,11 @@ from specdec.tree import subtree_depth
 
 @dataclass(frozen=True)
 class DraftLengthConfig:
-    # (one flat config: users pass these keywords; grouped by the part that reads them in the comments)
+    """The controller's knobs, by the part that reads them: the length schedule (initial, minimum,
+    maximum, step_up, adaptive, shrink), the cost gate (cost_aware, explore_every, probe_share, decay,
+    gate_decay, min_samples), trees (tree_decay, retree_every, tree_nodes), the source chooser
+    (revisit_every, min_samples). Why these defaults: docs/decisions/006-draft-length.md."""
+
     initial: int = 3  # first draft length (a 4-row verify)
     minimum: int = 1  # never ask for fewer (0 would turn drafting off for good)
     maximum: int = 10  # the longest chain the cost model may pick
