@@ -21,8 +21,8 @@ verifier follows and no real node attends to.
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -78,6 +78,31 @@ class DraftTree:
         if num_nodes is None:
             num_nodes = torch.full((B,), K, dtype=torch.long, device=tokens.device)
         return DraftTree(tokens, parents, num_nodes, probs)
+
+    def to_networkx(self, b: int = 0, decode: Callable[[int], str] | None = None):
+        """Row ``b``'s real nodes as a ``networkx.DiGraph``, for inspection (drawing, ``nx.write_gml``,
+        ``nx.dag_longest_path``), never on a hot path. Node -1 is the pending token (``depth`` 0);
+        node i carries ``token``, ``depth`` (1 = child of the pending token), ``rank`` (index among
+        its parent's children), ``prob`` (the drafter's probability of its token, when the tree has
+        ``probs``) and ``text`` (``decode(token)``, when given); edges run parent -> child.
+        Example: parents [-1, 0, -1], tokens [5, 6, 7] -> edges (-1, 0), (0, 1), (-1, 2); node 2 has
+        depth 1 and rank 1."""
+        import networkx as nx  # only for inspection: kept out of the decoder's imports
+
+        parents, tokens = (x[b] for x in self.real_nodes())
+        g = nx.DiGraph(row=b)
+        g.add_node(-1, depth=0)
+        children: dict[int, int] = {}
+        for i, (p, tok) in enumerate(zip(parents, tokens)):
+            children[p] = children.get(p, 0) + 1
+            attrs = {"token": tok, "depth": g.nodes[p]["depth"] + 1, "rank": children[p] - 1}
+            if self.probs is not None:
+                attrs["prob"] = float(self.probs[b, i, tok])
+            if decode is not None:
+                attrs["text"] = decode(tok)
+            g.add_node(i, **attrs)
+            g.add_edge(p, i)
+        return g
 
 
 def pick_rows(use_a: list[bool], a: DraftTree, b: DraftTree) -> DraftTree:
@@ -208,233 +233,3 @@ def position_ids(parents: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
     assert lengths.shape == (B,), f"lengths {tuple(lengths.shape)} != ({B},)"
     depth = torch.cat([torch.zeros(B, 1, dtype=torch.long, device=parents.device), node_depths(parents)], 1)
     return lengths.to(parents.device)[:, None] + depth
-
-
-# --------------------------------------------------------------------------------------------------
-# Tree shapes as Python data: construction and debugging (not the hot path).
-
-ROOT = -1  # the pending token's node id in a networkx graph
-
-
-def to_networkx(parents, tokens=None):
-    """One row's tree as a ``networkx.DiGraph``: node ``-1`` is the pending token, node ``i`` the
-    i-th drafted node, edges go parent -> child. Attributes: ``depth`` (the root has 0), ``rank``
-    (index among its parent's children, in node order), and ``token`` when tokens are given.
-
-    parents, tokens: [N] sequences or 1D tensors (one row of a ``DraftTree``).
-    """
-    import networkx as nx
-
-    parents = [int(p) for p in parents]
-    g = nx.DiGraph()
-    g.add_node(ROOT, depth=0)
-    seen_children: dict[int, int] = {}
-    for i, p in enumerate(parents):
-        if not -1 <= p < i:
-            raise ValueError(f"node {i} has parent {p}: parents must precede their children")
-        rank = seen_children.get(p, 0)
-        seen_children[p] = rank + 1
-        g.add_node(i, depth=g.nodes[p]["depth"] + 1, rank=rank)
-        if tokens is not None:
-            g.nodes[i]["token"] = int(tokens[i])
-        g.add_edge(p, i)
-    return g
-
-
-def from_networkx(graph) -> "TreeTemplate":
-    """The tree in ``graph`` (a rooted out-tree, any hashable node names) as a ``TreeTemplate``.
-
-    Nodes are numbered breadth first: every level after the one above it, children in the order of
-    their ``rank`` attribute when present, else in the graph's insertion order. Node tokens (the
-    ``token`` attribute, if every node has one) come along in ``template.tokens``.
-    """
-    import networkx as nx
-
-    if graph.number_of_nodes() == 0 or not nx.is_arborescence(graph):
-        raise ValueError("graph is not a rooted tree (one root, every other node with one parent)")
-    root = next(n for n, d in graph.in_degree() if d == 0)
-    order: list = []
-    parents: list[int] = []
-    index = {root: -1}
-    frontier = [root]
-    while frontier:  # breadth first: parents always get smaller indices than their children
-        nxt = []
-        for u in frontier:
-            kids = list(graph.successors(u))
-            if all("rank" in graph.nodes[k] for k in kids):
-                kids.sort(key=lambda k: graph.nodes[k]["rank"])
-            for k in kids:
-                index[k] = len(order)
-                order.append(k)
-                parents.append(index[u])
-            nxt.extend(kids)
-        frontier = nxt
-    tokens = None
-    if order and all("token" in graph.nodes[k] for k in order):
-        tokens = tuple(int(graph.nodes[k]["token"]) for k in order)
-    return TreeTemplate(tuple(parents), tokens)
-
-
-@dataclass(frozen=True)
-class TreeTemplate:
-    """A tree shape (and optionally tokens) as Python tuples: what static-tree drafters fill.
-
-    Node i's ``rank`` is its index among its parent's children (0 = the drafter's most likely
-    token); in a template, the r-th child of a node is meant to hold that node's r-th ranked token.
-    """
-
-    parents: tuple[int, ...]  # [N] parent node index, -1 = child of the pending token
-    tokens: tuple[int, ...] | None = None  # [N] token ids, None for a bare shape
-    expected_accepted: float | None = None  # expected accepted drafts under the probs it was built for
-
-    def __post_init__(self) -> None:
-        for i, p in enumerate(self.parents):
-            if not -1 <= p < i:
-                raise ValueError(f"node {i} has parent {p}: parents must precede their children")
-        if self.tokens is not None and len(self.tokens) != len(self.parents):
-            raise ValueError(f"{len(self.tokens)} tokens for {len(self.parents)} nodes")
-
-    def __len__(self) -> int:
-        return len(self.parents)
-
-    @property
-    def depths(self) -> tuple[int, ...]:
-        d: list[int] = []
-        for p in self.parents:
-            d.append(1 if p < 0 else d[p] + 1)
-        return tuple(d)
-
-    @property
-    def ranks(self) -> tuple[int, ...]:
-        counts: dict[int, int] = {}
-        r = []
-        for p in self.parents:
-            r.append(counts.get(p, 0))
-            counts[p] = r[-1] + 1
-        return tuple(r)
-
-    @property
-    def max_depth(self) -> int:
-        return max(self.depths, default=0)
-
-    def to_draft_tree(self, tokens: torch.Tensor | None = None) -> DraftTree:
-        """The template as a batch-1 ``DraftTree``; tokens [N] (default: the template's own)."""
-        if tokens is None:
-            if self.tokens is None:
-                raise ValueError("a bare template needs tokens to become a DraftTree")
-            tokens = torch.tensor(self.tokens, dtype=torch.long)
-        N = len(self.parents)
-        parents = torch.tensor(self.parents, dtype=torch.long).reshape(1, N)
-        return DraftTree(tokens.reshape(1, N).long(), parents, torch.tensor([N]))
-
-
-def expected_accepted(parents, probs) -> float:
-    """Expected accepted drafted tokens of a tree shape under positional acceptance (Sequoia):
-    the r-th ranked child of an accepted node is the accepted one with probability ``probs[r]``,
-    whatever its depth. A node counts with the product of ``probs[rank]`` along its path; ranks past
-    ``len(probs)`` count 0. Tokens per step = this + 1 (the target's own token).
-
-    Example: probs [0.6, 0.3], parents [-1, 0, -1] -> 0.6 + 0.6 * 0.6 + 0.3 = 1.26.
-    """
-    t = TreeTemplate(tuple(int(p) for p in parents))
-    value: list[float] = []
-    for p, r in zip(t.parents, t.ranks):
-        q = probs[r] if r < len(probs) else 0.0
-        value.append(q * (1.0 if p < 0 else value[p]))
-    return float(sum(value))
-
-
-def sequoia_tree(num_nodes: int, probs, max_depth: int | None = None) -> TreeTemplate:
-    """The tree of ``num_nodes`` drafted nodes that maximises ``expected_accepted`` (Sequoia, Chen et
-    al. 2024, dynamic programming over subtree sizes), children in rank order, breadth-first node
-    order. ``probs[r]``: probability that the r-th ranked child of an accepted node is accepted
-    (non-negative, summing to at most 1); a node never has more than ``len(probs)`` children.
-    ``max_depth`` bounds the tree depth (default: no bound). Cached per (n, depth, probs).
-    """
-    probs = tuple(float(p) for p in probs)
-    if num_nodes < 0:
-        raise ValueError(f"num_nodes must be >= 0, got {num_nodes}")
-    if not probs or any(p < 0 for p in probs) or sum(probs) > 1 + 1e-9:
-        raise ValueError(f"probs must be non-negative and sum to at most 1, got {list(probs)}")
-    depth = num_nodes if max_depth is None else min(max_depth, num_nodes)
-    if num_nodes and depth < 1:
-        raise ValueError(f"max_depth must be >= 1 for a non-empty tree, got {max_depth}")
-    R = len(probs)
-    capacity = sum(R ** d for d in range(1, depth + 1)) if R > 1 else depth
-    if num_nodes > capacity:
-        raise ValueError(f"{num_nodes} nodes do not fit a tree of depth {depth} with at most {R} "
-                         f"children per node ({capacity} nodes at most)")
-    return _sequoia_cached(num_nodes, depth, probs)
-
-
-@functools.lru_cache(maxsize=256)
-def _sequoia_cached(n: int, depth: int, probs: tuple[float, ...]) -> TreeTemplate:
-    """DP tables, with d = levels a subtree may span and m = nodes to place:
-
-        c[d][a]      best value of a subtree of exactly a nodes (its root counts 1) within d levels
-        g[d][i][m]   best value of m nodes spread over the subtrees of child ranks i, i+1, ...
-                     (each within d levels), ranks used in order without gaps
-        g[d][i][m] = max over a in 1..m of  probs[i] * c[d][a] + g[d][i + 1][m - a]
-        c[d + 1][a] = 1 + g[d][0][a - 1]
-    The pending token is the root and is not drafted, so the answer is g[depth][0][n].
-    Cost ~ depth * R * n^2 / 2 steps (n = 64, R = 8, depth 8: ~0.1 s); hence the cache.
-    """
-    NEG = float("-inf")
-    R = len(probs)
-    # c[d][a] for d = 1..depth: subtree of a nodes fitting in d levels
-    c = [[NEG] * (n + 1) for _ in range(depth + 1)]
-    g_choice: dict[tuple[int, int, int], int] = {}  # (d, i, m) -> size of rank i's subtree
-
-    def alloc(d: int) -> list[list[float]]:
-        """g[i][m] for children subtrees of depth <= d (d >= 1), remembering the argmax."""
-        g = [[NEG] * (n + 1) for _ in range(R + 1)]
-        g[R][0] = 0.0
-        for i in range(R - 1, -1, -1):
-            g[i][0] = 0.0
-            for m in range(1, n + 1):
-                best, arg = NEG, 0
-                for a in range(1, m + 1):
-                    if c[d][a] == NEG or g[i + 1][m - a] == NEG:
-                        continue
-                    v = probs[i] * c[d][a] + g[i + 1][m - a]
-                    if v > best + 1e-12:
-                        best, arg = v, a
-                g[i][m] = best
-                if arg:
-                    g_choice[(d, i, m)] = arg
-        return g
-
-    if n == 0:
-        return TreeTemplate((), None, 0.0)
-    c[1][1] = 1.0  # a leaf
-    top = None
-    for d in range(1, depth + 1):
-        g = alloc(d)
-        if d == depth:
-            top = g
-            break
-        for a in range(1, n + 1):
-            c[d + 1][a] = 1.0 + g[0][a - 1] if g[0][a - 1] != NEG else NEG
-
-    # rebuild: expand (depth budget, subtree size) recursively, then number breadth first
-    import networkx as nx
-
-    graph = nx.DiGraph()
-    counter = iter(range(n + 1))
-
-    def place_children(node, d: int, m: int) -> None:
-        i = 0
-        while m > 0:
-            a = g_choice[(d, i, m)]
-            child = next(counter)
-            graph.add_node(child, rank=i)
-            graph.add_edge(node, child)
-            place_children(child, d - 1, a - 1)
-            m -= a
-            i += 1
-
-    root = next(counter)
-    graph.add_node(root)
-    place_children(root, depth, n)
-    template = from_networkx(graph)
-    return TreeTemplate(template.parents, None, top[0][n])

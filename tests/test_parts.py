@@ -195,7 +195,8 @@ def test_cost_gate_picks_the_cheapest_length_that_pays():
 def test_chain_acceptance_per_depth_is_smoothed_toward_the_depth_above():
     """The hand-checked example of PositionalAcceptance.chain; an untried depth reads as the one
     above; one miss in one trial does not read as 0."""
-    from specdec.controller.sequoia import PositionalAcceptance, chain_values
+    from specdec.controller.cost import chain_values
+    from specdec.controller.tables import PositionalAcceptance
 
     pos = PositionalAcceptance(decay=1.0)
     for drafted, accepted in [(2, 2)] * 3 + [(2, 1)] + [(1, 1)] + [(1, 0)] * 5:
@@ -614,7 +615,7 @@ def test_draft_cost_is_timed_per_size_and_fitted_to_a_line_between():
     (0.1, 0.15 of a step), the fitted line prices 8 nodes at 0.45, where a per-node price from the
     2-node trees would say 0.6, and Sequoia's budget grows; a drafter that pays a forward per token
     (self-speculation) is priced per token."""
-    from specdec.controller import sequoia
+    from specdec.controller import cost, sequoia
 
     c = _cost_aware(retree_every=10**9)
     c.update([0], [0], verify_time=1.0)
@@ -628,7 +629,7 @@ def test_draft_cost_is_timed_per_size_and_fitted_to_a_line_between():
     st = c.state("tree")  # a measured table whose values grow with nodes
     st.values = sequoia.best_trees([[0.6, 0.2], [0.6, 0.2], [0.6], [0.6]], 16)[0]
     st.positions.observed = 1
-    per_node = sequoia.best_budget(st.values[:9], lambda q: 1.0, lambda n: 0.075 * n)
+    per_node = cost.best_budget(st.values[:9], lambda q: 1.0, lambda n: 0.075 * n)
     assert c.tree_budget(8, "tree") > per_node
     for k in (1, 2, 3):
         c.update([k], [k], verify_time=1.0, draft_time=0.7 * k, key="self")

@@ -11,7 +11,7 @@ import torch
 from conftest import hf_greedy, tiny_llama
 from specdec import SpecDecoder
 from specdec.controller import DraftLengthConfig
-from specdec.controller.cost_model import best_gamma, omega, read_ratio, shortest_paying_prompt, speedup
+from specdec.controller.cost import omega, read_ratio, shortest_paying_prompt, speedup
 from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
@@ -91,15 +91,6 @@ def test_omega_counts_expected_tokens_per_step():
 
 def test_speedup_matches_the_worked_example():
     assert speedup(3, 0.8, t_target=0.1, t_draft=0.02, t_verify=0.11) == pytest.approx(2.952 * 0.1 / 0.17)
-
-
-def test_best_gamma_trades_acceptance_against_draft_cost():
-    verify = lambda g: 0.1 + 0.01 * g  # noqa: E731
-    choice = best_gamma(0.8, 0.1, 0.02, verify, max_gamma=8)
-    by_hand = {g: speedup(g, 0.8, 0.1, 0.02, verify(g)) for g in range(1, 9)}
-    assert choice.gamma == max(by_hand, key=by_hand.get) and choice.speedup == pytest.approx(max(by_hand.values()))
-    assert best_gamma(0.1, 0.1, 0.09, verify, max_gamma=8).gamma == 0  # a dear draft rarely accepted
-    assert best_gamma(1.0, 0.1, 0.0, lambda g: 0.1, max_gamma=5).gamma == 5  # free and always right
 
 
 def test_the_prompt_from_which_a_compressed_draft_reads_few_enough_bytes():

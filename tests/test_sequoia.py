@@ -5,7 +5,9 @@ import random
 
 import pytest
 
-from specdec.controller.sequoia import PositionalAcceptance, best_budget, best_trees, one_step_beyond
+from specdec.controller.cost import best_budget
+from specdec.controller.sequoia import best_trees, one_step_beyond
+from specdec.controller.tables import PositionalAcceptance
 
 
 def tree_value(parents, acc):

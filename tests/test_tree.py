@@ -1,7 +1,6 @@
-"""Token trees: hand-built verification tables, tree shapes (networkx, Sequoia against brute force),
-the BMC commit of a non-prefix path, and losslessness of whole generations with random trees."""
+"""Token trees: hand-built verification tables, tree shapes and their networkx export, the BMC commit
+of a non-prefix path, and losslessness of whole generations with random trees."""
 
-import itertools
 import random
 
 import pytest
@@ -14,8 +13,7 @@ from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.tree import (DraftTree, TreeTemplate, ancestor_mask, expected_accepted, from_networkx, path_along,
-                          node_depths, path_to, position_ids, sequoia_tree, to_networkx)
+from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along, path_to, position_ids
 from specdec.verifiers.tree import accepted_mask, verify_greedy
 
 
@@ -129,78 +127,23 @@ def test_depths_positions_paths_and_mask_of_the_example():
     assert m[6].tolist() == [1, 0, 0, 1, 0, 0, 1]  # node 5 sees pending, 2 and itself
 
 
-def test_networkx_round_trip():
-    g = to_networkx(PARENTS, TOKENS)
-    assert g.number_of_edges() == 6 and g.nodes[-1]["depth"] == 0
-    assert [g.nodes[i]["rank"] for i in range(6)] == [0, 0, 1, 0, 0, 1]
-    t = from_networkx(g)  # renumbered breadth first: [5, 6 | 7, 8, 3 | 9]
-    assert t.parents == (-1, -1, 0, 1, 1, 3) and t.tokens == (5, 6, 7, 8, 3, 9)
-    # same tree: the same token at the end of each root path
-    paths = lambda ps, ts: {tuple(ts[j] for j in path_to(torch.tensor(ps), i)) for i in range(len(ps))}  # noqa: E731
-    assert paths(t.parents, t.tokens) == paths(PARENTS, TOKENS)
-    d = t.to_draft_tree()
-    assert d.tokens.tolist() == [[5, 6, 7, 8, 3, 9]] and d.num_nodes.tolist() == [6]
-
-
-def test_networkx_builds_trees_from_any_node_names():
+def test_a_row_exports_to_networkx_with_its_tokens_depths_ranks_and_probabilities():
+    """Row 1 of a batch of two: its real nodes only (padding cut), the pending token as node -1,
+    parent -> child edges, and the drafter's probability of each node's token."""
     import networkx as nx
 
-    g = nx.DiGraph([("p", "a"), ("p", "b"), ("b", "c")])
-    assert from_networkx(g).parents == (-1, -1, 1)
-    with pytest.raises(ValueError, match="not a rooted tree"):
-        from_networkx(nx.DiGraph([("a", "b"), ("c", "b")]))
-    with pytest.raises(ValueError, match="parents must precede"):
-        to_networkx([-1, 2, 0])
-
-
-def test_expected_accepted_by_hand():
-    assert expected_accepted([-1, 0, -1], [0.6, 0.3]) == pytest.approx(0.6 + 0.36 + 0.3)
-    assert expected_accepted([-1, -1, -1], [0.6, 0.3]) == pytest.approx(0.9)  # rank 2: p = 0
-    assert expected_accepted([], [0.5]) == 0.0
-
-
-def test_sequoia_with_a_sure_first_child_is_a_chain():
-    t = sequoia_tree(7, [1.0, 0.0, 0.0])
-    assert t.parents == (-1, 0, 1, 2, 3, 4, 5) and t.expected_accepted == pytest.approx(7)
-
-
-def test_sequoia_depth_bound_spreads_the_tree():
-    t = sequoia_tree(6, [0.5, 0.5], max_depth=2)
-    assert t.max_depth == 2 and t.parents == (-1, -1, 0, 0, 1, 1)
-    assert t.expected_accepted == pytest.approx(2.0)
-
-
-def test_sequoia_refuses_what_cannot_exist():
-    with pytest.raises(ValueError, match="sum to at most 1"):
-        sequoia_tree(3, [0.8, 0.4])
-    with pytest.raises(ValueError, match="do not fit"):
-        sequoia_tree(7, [0.5, 0.5], max_depth=2)
-    assert sequoia_tree(0, [0.5]).parents == ()
-
-
-def _brute_force(n, probs, max_depth):
-    """Best expected_accepted over every parents array with parents[i] < i (each ordered tree
-    appears, some several times), within the depth and children bounds."""
-    best = 0.0 if n == 0 else float("-inf")
-    for parents in itertools.product(*[range(-1, i) for i in range(n)]):
-        t = TreeTemplate(parents)
-        if t.max_depth > max_depth or max(t.ranks, default=0) >= len(probs):
-            continue
-        best = max(best, expected_accepted(parents, probs))
-    return best
-
-
-@pytest.mark.parametrize("probs", [[0.7, 0.2, 0.1], [0.4, 0.35, 0.05], [0.9, 0.05], [0.2, 0.6, 0.2]])
-@pytest.mark.parametrize("n,max_depth", [(1, 1), (3, 2), (5, 3), (6, 6), (7, 3)])
-def test_sequoia_matches_brute_force(probs, n, max_depth):
-    t = sequoia_tree(n, probs, max_depth)
-    assert len(t) == n and t.max_depth <= max_depth and max(t.ranks) < len(probs)
-    assert t.expected_accepted == pytest.approx(expected_accepted(t.parents, probs))
-    assert t.expected_accepted == pytest.approx(_brute_force(n, probs, max_depth), abs=1e-12)
-
-
-def test_sequoia_is_cached():
-    assert sequoia_tree(20, [0.5, 0.3], 5) is sequoia_tree(20, (0.5, 0.3), 5)
+    probs = torch.zeros(2, 6, 16)
+    probs[1, torch.arange(6), torch.tensor(TOKENS)] = torch.tensor([0.5, 0.4, 0.3, 0.2, 0.1, 0.05])
+    tree = DraftTree(torch.tensor([[1] * 6, TOKENS]), torch.tensor([[-1] * 6, PARENTS]), torch.tensor([2, 6]), probs)
+    g = tree.to_networkx(1, decode=lambda t: f"<{t}>")
+    assert sorted(g.edges) == sorted([(-1, 0), (0, 1), (-1, 2), (2, 3), (3, 4), (2, 5)])
+    assert [g.nodes[i]["token"] for i in range(6)] == TOKENS and g.nodes[-1]["depth"] == 0
+    assert [g.nodes[i]["depth"] for i in range(6)] == [1, 2, 1, 2, 3, 2]
+    assert [g.nodes[i]["rank"] for i in range(6)] == [0, 0, 1, 0, 0, 1]
+    assert g.nodes[4]["prob"] == pytest.approx(0.1) and g.nodes[4]["text"] == "<9>"
+    assert nx.is_arborescence(g) and nx.dag_longest_path(g) == [-1, 2, 3, 4]  # pending -> 6 -> 8 -> 9
+    first = tree.to_networkx(0)  # two real nodes, no text without decode
+    assert sorted(first.nodes) == [-1, 0, 1] and "text" not in first.nodes[0] and first.graph["row"] == 0
 
 
 # ------------------------------------------------------------------------- BMC with tree blocks

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specdec.controller import cost_model
+from specdec.controller import cost
 
 # the steering repo's shared/ data beside the clone (run from the repo root: ../shared), else /work/shared
 BOOKS = next((p for p in (Path.cwd().parent / "shared" / "longctx" / "books.jsonl",
@@ -185,7 +185,7 @@ def predicted_speedup(fig: dict, t_target: float | None) -> float | None:
     if t_target is None or fig["alpha"] is None:
         return None
     g = fig["gamma"]  # Omega's closed form holds for a mean gamma too (an estimate, not a count)
-    return cost_model.omega(g, fig["alpha"]) * t_target / (g * fig["t_draft"] + fig["t_verify"])
+    return cost.omega(g, fig["alpha"]) * t_target / (g * fig["t_draft"] + fig["t_verify"])
 
 
 class _FirstCall(LogitsProcessor):

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface
 
-from specdec.controller.cost_model import shortest_paying_prompt
+from specdec.controller.cost import shortest_paying_prompt
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
 from specdec.forward import cache_arg, forward_block
