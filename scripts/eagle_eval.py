@@ -9,7 +9,7 @@ import torch
 
 from specdec.drafters.eagle import load_head
 from specdec.models import load_model
-from specdec.cli.train_eagle import TrainConfig, evaluate, load_data, split_held_out
+from specdec.training import TrainConfig, evaluate, load_data, split_held_out
 
 torch.set_num_threads(2)
 target = load_model("default").model.eval()

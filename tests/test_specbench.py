@@ -15,7 +15,9 @@ import torch
 from rich.console import Console
 
 from specdec.bench.questions import Question
-from specdec.cli.specbench import BASELINE, AnswerFile, SpecBenchConfig, evaluate, method_stats, summarize
+from specdec.bench.runner import AnswerFile
+from specdec.bench.specbench_figures import BASELINE, method_stats, summarize
+from specdec.cli.specbench import SpecBenchConfig, evaluate
 from tiny_chat import save_tiny_chat, tiny_chat_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +106,8 @@ def test_second_turn_sees_the_models_own_answer(tiny, tmp_path, monkeypatch):
     import specdec.cli.specbench as sb
 
     seen = []
-    real = sb.chat_input_ids
-    monkeypatch.setattr(sb, "chat_input_ids", lambda tok, msgs: seen.append([dict(m) for m in msgs]) or real(tok, msgs))
+    real = sb.chat_ids
+    monkeypatch.setattr(sb, "chat_ids", lambda tok, msgs: seen.append([dict(m) for m in msgs]) or real(tok, msgs))
     _evaluate(tiny, tmp_path / "run", drafters=("none",), questions=[Question(1, "writing", ("a?", "b?"))])
     rec = _lines(tmp_path / "run" / "model_answer" / "tiny-none.jsonl")[0]
     second = [m for m in seen if len(m) == 3][-1]

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.bench.generation import fixed_setting
+from specdec.bench.runner import fixed_setting
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import draft_step, learn_step
 from specdec.drafters.base import Commit, Drafter, Prompt

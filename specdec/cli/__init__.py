@@ -26,6 +26,11 @@ class _Parser(argparse.ArgumentParser):
     """Bad arguments end the command with one line naming them (no usage block above it)."""
 
     def error(self, message: str):
+        import re
+
+        named = re.fullmatch(r"argument ([^:]+): (must be .*)", message, re.S)  # our types' rule
+        if named:  # "argument --lengths: must be ..." -> "--lengths must be ..."
+            message = f"{named[1].split('/')[-1]} {named[2]}"
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
