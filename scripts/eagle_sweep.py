@@ -13,13 +13,13 @@ from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.eagle import EagleConfig, make_eagle
 from specdec.models import load_model
 from specdec.bench.questions import load_questions, select_questions
-from specdec.cli.specbench import chat_input_ids, stop_token_ids
+from specdec.prompting import chat_ids as chat_input_ids, eos_ids
 
 torch.set_num_threads(2)
 ALWAYS = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # the tree every step: no gate
 head, questions = sys.argv[1], sys.argv[2]
 m = load_model("default"); model, tok = m.model.eval(), m.tokenizer
-eos = stop_token_ids(model, tok)
+eos = eos_ids(model, tok, required=True)
 qs = select_questions(load_questions(questions), limit_per_category=1)
 configs = [tuple(int(x) for x in a.split(",")) for a in sys.argv[3:] if a != "--gated"] or [(8, 4, 4), (12, 5, 4), (16, 6, 4)]
 methods = {"hf": None, "none": "none", **{f"eagle{c}": EagleConfig(*c) for c in configs}}

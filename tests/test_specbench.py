@@ -158,6 +158,26 @@ def test_broken_line_inside_the_file_is_an_error(tmp_path):
         AnswerFile(p)
 
 
+def test_records_keyed_by_several_fields_resume_the_same_way(tmp_path):
+    """bench-longctx's records (one file, keyed by prompt and method) get the same repair on resume."""
+    p = tmp_path / "longctx.jsonl"
+    p.write_text('{"prompt": "b0/10/summary", "method": "none"}\n{"prompt": "b0/10/summary", "meth')
+    f = AnswerFile(p, key=("prompt", "method"))
+    assert list(f.records) == [("b0/10/summary", "none")]
+    assert p.read_text() == '{"prompt": "b0/10/summary", "method": "none"}\n'  # the cut record is gone
+    p.write_text('{"prompt": "a", "method": "none"}\n{"prompt": "a", "method": "none"}\n')
+    with pytest.raises(ValueError, match=r"longctx\.jsonl:2: second answer for prompt 'a', method 'none'"):
+        AnswerFile(p, key=("prompt", "method"))
+
+
+def test_methods_rotate_one_place_per_question():
+    from specdec.bench.runner import rotated
+
+    assert [rotated(["a", "b", "c"], i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                                ["a", "b", "c"]]
+    assert rotated([], 3) == []
+
+
 def test_other_settings_in_the_same_directory_are_refused(tiny, tmp_path):
     out = tmp_path / "run"
     _evaluate(tiny, out, drafters=("none",), questions=[Question(1, "qa", ("a?",))])

@@ -50,7 +50,6 @@ class Method:
 def hf_methods(model, eos, temperature: float = 0.0) -> list[Method]:
     """HF generate, and (greedy only) HF's prompt lookup."""
     sampling = sampling_kwargs(model, temperature)
-
     pad = eos[0] if isinstance(eos, list) else eos  # one sequence: pads nothing, stops HF's warning
 
     def plain(ids, n):

@@ -22,7 +22,7 @@ import torch
 
 from specdec.decoder import SpecDecoder, StepEvent
 from specdec.cli.options import add_sampling_arguments, positive_int, sampling_arguments
-from specdec.prompting import context_window, eos_ids, fit_conversation
+from specdec.prompting import context_window, eos_ids, fit_conversation, has_chat_template
 from specdec.registry import DRAFTERS, make_drafter
 
 DRAFT_STYLE = "cyan"  # text from accepted drafts
@@ -101,7 +101,7 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, drafter: str, max_new_tokens: int, console, color: bool = True,
                  sampling: dict | None = None) -> None:
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             raise ValueError("this model's tokenizer has no chat template; chat needs one")
         self.model, self.tokenizer, self.console = model, tokenizer, console
         self.max_new_tokens = max_new_tokens

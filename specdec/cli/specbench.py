@@ -42,7 +42,7 @@ from specdec.bench.questions import Question, load_questions, select_questions
 from specdec.bench.runner import AnswerFile, check_run_settings, file_name, rotated, warm_up
 from specdec.bench.specbench_figures import BASELINE, print_summary, summarize
 from specdec.cli.options import name_list, non_negative_float, positive_int
-from specdec.prompting import chat_ids, context_window, eos_ids, pad_id, reply_room
+from specdec.prompting import chat_ids, context_window, eos_ids, has_chat_template, pad_id, reply_room
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import sampling_kwargs
 
@@ -296,7 +296,7 @@ def evaluate(model, tokenizer, model_name: str, questions: list[Question], confi
                                TimeRemainingColumn)
 
     console = console or Console()
-    if not getattr(tokenizer, "chat_template", None):
+    if not has_chat_template(tokenizer):
         raise ValueError(f"{model_name}'s tokenizer has no chat template; Spec-Bench prompts through one")
     with Progress(TextColumn("{task.description:<36}"), BarColumn(), MofNCompleteColumn(),
                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console) as bar:
