@@ -15,8 +15,7 @@ from pathlib import Path
 from specdec import SpecDecoder
 from specdec.drafters.eagle import make_eagle
 from specdec.models import load_model
-from specdec.cli.train_eagle import (DataConfig, TrainConfig, encode_prompts, generate_data, read_prompts,
-                                 train_head)
+from specdec.training import DataConfig, TrainConfig, encode_prompts, generate_data, read_prompts, train_head
 
 p = argparse.ArgumentParser()
 p.add_argument("--out", type=Path, required=True)

@@ -87,29 +87,6 @@ def sampling_kwargs(model, temperature: float) -> dict:
     return {"do_sample": False} if temperature == 0 else SamplingParams.resolve(model, temperature).hf_kwargs()
 
 
-def add_sampling_arguments(p) -> None:
-    """``--temperature/--top-p/--top-k/--seed`` for the commands that generate (chat, generate)."""
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (default): greedy; > 0: sample (lossless: distributed exactly as HF generate "
-                        "with do_sample=True and these arguments)")
-    p.add_argument("--top-p", type=float, default=None, help="with --temperature > 0: nucleus mass in (0, 1]")
-    p.add_argument("--top-k", type=int, default=None,
-                   help="with --temperature > 0: keep the k most likely tokens (unset: the model's "
-                        "generation config, else HF's default 50; 0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="with --temperature > 0: repeatable samples")
-
-
-def sampling_arguments(args) -> dict:
-    """The decoder's generate() arguments from ``add_sampling_arguments``' flags; checks them (one line)."""
-    if not args.temperature >= 0:
-        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
-    if not args.temperature:
-        return {}
-    SamplingParams(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p)  # validates
-    return {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
-            "seed": args.seed}
-
-
 def logits_processors(params: SamplingParams) -> LogitsProcessorList:
     """transformers' own warpers for ``params``, in ``_get_logits_processor``'s order and with its
     skips (temperature 1.0, top_k 0, top_p 1.0 add nothing); min_tokens_to_keep = 1 as with one beam."""

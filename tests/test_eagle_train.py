@@ -13,9 +13,10 @@ from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
 from specdec.kv.bmc import BMCConfig
-from specdec.cli.train_eagle import (PROMPTS_FILE, Conversation, DataConfig, TrainConfig, add_arguments, batch_indices,
-                                 generate_data, load_data, lr_at, read_answers, read_prompts, restore_answers, run,
-                                 save_answers, split_held_out, train_head)
+from specdec.cli.train_eagle import add_arguments, run
+from specdec.training import (PROMPTS_FILE, Conversation, DataConfig, TrainConfig, batch_indices, generate_data,
+                              load_data, lr_at, read_answers, read_prompts, restore_answers, save_answers,
+                              split_held_out, train_head)
 
 STEPS = 60
 CFG = TrainConfig(steps=STEPS, batch_size=4, lr=1e-2, warmup=4, save_every=5, eval_every=20, held_out=0.2)

@@ -110,3 +110,43 @@ def test_bench_verify_sizes_are_named_before_any_model_loads(sizes, monkeypatch)
                               kernel=None)
     with pytest.raises(ValueError, match="--sizes: positive block sizes"):
         verify_cost.run(args)
+
+
+# ---------------------------------------------------------------- command-line numbers, at parse time
+
+BAD_ARGUMENTS = [  # (argv, the line's tail): each fails while parsing, before any model loads
+    (["generate", "hi", "--max-new-tokens", "-5"], "--max-new-tokens must be a positive integer, got '-5'"),
+    (["generate", "hi", "--temperature", "-1"], "--temperature must be a number >= 0, got '-1'"),
+    (["generate", "hi", "--temperature", "nan"], "--temperature must be a number >= 0, got 'nan'"),
+    (["generate", "hi", "--top-p", "1.5"], "--top-p must be a number in (0, 1], got '1.5'"),
+    (["generate", "hi", "--top-k", "-3"], "--top-k must be an integer >= 0, got '-3'"),
+    (["chat", "--max-new-tokens", "0"], "--max-new-tokens must be a positive integer, got '0'"),
+    (["specbench", "--batch-size", "0"], "--batch-size must be a positive integer, got '0'"),
+    (["specbench", "--limit-per-category", "x"], "--limit-per-category must be a positive integer, got 'x'"),
+    (["bench", "--per-category", "-1"], "--per-category must be a positive integer, got '-1'"),
+    (["bench", "--batch-size", "1,x"], "--batch-size must be comma-separated integers, got '1,x'"),
+    (["bench", "--batch-size", "0,2"], "--batch-size must be positive integers, got '0,2'"),
+    (["bench-longctx", "--budgets", "256,0"], "--budgets must be positive integers, got '256,0'"),
+    (["bench-controller", "--noise", "-0.1"], "--noise must be a number >= 0, got '-0.1'"),
+    (["train-eagle", "--out", "x", "--steps", "0"], "--steps must be a positive integer, got '0'"),
+]
+
+
+@pytest.mark.parametrize("argv, message", BAD_ARGUMENTS, ids=[" ".join(a[:1] + a[-2:]) for a, _ in BAD_ARGUMENTS])
+def test_a_bad_number_is_named_in_one_line_before_any_model_loads(argv, message, capsys, monkeypatch):
+    from specdec.cli import main
+
+    monkeypatch.setattr("specdec.models.load_model", lambda *a, **k: pytest.fail("model loaded first"))
+    with pytest.raises(SystemExit) as stop:
+        main(argv)
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert err == f"specdec {argv[0]}: error: {message}\n"  # one line: no usage block, no traceback
+
+
+def test_argument_types_accept_what_they_promise():
+    from specdec.cli.options import int_list, name_list, non_negative_float, non_negative_int, positive_int, probability
+
+    assert positive_int("3") == 3 and non_negative_int("0") == 0 and non_negative_float("0") == 0.0
+    assert probability("1") == 1.0 and probability("0.9") == 0.9
+    assert int_list("1024, 2048") == [1024, 2048] and name_list("none,prompt-lookup,") == ["none", "prompt-lookup"]

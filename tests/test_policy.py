@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_llama
 from specdec import SpecDecoder
-from specdec.bench.generation import fixed_setting
+from specdec.bench.runner import fixed_setting
 from specdec.bench.policy import Recording, _leading, compare, overall, record, replay
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import SpecDecoderConfig

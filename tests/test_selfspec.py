@@ -415,5 +415,7 @@ def test_bench_longctx_methods_expand_budgets_and_keep_fixed_settings():
 def test_bench_longctx_names_bad_lengths_before_loading_a_model(capsys):
     from specdec.cli import main
 
-    assert main(["bench-longctx", "--lengths", "1k"]) == 2
+    with pytest.raises(SystemExit) as stop:  # the parser's error: exit status 2, one line
+        main(["bench-longctx", "--lengths", "1k"])
+    assert stop.value.code == 2
     assert "--lengths must be comma-separated integers, got '1k'" in capsys.readouterr().err

@@ -15,7 +15,9 @@ import torch
 from rich.console import Console
 
 from specdec.bench.questions import Question
-from specdec.cli.specbench import BASELINE, AnswerFile, SpecBenchConfig, evaluate, method_stats, summarize
+from specdec.bench.runner import AnswerFile
+from specdec.bench.specbench_figures import BASELINE, method_stats, summarize
+from specdec.cli.specbench import SpecBenchConfig, evaluate
 from tiny_chat import save_tiny_chat, tiny_chat_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -104,8 +106,8 @@ def test_second_turn_sees_the_models_own_answer(tiny, tmp_path, monkeypatch):
     import specdec.cli.specbench as sb
 
     seen = []
-    real = sb.chat_input_ids
-    monkeypatch.setattr(sb, "chat_input_ids", lambda tok, msgs: seen.append([dict(m) for m in msgs]) or real(tok, msgs))
+    real = sb.chat_ids
+    monkeypatch.setattr(sb, "chat_ids", lambda tok, msgs: seen.append([dict(m) for m in msgs]) or real(tok, msgs))
     _evaluate(tiny, tmp_path / "run", drafters=("none",), questions=[Question(1, "writing", ("a?", "b?"))])
     rec = _lines(tmp_path / "run" / "model_answer" / "tiny-none.jsonl")[0]
     second = [m for m in seen if len(m) == 3][-1]
@@ -154,6 +156,26 @@ def test_broken_line_inside_the_file_is_an_error(tmp_path):
     p.write_text('{"question_id": 1}\n{"question_id": 1}\n')
     with pytest.raises(ValueError, match=r"a\.jsonl:2: second answer for question 1"):
         AnswerFile(p)
+
+
+def test_records_keyed_by_several_fields_resume_the_same_way(tmp_path):
+    """bench-longctx's records (one file, keyed by prompt and method) get the same repair on resume."""
+    p = tmp_path / "longctx.jsonl"
+    p.write_text('{"prompt": "b0/10/summary", "method": "none"}\n{"prompt": "b0/10/summary", "meth')
+    f = AnswerFile(p, key=("prompt", "method"))
+    assert list(f.records) == [("b0/10/summary", "none")]
+    assert p.read_text() == '{"prompt": "b0/10/summary", "method": "none"}\n'  # the cut record is gone
+    p.write_text('{"prompt": "a", "method": "none"}\n{"prompt": "a", "method": "none"}\n')
+    with pytest.raises(ValueError, match=r"longctx\.jsonl:2: second answer for prompt 'a', method 'none'"):
+        AnswerFile(p, key=("prompt", "method"))
+
+
+def test_methods_rotate_one_place_per_question():
+    from specdec.bench.runner import rotated
+
+    assert [rotated(["a", "b", "c"], i) for i in range(4)] == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],
+                                                                ["a", "b", "c"]]
+    assert rotated([], 3) == []
 
 
 def test_other_settings_in_the_same_directory_are_refused(tiny, tmp_path):

@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from specdec.runtime import kernels
-from specdec.bench.generation import make_decoder
+from specdec.bench.runner import AnswerFile, make_decoder, rotated, warm_up
 from specdec.decoder import SpecDecoder
+from specdec.prompting import encode_prompt, eos_ids, pad_id
+from specdec.runtime import kernels
 
 
 class _FinishClock(LogitsProcessor):
@@ -41,11 +42,6 @@ class _FinishClock(LogitsProcessor):
             if b not in self.done and last in self.eos:
                 self.done[b] = now
         return scores
-
-
-def _chat_ids(tokenizer, text: str) -> torch.Tensor:
-    return tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                         return_tensors="pt", return_dict=True)["input_ids"][0]
 
 
 def left_padded(prompts: list[torch.Tensor], pad: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -110,31 +106,29 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def bench_batches(model, tokenizer, texts: list[str], sizes: list[int], drafters: list[str], max_new: int,
                   repeats: int, log_path: Path | None, say=print) -> list[dict]:
-    eos = model.generation_config.eos_token_id
-    eos = [eos] if isinstance(eos, int) else list(eos)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    prompts = [_chat_ids(tokenizer, t) for t in texts]
+    eos = eos_ids(model)
+    pad = pad_id(tokenizer, eos)
+    prompts = [encode_prompt(tokenizer, t) for t in texts]
     decoders = {d: make_decoder(model, d) for d in drafters}  # "name@k=N": a fixed setting
     methods = ["hf-generate"] + [f"specdec:{d}" for d in drafters]
     # batch-1 references: specdec plain decoding (== HF greedy) of each prompt alone
     refs = [decoders["none"].generate(p, max_new_tokens=max_new, eos_token_id=eos).generated(0).tolist()
             if "none" in decoders else None for p in prompts[: max(sizes)]]
-    for m in methods:  # warm-up: first calls pay one-off costs
+
+    def run(m: str, batch: list[torch.Tensor], n: int) -> dict:
         if m == "hf-generate":
-            run_hf(model, prompts[:2], 4, eos, pad)
-        else:
-            run_specdec(decoders[m.split(":", 1)[1]], prompts[:2], 4, eos)
+            return run_hf(model, batch, n, eos, pad)
+        return run_specdec(decoders[m.split(":", 1)[1]], batch, n, eos)
+
+    warm_up(methods, lambda m: run(m, prompts[:2], 4))
+    log = None if log_path is None else AnswerFile(log_path, key=("batch", "method"), fresh=True)
     records = []
     for B in sizes:
         batch = prompts[:B]
         runs = {m: [] for m in methods}
         for r in range(repeats):
-            order = methods[r % len(methods):] + methods[: r % len(methods)]
-            for m in order:
-                if m == "hf-generate":
-                    runs[m].append(run_hf(model, batch, max_new, eos, pad))
-                else:
-                    runs[m].append(run_specdec(decoders[m.split(":", 1)[1]], batch, max_new, eos))
+            for m in rotated(methods, r):
+                runs[m].append(run(m, batch, max_new))
         hf_tps = statistics.median(x["tokens"] / x["seconds"] for x in runs["hf-generate"])
         for m in methods:
             xs = runs[m]
@@ -157,9 +151,8 @@ def bench_batches(model, tokenizer, texts: list[str], sizes: list[int], drafters
                 rec["max_gap_at_difference"] = max(gaps) if gaps else None
             records.append(rec)
             say(json.dumps(rec))
-            if log_path is not None:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
+            if log is not None:
+                log.append(rec)
     return records
 
 
@@ -171,13 +164,8 @@ def run(args) -> int:
     from specdec.models import load_model
     from specdec.bench.questions import load_questions
 
-    try:
-        sizes = [int(x) for x in args.batch_size.split(",")]
-        if min(sizes) < 1:
-            raise ValueError
-    except ValueError:
-        raise ValueError(f"--batch-size: positive sizes, comma-separated (got {args.batch_size!r})") from None
-    drafters = [d for d in args.drafters.split(",") if d]
+    sizes = list(args.batch_size)  # int_list: positive sizes, checked while parsing
+    drafters = list(args.drafters)
     if "none" not in drafters:
         drafters.insert(0, "none")  # plain batched decoding on the store: the batch-1 references too
     questions = load_questions(args.questions) if args.questions else load_questions()
@@ -192,8 +180,6 @@ def run(args) -> int:
     kernels.prepare()
     console = Console(width=200)
     out = Path(args.out + "-batch").with_suffix(".jsonl")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("")
     records = bench_batches(loaded.model, loaded.tokenizer, texts, sizes, drafters, args.max_new_tokens,
                             args.repeats, out, say=lambda s: None)
     table = Table(title=f"{loaded.name}: batched throughput, {args.max_new_tokens} new tokens, greedy, "

@@ -118,13 +118,15 @@ def compare(groups: dict[str, dict[str, dict[str, tuple[int, float]]]], a: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from specdec.cli.options import positive_int
+
     p = argparse.ArgumentParser(prog="python -m specdec.bench.compare", description=__doc__.split("\n")[0])
     p.add_argument("records", help="a .jsonl of specdec bench or specdec bench-longctx")
     p.add_argument("method", help="method A, e.g. auto")
     p.add_argument("others", help="comma-separated methods to compare A with")
     p.add_argument("--best", action="store_true", help="per group, only the fastest of the others")
     p.add_argument("--decode", action="store_true", help="long-context records: decode-phase seconds")
-    p.add_argument("--resamples", type=int, default=2000)
+    p.add_argument("--resamples", type=positive_int, default=2000)
     args = p.parse_args(argv)
     from rich.console import Console
     from rich.table import Table

@@ -31,10 +31,10 @@ from pathlib import Path
 
 import torch
 
+from specdec.bench.runner import AnswerFile, group, make_decoder, rotated, warm_up
+from specdec.cli.options import int_list, name_list, non_negative_float, positive_int
+from specdec.prompting import chat_ids, eos_ids, user_turn
 from specdec.runtime import kernels
-from specdec.controller import DraftLengthConfig
-from specdec.decoder import SpecDecoder, SpecDecoderConfig
-from specdec.registry import make_drafter
 from specdec.sampling import sampling_kwargs
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented default for prompt_lookup_num_tokens
@@ -50,41 +50,18 @@ class Method:
 def hf_methods(model, eos, temperature: float = 0.0) -> list[Method]:
     """HF generate, and (greedy only) HF's prompt lookup."""
     sampling = sampling_kwargs(model, temperature)
+    pad = eos[0] if isinstance(eos, list) else eos  # one sequence: pads nothing, stops HF's warning
 
     def plain(ids, n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, eos_token_id=eos,
-                              pad_token_id=eos, **sampling), None
+                              pad_token_id=pad, **sampling), None
 
     def lookup(ids, n):
         return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-                              eos_token_id=eos, pad_token_id=eos,
+                              eos_token_id=eos, pad_token_id=pad,
                               prompt_lookup_num_tokens=HF_PROMPT_LOOKUP_TOKENS), None
 
     return [Method("hf-generate", plain)] + ([Method("hf-prompt-lookup", lookup)] if not temperature else [])
-
-
-def fixed_setting(setting: str) -> SpecDecoderConfig:
-    """A drafter name's ``@`` suffix as a decoder config without the controller: ``k=N`` drafts N
-    tokens every step (chains), ``n=N`` N tree nodes every step (tree drafters); no gate, no adaptation.
-    Example: "k=3" -> DraftLengthConfig(initial=3, maximum=3, adaptive=False, cost_aware=False)."""
-    name, _, value = setting.partition("=")
-    if name not in ("k", "n") or not value.isdigit() or int(value) < 1:
-        raise ValueError(f"unknown fixed setting @{setting}: use @k=N (chain length) or @n=N (tree nodes)")
-    n = int(value)
-    lengths = DraftLengthConfig(initial=n, minimum=1, maximum=n, adaptive=False, cost_aware=False,
-                                tree_nodes=n if name == "n" else 0)
-    return SpecDecoderConfig(draft_length=lengths)
-
-
-def make_decoder(model, drafter_name: str, prepare=None) -> SpecDecoder:
-    """A decoder for a ``--drafters`` entry: a registry name, or ``name@k=N`` / ``name@n=N`` for a
-    fixed setting instead of the controller (``fixed_setting``). ``prepare(drafter)`` runs once first."""
-    name, _, setting = drafter_name.partition("@")
-    config = fixed_setting(setting) if setting else SpecDecoderConfig()
-    drafter = make_drafter(name, model)
-    if prepare is not None and drafter is not None:
-        prepare(drafter)
-    return SpecDecoder(model, drafter, config)
 
 
 def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0, prepare=None) -> Method:
@@ -130,93 +107,91 @@ def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens
     method's drafter after its timed run (``Method.remember``). ``answers_path``: the first method's
     output of each question in the first pass, as a token-id JSONL (``prompt_len``, ``ids``; what
     ``python -m specdec.bench.replay --answers`` reads)."""
+    log = None if log_path is None else AnswerFile(log_path, key=("pass", "question_id", "method"), fresh=True)
+    answers = None if answers_path is None else AnswerFile(answers_path, fresh=True)
+    warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
+    warm_up(methods, lambda m: m.run(warm, 4))
     records = []
-    with torch.inference_mode():
-        warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
-        for m in methods:  # first calls pay one-off costs (allocator, kernels): not measured
-            m.run(warm, 4)
     for p in range(1, passes + 1):
-        records += _run_pass(p, tokenizer, questions, methods, max_new_tokens, log_path, progress, remember,
-                             compare, answers_path if p == 1 else None)
+        for qi, q in enumerate(questions):
+            new = _run_question(p, qi, q, tokenizer, methods, max_new_tokens, remember, compare,
+                                answers if p == 1 else None)
+            for rec in new:
+                if log is not None:
+                    log.append(rec)
+            records += new
+            if progress is not None:
+                progress()
     return records
 
 
-def _run_pass(p, tokenizer, questions, methods, max_new_tokens, log_path, progress, remember,
-              compare, answers_path) -> list[dict]:
+def _run_question(p, qi, q, tokenizer, methods, max_new_tokens, remember, compare, answers) -> list[dict]:
+    """Every method on question ``q``'s first turn, in the order rotated for the qi-th question."""
+    ids = chat_ids(tokenizer, user_turn(q.turns[0]))
+    outs = {}
+    for m in rotated(methods, qi):
+        t = time.perf_counter()
+        seq, steps = m.run(ids, max_new_tokens)
+        dt = time.perf_counter() - t
+        outs[m.name] = (seq, steps, dt)
+        if remember and m.remember is not None:
+            m.remember(seq, ids.shape[1])
+    ref = outs[methods[0].name][0]
+    if answers is not None:
+        answers.append({"question_id": q.question_id, "category": q.category, "prompt_len": ids.shape[1],
+                        "ids": ref[0].tolist()})
     records = []
-    for qi, q in enumerate(questions):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": q.turns[0]}], add_generation_prompt=True,
-                                            return_tensors="pt", return_dict=True)["input_ids"]
-        order = methods[qi % len(methods):] + methods[: qi % len(methods)]
-        outs = {}
-        for m in order:
-            t = time.perf_counter()
-            seq, steps = m.run(ids, max_new_tokens)
-            dt = time.perf_counter() - t
-            outs[m.name] = (seq, steps, dt)
-            if remember and m.remember is not None:
-                m.remember(seq, ids.shape[1])
-        ref = outs[methods[0].name][0]
-        if answers_path is not None:
-            with open(answers_path, "a") as f:
-                f.write(json.dumps({"question_id": q.question_id, "category": q.category,
-                                    "prompt_len": ids.shape[1], "ids": ref[0].tolist()}) + "\n")
-        for m in methods:
-            seq, steps, dt = outs[m.name]
-            rec = {"pass": p, "question_id": q.question_id, "category": q.category, "method": m.name,
-                   "new_tokens": seq.shape[1] - ids.shape[1], "seconds": dt, "steps": steps,
-                   "identical": bool(torch.equal(seq, ref)) if compare else None}
-            records.append(rec)
-            if log_path is not None:
-                with open(log_path, "a") as f:
-                    f.write(json.dumps(rec) + "\n")
-        if progress is not None:
-            progress()
+    for m in methods:
+        seq, steps, dt = outs[m.name]
+        records.append({"pass": p, "question_id": q.question_id, "category": q.category, "method": m.name,
+                        "new_tokens": seq.shape[1] - ids.shape[1], "seconds": dt, "steps": steps,
+                        "identical": bool(torch.equal(seq, ref)) if compare else None})
     return records
+
+
+def _method_stats(recs: list[dict], baseline: str) -> dict:
+    """Per method over ``recs``: tokens/s, speedup over the baseline's, median speedup, tau, identical."""
+    by = group(recs, lambda r: r["method"])
+    base = by[baseline]
+    base_tps = sum(r["new_tokens"] for r in base) / sum(r["seconds"] for r in base)
+    base_time = {r["question_id"]: r["seconds"] for r in base}
+    out = {}
+    for name, rs in by.items():
+        tokens, secs = sum(r["new_tokens"] for r in rs), sum(r["seconds"] for r in rs)
+        steps = [r["steps"] for r in rs if r["steps"] is not None]
+        out[name] = {
+            "questions": len(rs), "tokens": tokens, "tokens_per_s": tokens / secs,
+            "speedup": tokens / secs / base_tps,
+            "median_speedup": statistics.median(base_time[r["question_id"]] / r["seconds"] for r in rs),
+            "tau": tokens / sum(steps) if len(steps) == len(rs) else None,
+            "identical": None if any(r["identical"] is None for r in rs) else sum(r["identical"] for r in rs),
+        }
+    return out
 
 
 def summarize(records: list[dict], baseline: str, group_of) -> dict:
     """Per method (and per group of categories): tokens/s, speedup over baseline, tau, identical."""
-    def stats(recs):
-        by = {}
-        for r in recs:
-            by.setdefault(r["method"], []).append(r)
-        base = by[baseline]
-        base_tps = sum(r["new_tokens"] for r in base) / sum(r["seconds"] for r in base)
-        base_time = {r["question_id"]: r["seconds"] for r in base}
-        out = {}
-        for name, rs in by.items():
-            tokens, secs = sum(r["new_tokens"] for r in rs), sum(r["seconds"] for r in rs)
-            steps = [r["steps"] for r in rs if r["steps"] is not None]
-            out[name] = {
-                "questions": len(rs), "tokens": tokens, "tokens_per_s": tokens / secs,
-                "speedup": tokens / secs / base_tps,
-                "median_speedup": statistics.median(base_time[r["question_id"]] / r["seconds"] for r in rs),
-                "tau": tokens / sum(steps) if len(steps) == len(rs) else None,
-                "identical": None if any(r["identical"] is None for r in rs) else sum(r["identical"] for r in rs),
-            }
-        return out
-
-    groups = {}
-    for r in records:
-        groups.setdefault(group_of(r["category"]), []).append(r)
-    return {"overall": stats(records), "by_task": {g: stats(rs) for g, rs in sorted(groups.items())}}
+    groups = group(records, lambda r: group_of(r["category"]))
+    return {"overall": _method_stats(records, baseline),
+            "by_task": {g: _method_stats(rs, baseline) for g, rs in sorted(groups.items())}}
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default")
     p.add_argument("--questions", default=None, help="Spec-Bench question.jsonl (default: the shipped set)")
-    p.add_argument("--per-category", type=int, default=2, help="questions per category")
-    p.add_argument("--categories", default=None, help="comma-separated categories (default: all)")
-    p.add_argument("--max-new-tokens", type=int, default=128)
-    p.add_argument("--drafters", default="none,prompt-lookup", help="comma-separated registry names")
+    p.add_argument("--per-category", type=positive_int, default=2, help="questions per category")
+    p.add_argument("--categories", type=name_list, default=None, help="comma-separated categories (default: all)")
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--drafters", type=name_list, default=name_list("none,prompt-lookup"),
+                   help="comma-separated registry names")
     p.add_argument("--no-hf-lookup", action="store_true", help="skip HF's prompt-lookup method")
-    p.add_argument("--batch-size", default=None,
+    p.add_argument("--batch-size", type=int_list, default=None,
                    help="batched throughput instead: comma-separated batch sizes (e.g. 1,2,4,8,16); batched HF "
                         "generate vs specdec per size, total tokens/s and first/last/mean finish times "
                         "(specdec.bench.batch)")
-    p.add_argument("--repeats", type=int, default=2, help="with --batch-size: runs per method and size (medians)")
-    p.add_argument("--repeat", type=int, default=1,
+    p.add_argument("--repeats", type=positive_int, default=2,
+                   help="with --batch-size: runs per method and size (medians)")
+    p.add_argument("--repeat", type=positive_int, default=1,
                    help="ask the questions this many times in one session, drafters remembering their answers "
                         "(the repeated-use scenario; the summary reports each pass)")
     p.add_argument("--remember", action="store_true",
@@ -230,7 +205,7 @@ def add_arguments(p) -> None:
     p.add_argument("--save-answers", default=None, metavar="FILE",
                    help="write HF generate's output of each question as token ids (JSONL), for "
                         "`python -m specdec.bench.replay --answers FILE`")
-    p.add_argument("--temperature", type=float, default=0.0,
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 (default): greedy, outputs compared token for token with HF's; > 0: every "
                         "method samples (HF generate with do_sample=True and HF's other defaults, "
                         "e.g. top_k 50; no HF prompt lookup), outputs not compared, tau and speedup reported")
@@ -243,45 +218,34 @@ def run(args) -> int:
         return batch.run(args)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-    from rich.table import Table
 
     from specdec.models import load_model
     from specdec.bench.questions import load_questions, select_questions, task_of
 
     console = Console()
-    sampling_kwargs(None, args.temperature)  # a bad --temperature fails before the model loads
     questions = load_questions(args.questions) if args.questions else load_questions()
-    cats = args.categories.split(",") if args.categories else None
-    questions = select_questions(questions, categories=cats, limit_per_category=args.per_category)
+    questions = select_questions(questions, categories=args.categories or None, limit_per_category=args.per_category)
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer
     kernels.prepare()  # the kernel build and route self-check happen before any timed run
-    eos = model.generation_config.eos_token_id
+    eos = eos_ids(model) or None
     methods = hf_methods(model, eos, args.temperature)
     if args.no_hf_lookup:
         methods = methods[:1]
-    if args.repeat < 1:
-        raise ValueError(f"--repeat must be >= 1, got {args.repeat}")
 
     def prepare(drafter):
         prepare_corpus_drafter(drafter, questions, tok, args.suffix_exclude_questions, args.corpus, console.print)
 
-    methods += [specdec_method(model, d, eos, args.temperature, prepare) for d in args.drafters.split(",") if d]
+    methods += [specdec_method(model, d, eos, args.temperature, prepare) for d in args.drafters]
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.with_suffix(".jsonl")
-    log.write_text("")
-    answers = Path(args.save_answers) if args.save_answers else None
-    if answers is not None:
-        answers.parent.mkdir(parents=True, exist_ok=True)
-        answers.write_text("")
+    remember = args.remember or args.repeat > 1
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeRemainingColumn(), console=console) as bar:
         task = bar.add_task("bench", total=len(questions) * args.repeat)
-        records = run_bench(model, tok, questions, methods, args.max_new_tokens, log,
-                            progress=lambda: bar.advance(task), passes=args.repeat,
-                            remember=args.remember or args.repeat > 1, compare=not args.temperature,
-                            answers_path=answers)
+        records = run_bench(model, tok, questions, methods, args.max_new_tokens, out.with_suffix(".jsonl"),
+                            progress=lambda: bar.advance(task), passes=args.repeat, remember=remember,
+                            compare=not args.temperature,
+                            answers_path=Path(args.save_answers) if args.save_answers else None)
     summary = summarize([r for r in records if r["pass"] == 1], methods[0].name, task_of)
     if args.repeat > 1:
         summary["passes"] = {p: summarize([r for r in records if r["pass"] == p], methods[0].name, task_of)
@@ -290,12 +254,19 @@ def run(args) -> int:
                        args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                        "threads": torch.get_num_threads(), "kernel_routes": list(kernels.routes()),
                        "torch": torch.__version__, "machine": platform.machine(), "repeat": args.repeat,
-                       "remember": args.remember or args.repeat > 1,
-                       "suffix_exclude_questions": args.suffix_exclude_questions, "corpus": args.corpus,
-                       "date": time.strftime("%Y-%m-%d")}
+                       "remember": remember, "suffix_exclude_questions": args.suffix_exclude_questions,
+                       "corpus": args.corpus, "date": time.strftime("%Y-%m-%d")}
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    table = Table(title=f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, "
-                  + ("greedy" if not args.temperature else f"sampling at temperature {args.temperature}"))
+    print_tables(console, summary, f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, "
+                 + ("greedy" if not args.temperature else f"sampling at temperature {args.temperature}"))
+    return 0
+
+
+def print_tables(console, summary: dict, title: str) -> None:
+    """The overall table, speedups per task, and (with passes) each pass's speedup and tau."""
+    from rich.table import Table
+
+    table = Table(title=title)
     for col in ("method", "tokens/s", "speedup", "median speedup", "tau", "identical"):
         table.add_column(col, justify="right")
     for name, s in summary["overall"].items():
@@ -311,17 +282,17 @@ def run(args) -> int:
     for g, st in summary["by_task"].items():
         by_task.add_row(g, *(f"{st[n]['speedup']:.2f}x" for n in names))
     console.print(by_task)
-    if args.repeat > 1:
-        passes = Table(title="repeated use: the same questions again in one session (drafters remembering)")
-        passes.add_column("method")
-        for p in summary["passes"]:
-            passes.add_column(f"pass {p} speedup", justify="right")
-            passes.add_column(f"pass {p} tau", justify="right")
-        for n in names:
-            cells = []
-            for st in summary["passes"].values():
-                s = st["overall"][n]
-                cells += [f"{s['speedup']:.2f}x", "-" if s["tau"] is None else f"{s['tau']:.2f}"]
-            passes.add_row(n, *cells)
-        console.print(passes)
-    return 0
+    if "passes" not in summary:
+        return
+    passes = Table(title="repeated use: the same questions again in one session (drafters remembering)")
+    passes.add_column("method")
+    for p in summary["passes"]:
+        passes.add_column(f"pass {p} speedup", justify="right")
+        passes.add_column(f"pass {p} tau", justify="right")
+    for n in names:
+        cells = []
+        for st in summary["passes"].values():
+            s = st["overall"][n]
+            cells += [f"{s['speedup']:.2f}x", "-" if s["tau"] is None else f"{s['tau']:.2f}"]
+        passes.add_row(n, *cells)
+    console.print(passes)

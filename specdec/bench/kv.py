@@ -96,9 +96,11 @@ def run_benchmark(n: int = 2048, batches=(1, 16), prompt: int = 64, repeats: int
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--tokens", type=int, default=2048, help="generated tokens per run")
-    p.add_argument("--batches", default="1,16")
-    p.add_argument("--repeats", type=int, default=3)
+    from specdec.cli.options import int_list, positive_int
+
+    p.add_argument("--tokens", type=positive_int, default=2048, help="generated tokens per run")
+    p.add_argument("--batches", type=int_list, default="1,16")
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--out", default="results/bench_kv.json")
 
 
@@ -106,7 +108,7 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    rows = run_benchmark(args.tokens, tuple(int(b) for b in args.batches.split(",")), repeats=args.repeats)
+    rows = run_benchmark(args.tokens, tuple(args.batches), repeats=args.repeats)
     table = Table(title=f"KV update + attention per token, {args.tokens}-token generation (median of {args.repeats})")
     for col in ("batch", "method", "us/token", "speedup vs iterative", "vs upfront"):
         table.add_column(col, justify="right")

@@ -43,43 +43,11 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from specdec.bench.books import BOOKS, INSTRUCTIONS, LongPrompt, build_prompts, read_books
+from specdec.bench.runner import AnswerFile, group, rotated, warm_up
+from specdec.cli.options import int_list, name_list, positive_int
 from specdec.controller import cost
-
-# the steering repo's shared/ data beside the clone (run from the repo root: ../shared), else /work/shared
-BOOKS = next((p for p in (Path.cwd().parent / "shared" / "longctx" / "books.jsonl",
-                          Path("/work/shared/longctx/books.jsonl")) if p.exists()),
-             Path("../shared/longctx/books.jsonl"))
-INSTRUCTIONS = {"continue": "Continue the story.", "summary": "Summarize the passage above."}
-
-
-def prompt_key(books: tuple[str, ...], length: int, instruction: str) -> str:
-    """A prompt's name in the records. Example: ("b1",), 2048, "summary" -> "b1/2048/summary"."""
-    if len(books) == 1:
-        return f"{books[0]}/{length}/{instruction}"
-    return f"B{len(books)}:{'+'.join(books)}/{length}/{instruction}"
-
-
-@dataclass(frozen=True)
-class LongPrompt:
-    books: tuple[str, ...]  # the excerpts' ids, one per sequence of the batch
-    length: int  # tokens of each excerpt kept (--lengths)
-    instruction: str  # a key of INSTRUCTIONS
-    rows: tuple[torch.Tensor, ...]  # [B] of [P_b]: chat template applied (P_b a few tokens over length)
-
-    @property
-    def key(self) -> str:
-        return prompt_key(self.books, self.length, self.instruction)
-
-    @property
-    def tokens(self) -> int:
-        """The longest sequence's prompt tokens."""
-        return max(len(x) for x in self.rows)
-
-    @property
-    def input_ids(self) -> torch.Tensor:
-        """[1, P] the first sequence (--memory runs one sequence)."""
-        return self.rows[0][None]
-
+from specdec.prompting import context_window
 
 @dataclass(frozen=True)
 class MethodSpec:
@@ -89,48 +57,8 @@ class MethodSpec:
     fixed: str = ""  # "k=N" / "n=N": a fixed draft length / tree size instead of the controller
 
 
-def read_books(path: Path) -> list[dict]:
-    """Lines of {"id", "text", ...}; a line without them is an error naming the line."""
-    books = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
-        if not isinstance(rec, dict) or "id" not in rec or "text" not in rec:
-            raise ValueError(f"{path}:{i}: expected an object with 'id' and 'text'")
-        books.append(rec)
-    return books
-
-
-def build_prompts(tokenizer, books: list[dict], lengths: list[int], instructions: list[str],
-                  batch: int = 1) -> list[LongPrompt]:
-    """Per group of ``batch`` consecutive books (a trailing partial group is dropped), per length and
-    instruction, one prompt of ``batch`` sequences."""
-    if len(books) < batch:
-        raise ValueError(f"--batch-size {batch} needs at least {batch} books (--books), got {len(books)}")
-    tokens = [tokenizer(book["text"], add_special_tokens=False)["input_ids"] for book in books]
-    for book, toks in zip(books, tokens):
-        if len(toks) < max(lengths):
-            raise ValueError(f"book {book['id']!r} has {len(toks)} tokens, fewer than --lengths {max(lengths)}")
-
-    def chat(toks: list[int], n: int, ins: str) -> torch.Tensor:
-        excerpt = tokenizer.decode(toks[:n])  # the first n tokens, from the start
-        messages = [{"role": "user", "content": f"{excerpt}\n\n{INSTRUCTIONS[ins]}"}]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                             return_dict=True)["input_ids"][0]
-
-    out = []
-    for g in range(0, len(books) - batch + 1, batch):
-        group = range(g, g + batch)
-        for n in lengths:
-            for ins in instructions:
-                out.append(LongPrompt(tuple(books[b]["id"] for b in group), n, ins,
-                                      tuple(chat(tokens[b], n, ins) for b in group)))
-    return out
-
-
 def make_methods(names: list[str], budgets: list[int]) -> list[MethodSpec]:
-    """``NAME@k=N`` / ``NAME@n=N`` is NAME at a fixed setting (specdec.bench.generation.fixed_setting);
+    """``NAME@k=N`` / ``NAME@n=N`` is NAME at a fixed setting (specdec.bench.runner.fixed_setting);
     streaming and snapkv expand to one method per budget: "streaming@k=3" -> "streaming@256@k=3", ..."""
     methods = []
     for full in names:
@@ -216,7 +144,7 @@ def run_method(spec: MethodSpec, model, rows: tuple[torch.Tensor, ...], max_new_
         seconds = time.perf_counter() - t
         return {"outputs": [until_eos(r, eos_list) for r in seq[:, ids.shape[1]:].tolist()], "seconds": seconds,
                 "ttft": first.at - t}
-    from specdec.bench.generation import fixed_setting
+    from specdec.bench.runner import fixed_setting
     from specdec.decoder import SpecDecoderConfig
 
     drafter = make_drafter(spec, model) if spec.drafter != "none" else None
@@ -304,34 +232,58 @@ def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_to
     return value
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x]
-    except ValueError:
-        raise ValueError(f"{what} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{what} must be positive integers, got {text!r}")
-    return values
-
-
 def add_prompt_arguments(p, lengths: str, max_new_tokens: int) -> None:
     """The book prompts' options (also ``bench-controller``'s): model, excerpts, lengths, instruction."""
     p.add_argument("--model", default="default")
     p.add_argument("--questions", default=None, help=f"excerpts, JSONL of {{id, text}} (default: {BOOKS})")
-    p.add_argument("--books", type=int, default=2, help="first N excerpts of the file")
-    p.add_argument("--lengths", default=lengths, help="excerpt tokens kept, from the start")
+    p.add_argument("--books", type=positive_int, default=2, help="first N excerpts of the file")
+    p.add_argument("--lengths", type=int_list, default=lengths, help="excerpt tokens kept, from the start")
     p.add_argument("--instruction", choices=["continue", "summary", "both"], default="both")
-    p.add_argument("--max-new-tokens", type=int, default=max_new_tokens)
+    p.add_argument("--max-new-tokens", type=positive_int, default=max_new_tokens)
 
 
 def add_arguments(p) -> None:
     add_prompt_arguments(p, "1024,2048,4096,7000", 128)
-    p.add_argument("--methods", default="hf-generate,none,streaming,snapkv,prompt-lookup")
-    p.add_argument("--budgets", default="256,512,1024", help="KV rows of streaming and snapkv")
-    p.add_argument("--batch-size", type=int, default=1,
+    p.add_argument("--methods", type=name_list, default="hf-generate,none,streaming,snapkv,prompt-lookup")
+    p.add_argument("--budgets", type=int_list, default="256,512,1024", help="KV rows of streaming and snapkv")
+    p.add_argument("--batch-size", type=positive_int, default=1,
                    help="sequences per run: B books of one length as one batch (MagicDec's regime)")
     p.add_argument("--memory", action="store_true", help="peak RSS per method (a child process each)")
     p.add_argument("--out", default="results/longctx", help="appends OUT.jsonl; writes OUT.json (summary)")
+
+
+def read_done(log: AnswerFile) -> dict[str, dict[str, dict]]:
+    """prompt key -> method -> record, from a resumed run's records."""
+    done: dict[str, dict[str, dict]] = {}
+    for r in log.records.values():
+        if "output" in r:  # a record of a batch-1 run before --batch-size
+            r["outputs"] = [r.pop("output")]
+        done.setdefault(r["prompt"], {})[r["method"]] = r
+    return done
+
+
+def run_prompts(model, prompts: list[LongPrompt], methods: list[MethodSpec], max_new_tokens: int, eos,
+                log: AnswerFile, say) -> list[dict]:
+    """Every method missing from ``log`` on every prompt, methods rotating from prompt to prompt; a
+    prompt's records are appended once all its methods have run (they hold ratios to HF's and to
+    ``none``'s runs). Returns the log's records and the new ones."""
+    done = read_done(log)
+    records = [r for per in done.values() for r in per.values()]
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            have = done.get(prompt.key, {})  # records are written per prompt, so only a changed
+            todo = [m for m in methods if m.name not in have]  # --methods/--budgets leaves gaps
+            if not todo:
+                continue
+            results = dict(have)  # earlier records of this prompt serve as references (HF, none)
+            for m in rotated(todo, i):
+                say(f"{prompt.key} ({prompt.tokens} tokens): {m.name}")
+                results[m.name] = run_method(m, model, prompt.rows, max_new_tokens, eos)
+            new = [r for r in finish_records(prompt, results) if r["method"] not in have]
+            for r in new:
+                log.append(r)
+            records += new
+    return records
 
 
 def run(args) -> int:
@@ -340,60 +292,28 @@ def run(args) -> int:
 
     from specdec.models import load_model
 
-    lengths = _ints(args.lengths, "--lengths")
-    budgets = _ints(args.budgets, "--budgets")
-    names = [m for m in args.methods.split(",") if m]
-    if names[0] != "hf-generate":
+    if args.methods[0] != "hf-generate":
         raise ValueError("--methods must start with hf-generate: every output is checked against it")
     instructions = list(INSTRUCTIONS) if args.instruction == "both" else [args.instruction]
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size must be >= 1, got {args.batch_size}")
     if args.memory and args.batch_size > 1:
         raise ValueError("--memory measures one sequence: run it without --batch-size")
     books = read_books(Path(args.questions) if args.questions else BOOKS)[: args.books]
     console = Console(width=max(150, Console().width))  # 12 columns: never squeeze them to 80 in a pipe
     loaded = load_model(args.model)
     model, tok = loaded.model, loaded.tokenizer
-    window = model.config.max_position_embeddings
-    if max(lengths) + args.max_new_tokens + 64 > window:
-        raise ValueError(f"--lengths {max(lengths)} + {args.max_new_tokens} new tokens does not fit the "
+    window = context_window(model)
+    if window is not None and max(args.lengths) + args.max_new_tokens + 64 > window:
+        raise ValueError(f"--lengths {max(args.lengths)} + {args.max_new_tokens} new tokens does not fit the "
                          f"model's context window of {window} tokens")
     eos = model.generation_config.eos_token_id
-    prompts = build_prompts(tok, books, lengths, instructions, args.batch_size)
-    methods = make_methods(names, budgets)
+    prompts = build_prompts(tok, books, args.lengths, instructions, args.batch_size)
+    methods = make_methods(args.methods, args.budgets)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    log = out.with_suffix(".jsonl")
-    done: dict[str, dict[str, dict]] = {}
-    if log.exists():
-        for line in log.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                if "output" in r:  # a record of a batch-1 run before --batch-size
-                    r["outputs"] = [r.pop("output")]
-                done.setdefault(r["prompt"], {})[r["method"]] = r
-    records = [r for per in done.values() for r in per.values()]
-    with torch.inference_mode():
-        warm = tok("Once upon a time", return_tensors="pt")["input_ids"]
-        with warnings.catch_warnings():  # the short warm-up prompt fits every budget: no news
-            warnings.simplefilter("ignore")
-            for m in methods:  # first calls pay one-off costs (allocator, kernels): not measured
-                run_method(m, model, (warm[0],) * min(args.batch_size, 2), 4, eos)
-        for i, prompt in enumerate(prompts):
-            have = done.get(prompt.key, {})  # records are written per prompt, so only a changed
-            todo = [m for m in methods if m.name not in have]  # --methods/--budgets leaves gaps
-            if not todo:
-                continue
-            results = dict(have)  # earlier records of this prompt serve as references (HF, none)
-            k = i % len(todo)
-            for m in todo[k:] + todo[:k]:
-                console.log(f"{prompt.key} ({prompt.tokens} tokens): {m.name}")
-                results[m.name] = run_method(m, model, prompt.rows, args.max_new_tokens, eos)
-            new = [r for r in finish_records(prompt, results) if r["method"] not in have]
-            with open(log, "a") as f:
-                for r in new:
-                    f.write(json.dumps(r) + "\n")
-            records += new
+    log = AnswerFile(out.with_suffix(".jsonl"), key=("prompt", "method"))
+    warm = tok("Once upon a time", return_tensors="pt")["input_ids"]
+    warm_up(methods, lambda m: run_method(m, model, (warm[0],) * min(args.batch_size, 2), 4, eos))
+    records = run_prompts(model, prompts, methods, args.max_new_tokens, eos, log, console.log)
     memory = {}
     if args.memory:
         longest = max(prompts, key=lambda p: p.tokens)
@@ -407,9 +327,7 @@ def run(args) -> int:
 
 def summarize(records: list[dict], memory: dict[str, float]) -> list[dict]:
     """One row per (length, instruction, method): means over prompts (books or batches of books)."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        groups.setdefault((r.get("batch", 1), r["length"], r["instruction"], r["method"]), []).append(r)
+    groups = group(records, lambda r: (r.get("batch", 1), r["length"], r["instruction"], r["method"]))
 
     def mean(rs, key):
         xs = [r[key] for r in rs if r.get(key) is not None]

@@ -82,11 +82,13 @@ def sweep(lengths, batches, periods=PERIODS, n: int = 512, rows: int = 4, repeat
 
 
 def add_arguments(p) -> None:
-    p.add_argument("--lengths", default="1024,2048,4096,8192", help="prompt (context) lengths")
-    p.add_argument("--batches", default="1,8")
-    p.add_argument("--tokens", type=int, default=512, help="generated tokens per run")
-    p.add_argument("--rows", type=int, default=4, help="rows per step (pending + drafts)")
-    p.add_argument("--repeats", type=int, default=3)
+    from specdec.cli.options import int_list, positive_int
+
+    p.add_argument("--lengths", type=int_list, default="1024,2048,4096,8192", help="prompt (context) lengths")
+    p.add_argument("--batches", type=int_list, default="1,8")
+    p.add_argument("--tokens", type=positive_int, default=512, help="generated tokens per run")
+    p.add_argument("--rows", type=positive_int, default=4, help="rows per step (pending + drafts)")
+    p.add_argument("--repeats", type=positive_int, default=3)
     p.add_argument("--out", default="results/period", help="writes OUT.json and OUT.png")
 
 
@@ -95,8 +97,7 @@ def run(args) -> int:
     from rich.table import Table
 
     console = Console()
-    lengths = [int(x) for x in args.lengths.split(",")]
-    batches = [int(x) for x in args.batches.split(",")]
+    lengths, batches = args.lengths, args.batches
     rows = sweep(lengths, batches, n=args.tokens, rows=args.rows, repeats=args.repeats,
                  on_row=lambda r: console.print(f"B={r['batch']} L={r['length']}: best T={r['best']}, "
                                                 f"model T*={r['model']}"))

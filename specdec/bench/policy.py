@@ -97,7 +97,7 @@ def record(model, make_drafter, ids: torch.Tensor, max_new_tokens: int, eos, key
            depth: int = 10, timed_tokens: int = 200, drafter: str = "") -> Recording:
     """One prompt's recording (module doc). ``make_drafter()`` makes a fresh chain drafter; ``ids``
     [1, P]."""
-    from specdec.bench.generation import fixed_setting
+    from specdec.bench.runner import fixed_setting
     from specdec.decoder import SpecDecoder
 
     probe = _Recorder(make_drafter(), depth)
@@ -200,14 +200,16 @@ def overall(rows: list[dict]) -> dict:
 
 def add_arguments(p) -> None:
     from specdec.bench.longctx import add_prompt_arguments
+    from specdec.cli.options import non_negative_float, non_negative_int, positive_int
 
     add_prompt_arguments(p, "2048,7000", 256)
     p.add_argument("--drafter", default="streaming", help="a chain drafter: streaming, snapkv (at --budget), "
                                                           "or a registry name (prompt-lookup; not a tree drafter)")
-    p.add_argument("--budget", type=int, default=512, help="KV rows of streaming / snapkv")
-    p.add_argument("--depth", type=int, default=10, help="tokens drafted per position (the longest fixed k)")
-    p.add_argument("--noise", type=float, default=0.05, help="sigma of the lognormal noise on step timings")
-    p.add_argument("--seeds", type=int, default=10, help="noisy replays per prompt")
+    p.add_argument("--budget", type=positive_int, default=512, help="KV rows of streaming / snapkv")
+    p.add_argument("--depth", type=positive_int, default=10, help="tokens drafted per position (the longest fixed k)")
+    p.add_argument("--noise", type=non_negative_float, default=0.05,
+                   help="sigma of the lognormal noise on step timings")
+    p.add_argument("--seeds", type=non_negative_int, default=10, help="noisy replays per prompt")
     p.add_argument("--out", default="results/policy", help="appends OUT.jsonl (recordings); writes OUT.json")
 
 
@@ -215,15 +217,13 @@ def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
-    from specdec.bench.longctx import (BOOKS, INSTRUCTIONS, _ints, build_prompts, make_drafter, make_methods,
-                                       prompt_key, read_books)
+    from specdec.bench.books import BOOKS, INSTRUCTIONS, build_prompts, prompt_key, read_books
+    from specdec.bench.longctx import make_drafter, make_methods
     from specdec.controller import DraftLengthController
     from specdec.decoder import SpecDecoderConfig
     from specdec.models import load_model
 
-    if args.depth < 1 or args.seeds < 0 or args.noise < 0:
-        raise ValueError("--depth must be >= 1, --seeds and --noise >= 0")
-    lengths = _ints(args.lengths, "--lengths")
+    lengths = args.lengths  # int_list: positive lengths, checked while parsing
     spec = make_methods([args.drafter], [args.budget])[0]
     if spec.drafter in (None, "none"):
         raise ValueError(f"--drafter {args.drafter!r}: name a chain drafter")

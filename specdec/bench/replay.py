@@ -37,7 +37,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.bench.generation import fixed_setting
+from specdec.bench.runner import fixed_setting
+from specdec.cli.options import positive_int
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import draft_step, learn_step
 from specdec.drafters.base import Commit, Drafter, Prompt
@@ -156,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--settings", default="k=10", metavar="SETTING,...",
                    help="'controller' (needs --verify-curve), k=N (chains of N; trees whole) or n=N (trees "
                         "of N nodes): each drafter is replayed under each")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=positive_int, default=256)
     args = p.parse_args(argv)
     curve = None
     if args.verify_curve:

@@ -160,19 +160,21 @@ def measure_in_decoder(model, context: int = 200, sizes=SIZES, repeats: int = 3,
 
 
 def add_arguments(p) -> None:
+    from specdec.cli.options import non_negative_int, positive_int
+
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
-    p.add_argument("--context", type=int, default=200, help="tokens already in the cache")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--context", type=non_negative_int, default=200, help="tokens already in the cache")
+    p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block sizes q, comma-separated")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    p.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
     p.add_argument("--out", default=None, help="write the figures as JSON here")
     p.add_argument("--kernel", default=None, choices=["native", "avx2", "off"],
                    help="kernel variant (SPECDEC_KERNEL): avx2 builds the 8-float shape even on AVX-512")
     p.add_argument("--in-decoder", action="store_true",
                    help="time whole decoder steps with q - 1 drafted tokens per row (the curve in place)")
-    p.add_argument("--batch", type=int, default=1, help="--in-decoder: sequences per batch")
+    p.add_argument("--batch", type=positive_int, default=1, help="--in-decoder: sequences per batch")
     p.add_argument("--tree", action="store_true", help="--in-decoder: a star-shaped tree (general mask path)")
-    p.add_argument("--profile", type=int, default=0, metavar="N", help="--in-decoder: print the top N ops per step")
+    p.add_argument("--profile", type=non_negative_int, default=0, metavar="N", help="--in-decoder: print the top N ops per step")
 
 
 def run(args) -> int:

@@ -22,8 +22,20 @@ COMMANDS = {  # name -> (module, one-line help)
 }
 
 
+class _Parser(argparse.ArgumentParser):
+    """Bad arguments end the command with one line naming them (no usage block above it)."""
+
+    def error(self, message: str):
+        import re
+
+        named = re.fullmatch(r"argument ([^:]+): (must be .*)", message, re.S)  # our types' rule
+        if named:  # "argument --lengths: must be ..." -> "--lengths must be ..."
+            message = f"{named[1].split('/')[-1]} {named[2]}"
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specdec", description=__doc__.split("\n")[0])
+    parser = _Parser(prog="specdec", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_)

@@ -21,10 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.decoder import SpecDecoder, StepEvent
-from specdec.models import text_config
+from specdec.cli.options import add_sampling_arguments, positive_int, sampling_arguments
+from specdec.prompting import context_window, eos_ids, fit_conversation, has_chat_template
 from specdec.registry import DRAFTERS, make_drafter
-from specdec.sampling import add_sampling_arguments, sampling_arguments
-from specdec.cli.specbench import chat_input_ids, stop_token_ids
 
 DRAFT_STYLE = "cyan"  # text from accepted drafts
 HELP = ("/clear  start a new conversation    /drafter NAME  switch drafter ({names})\n"
@@ -102,17 +101,17 @@ class ChatSession:
 
     def __init__(self, model, tokenizer, drafter: str, max_new_tokens: int, console, color: bool = True,
                  sampling: dict | None = None) -> None:
-        if not getattr(tokenizer, "chat_template", None):
+        if not has_chat_template(tokenizer):
             raise ValueError("this model's tokenizer has no chat template; chat needs one")
         self.model, self.tokenizer, self.console = model, tokenizer, console
         self.max_new_tokens = max_new_tokens
         self.color = color
-        self.sampling = dict(sampling or {})  # generate() arguments (specdec.sampling.sampling_arguments)
+        self.sampling = dict(sampling or {})  # generate() arguments (specdec.cli.options.sampling_arguments)
         if self.sampling.get("seed") is not None:  # one stream for the whole chat, not the same per reply
             self.sampling["generator"] = torch.Generator().manual_seed(self.sampling.pop("seed"))
-        self.eos = stop_token_ids(model, tokenizer)
+        self.eos = eos_ids(model, tokenizer, required=True)
         self.messages: list[dict] = []
-        self.context_window = getattr(text_config(model), "max_position_embeddings", None)
+        self.context_window = context_window(model)
         self.set_drafter(drafter)
 
     def set_drafter(self, name: str) -> None:
@@ -126,14 +125,11 @@ class ChatSession:
     def _prompt_ids(self):
         """[1, P] the conversation so far; drops the oldest exchanges while a full reply would not
         fit the context window. None if even the last message alone does not fit."""
-        while True:
-            ids = chat_input_ids(self.tokenizer, self.messages)
-            if self.context_window is None or ids.shape[1] + self.max_new_tokens <= self.context_window:
-                return ids
-            if len(self.messages) <= 1:
-                return ids if ids.shape[1] < self.context_window else None
-            self.messages = self.messages[2:]  # the oldest user message and its answer
+        ids, kept = fit_conversation(self.tokenizer, self.messages, self.max_new_tokens, self.context_window)
+        for _ in range((len(self.messages) - len(kept)) // 2):  # each: the oldest user message and its answer
             self.console.print("[dim](oldest exchange dropped: context window full)[/dim]")
+        self.messages = kept
+        return ids
 
     def reply(self, text: str) -> ReplyStats | None:
         """Answer ``text`` in the conversation, streaming to the console; None if it cannot fit."""
@@ -232,7 +228,7 @@ class ChatSession:
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
-    p.add_argument("--max-new-tokens", type=int, default=256, help="per reply")
+    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply")
     p.add_argument("--no-color", action="store_true", help="no colours (drafted tokens not marked)")
     add_sampling_arguments(p)
 
@@ -242,8 +238,6 @@ def run(args) -> int:
 
     from specdec.models import load_model
 
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be at least 1, got {args.max_new_tokens}")
     sampling = sampling_arguments(args)
     console = Console(no_color=args.no_color, highlight=False)
     if sys.stdin.isatty():

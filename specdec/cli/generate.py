@@ -10,14 +10,15 @@ from rich.console import Console
 from specdec.runtime import kernels
 from specdec.decoder import SpecDecoder
 from specdec.registry import DRAFTERS, make_drafter
-from specdec.sampling import add_sampling_arguments, sampling_arguments
+from specdec.cli.options import add_sampling_arguments, positive_int, sampling_arguments
+from specdec.prompting import encode_prompt
 
 
 def add_arguments(p) -> None:
     p.add_argument("prompt", nargs="?", default="Explain in three sentences why the sky is blue.")
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
-    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
     p.add_argument("--prompts-file", default=None,
                    help="a file of prompts, one per line, generated together as one batch (each sequence "
@@ -34,11 +35,7 @@ def run(args) -> int:
     with console.status(f"loading {args.model} ..."):
         loaded = load_model(args.model)
     tok = loaded.tokenizer
-    if args.no_chat_template or not getattr(tok, "chat_template", None):
-        prompts = [tok(t, return_tensors="pt")["input_ids"][0] for t in texts]
-    else:
-        prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generation_prompt=True,
-                                           return_tensors="pt", return_dict=True)["input_ids"][0] for t in texts]
+    prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
     ids = prompts[0][None] if len(prompts) == 1 else prompts
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model))
     with console.status("preparing specdec's CPU kernels and packed weights ..."):

@@ -1,0 +1,104 @@
+"""Argument types and shared options for every command (``specdec <command>`` and the benches).
+
+A bad number fails while the arguments are parsed, before any model loads, with one line naming the
+argument and the value: ``specdec generate: error: argument --max-new-tokens: must be a positive
+integer, got '-5'``. argparse adds the argument's name; each type names the rule and the value.
+
+    p.add_argument("--max-new-tokens", type=positive_int, default=128)
+    p.add_argument("--lengths", type=int_list, default=int_list("1024,2048"))   # -> [1024, 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+from specdec.sampling import SamplingParams
+
+
+def _number(text: str, kind, what: str):
+    try:
+        return kind(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}") from None
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (token counts, batch sizes, repeats, threads)."""
+    value = _number(text, int, "a positive integer")
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    """An integer >= 0 (top-k, where 0 turns it off; seeds; counts that may be zero)."""
+    value = _number(text, int, "an integer >= 0")
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (temperature, where 0 is greedy; noise)."""
+    value = _number(text, float, "a number >= 0")
+    if not (value >= 0 and math.isfinite(value)):  # NaN fails the comparison
+        raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+    return value
+
+
+def probability(text: str) -> float:
+    """A number in (0, 1] (top-p's mass)."""
+    value = _number(text, float, "a number in (0, 1]")
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {text!r}")
+    return value
+
+
+def fraction(text: str) -> float:
+    """A number in [0, 1) (a held-out share)."""
+    value = _number(text, float, "a number in [0, 1)")
+    if not 0 <= value < 1:
+        raise argparse.ArgumentTypeError(f"must be a number in [0, 1), got {text!r}")
+    return value
+
+
+def int_list(text: str) -> list[int]:
+    """Comma-separated positive integers. Example: "1024,2048" -> [1024, 2048]."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"must be positive integers, got {text!r}")
+    return values
+
+
+def name_list(text: str) -> list[str]:
+    """Comma-separated names, empty entries dropped. Example: "none,prompt-lookup," -> [none, prompt-lookup]."""
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+# ---------------------------------------------------------------- sampling (chat, generate)
+
+def add_sampling_arguments(p) -> None:
+    """``--temperature/--top-p/--top-k/--seed`` for the commands that generate (chat, generate)."""
+    p.add_argument("--temperature", type=non_negative_float, default=0.0,
+                   help="0 (default): greedy; > 0: sample (lossless: distributed exactly as HF generate "
+                        "with do_sample=True and these arguments)")
+    p.add_argument("--top-p", type=probability, default=None, help="with --temperature > 0: nucleus mass in (0, 1]")
+    p.add_argument("--top-k", type=non_negative_int, default=None,
+                   help="with --temperature > 0: keep the k most likely tokens (unset: the model's "
+                        "generation config, else HF's default 50; 0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="with --temperature > 0: repeatable samples")
+
+
+def sampling_arguments(args) -> dict:
+    """The decoder's generate() arguments from ``add_sampling_arguments``' flags; checks them (one line)."""
+    if not args.temperature >= 0:
+        raise ValueError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not args.temperature:
+        return {}
+    SamplingParams(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p)  # validates
+    return {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
+            "seed": args.seed}

@@ -1,0 +1,194 @@
+"""EAGLE's training data: the target answers instructions and each conversation is stored with the
+target's last hidden states (the features the head learns to predict), resumably.
+
+    prompts = encode_prompts(tokenizer, read_prompts())           # the project's instructions
+    generate_data(target, prompts, "DIR/data", DataConfig())      # conv_00012.safetensors, ...
+    save_answers("DIR/data", "answers.jsonl")                     # token ids only, ~1 KB each
+    restore_answers(target, "answers.jsonl", "OTHER/data")        # features again, one forward each
+    convs = load_data("DIR/data")                                 # [Conversation(ids, hidden, prompt_len)]
+
+Nothing here reads or writes pickles. The objective and the training loop: specdec.training.eagle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.jsonl import read_jsonl
+from specdec.prompting import encode_prompt, eos_ids
+
+PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "eagle_prompts.txt"
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    max_new_tokens: int = 256  # answer length per prompt (the head learns from answers)
+    temperature: float = 0.0  # 0: greedy answers (what greedy decoding will meet); > 0: sampled
+    seed: int = 0  # sampling seed; a batch starting at conversation i uses seed + i
+    batch_size: int = 8  # prompts answered together
+
+
+# ------------------------------------------------------------------------------------ 1. data
+
+def read_prompts(path: str | os.PathLike = PROMPTS_FILE) -> list[str]:
+    """Instructions from a text file (one per line, '#' starts a comment) or, for instructions that
+    span lines (a passage to summarize), a ``.jsonl`` file of {"prompt": "..."} lines."""
+    if str(path).endswith(".jsonl"):
+        prompts = read_jsonl(path, _prompt_of, 'a {"prompt": "..."}')
+        if not prompts:
+            raise ValueError(f'no prompts in {path} (one {{"prompt": "..."}} object per line)')
+        return prompts
+    lines = Path(path).read_text(encoding="utf-8").splitlines()
+    prompts = [ln.strip() for ln in lines if ln.strip() and not ln.lstrip().startswith("#")]
+    if not prompts:
+        raise ValueError(f"no prompts in {path} (one instruction per line, '#' starts a comment)")
+    return prompts
+
+
+def _prompt_of(obj) -> str:
+    p = obj["prompt"]
+    if not isinstance(p, str) or not p.strip():
+        raise ValueError("empty or not a string")
+    return p.strip()
+
+
+def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
+    """Token ids per prompt, through the tokenizer's chat template when it has one."""
+    return [encode_prompt(tokenizer, p).tolist() for p in prompts]
+
+
+def _conv_path(data_dir: Path, i: int) -> Path:
+    return data_dir / f"conv_{i:05d}.safetensors"
+
+
+@torch.no_grad()
+def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
+                  config: DataConfig = DataConfig(), progress=None) -> int:
+    """Answer each prompt with the target and store ids + last hidden states; skips done files.
+    Returns the number of conversations written by this call.
+
+    Prompts are answered ``config.batch_size`` at a time (left-padded HF ``generate``: on a CPU a
+    batch of 8 costs little more per step than one sequence); each answer is cut after its first
+    EOS and its features come from a forward over that conversation alone, unpadded, as the head
+    will meet them when drafting."""
+    d = Path(data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    todo = [i for i in range(len(prompts)) if not _conv_path(d, i).exists()]
+    task = progress.add_task("data", total=len(prompts), completed=len(prompts) - len(todo)) \
+        if progress is not None else None
+    pad, eos = _pad_id(target), set(eos_ids(target))
+    sample = config.temperature > 0
+    for start in range(0, len(todo), config.batch_size):
+        chunk = todo[start : start + config.batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        x = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=target.device)
+        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk],
+                            device=target.device)
+        if sample:
+            torch.manual_seed(config.seed + chunk[0])
+        out = target.generate(x, attention_mask=mask, max_new_tokens=config.max_new_tokens,
+                              do_sample=sample, temperature=config.temperature if sample else None,
+                              top_p=None, top_k=None, pad_token_id=pad)
+        for row, i in enumerate(chunk):
+            answer = out[row, width:].tolist()
+            ends = [k for k, t in enumerate(answer) if t in eos]
+            answer = answer[: ends[0] + 1] if ends else answer
+            _write_conv(target, _conv_path(d, i), prompts[i] + answer, len(prompts[i]))
+            if task is not None:
+                progress.advance(task)
+    return len(todo)
+
+
+@torch.no_grad()
+def _write_conv(target, path: Path, ids: list[int], prompt_len: int) -> None:
+    """One conversation file: its ids and the target's last hidden states (one forward over it)."""
+    from safetensors.torch import save_file
+
+    x = torch.tensor([ids], device=target.device)
+    hidden = target(x, output_hidden_states=True).hidden_states[-1][0]  # [n, D], after the final norm
+    tmp = path.with_suffix(".tmp")
+    save_file({"input_ids": x[0].cpu(), "hidden": hidden.float().cpu().contiguous()}, str(tmp),
+              metadata={"prompt_len": str(prompt_len)})
+    os.replace(tmp, path)  # a conversation file is complete or absent, never half written
+
+
+# Answers are the costly part of the data (one decode step per token); features cost one forward per
+# conversation. So a file of answers (token ids only, ~1 KB a conversation) carries a dataset across
+# machines and sessions, and each session can add to it.
+
+def save_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> int:
+    """Write every conversation in ``data_dir`` as a JSONL line {"conv", "prompt_len", "ids"}."""
+    from safetensors import safe_open
+
+    files = sorted(Path(data_dir).glob("conv_*.safetensors"))
+    tmp = Path(str(path) + ".tmp")
+    with open(tmp, "w") as f:
+        for file in files:
+            with safe_open(str(file), framework="pt") as sf:
+                p = int((sf.metadata() or {}).get("prompt_len", 0))
+                ids = sf.get_tensor("input_ids").tolist()
+            f.write(json.dumps({"conv": int(file.stem.split("_")[1]), "prompt_len": p, "ids": ids}) + "\n")
+    os.replace(tmp, path)
+    return len(files)
+
+
+def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
+    """(conv, prompt_len, ids) per line of an answers file; a malformed line is named."""
+    return read_jsonl(path, _answer_of, "an answer")
+
+
+def _answer_of(r) -> tuple[int, int, list[int]]:
+    conv, p, ids = int(r["conv"]), int(r["prompt_len"]), [int(t) for t in r["ids"]]
+    if conv < 0 or not 0 < p < len(ids):
+        raise ValueError(f"conv {conv}, prompt_len {p}, {len(ids)} ids")
+    return conv, p, ids
+
+
+def restore_answers(target, path: str | os.PathLike, data_dir: str | os.PathLike, progress=None) -> int:
+    """Rebuild the conversation files of an answers file that ``data_dir`` lacks (features by one
+    target forward each). Returns how many were written."""
+    d = Path(data_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    todo = [r for r in read_answers(path) if not _conv_path(d, r[0]).exists()]
+    task = progress.add_task("answers", total=len(todo)) if progress is not None else None
+    for conv, p, ids in todo:
+        _write_conv(target, _conv_path(d, conv), ids, p)
+        if task is not None:
+            progress.advance(task)
+    return len(todo)
+
+
+def _pad_id(target) -> int:
+    gen = getattr(target, "generation_config", None)
+    for name in ("pad_token_id", "eos_token_id"):
+        v = getattr(gen, name, None)
+        if v is not None:
+            return v if isinstance(v, int) else int(v[0])
+    return 0
+
+
+@dataclass(frozen=True)
+class Conversation:
+    ids: torch.Tensor  # [n] int64
+    hidden: torch.Tensor  # [n, D] float32 target last hidden states
+    prompt_len: int
+
+
+def load_data(data_dir: str | os.PathLike) -> list[Conversation]:
+    from safetensors import safe_open
+
+    files = sorted(Path(data_dir).glob("conv_*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no training conversations in {data_dir} (run the data stage first)")
+    convs = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as sf:
+            meta = sf.metadata() or {}
+            convs.append(Conversation(sf.get_tensor("input_ids"), sf.get_tensor("hidden"),
+                                      int(meta.get("prompt_len", 0))))
+    return convs
