@@ -49,6 +49,7 @@ from specdec.cli.options import int_list, name_list, positive_int
 from specdec.controller import cost
 from specdec.prompting import context_window
 
+
 @dataclass(frozen=True)
 class MethodSpec:
     name: str  # "hf-generate", "none", "streaming@512", "snapkv@512", "prompt-lookup", "streaming@512@k=3"
