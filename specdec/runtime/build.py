@@ -74,8 +74,10 @@ def _load(name: str, openmp: list[str], cache_dir: Path):
 
     flags, ns = VARIANTS[name]
     sources = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
-    key = hashlib.sha256(sources + torch.__version__.encode() + " ".join([name, *flags, *openmp]).encode()
-                         ).hexdigest()[:16]
+    # the checkout's path too: the build's ninja file names the sources by absolute path, so two checkouts
+    # sharing one build directory would rebuild it in turn
+    key = hashlib.sha256(sources + str(_CSRC.resolve()).encode() + torch.__version__.encode()
+                         + " ".join([name, *flags, *openmp]).encode()).hexdigest()[:16]
     directory = cache_dir / "torch_extensions" / f"packed_linear-{key}"
     directory.mkdir(parents=True, exist_ok=True)
     if not any(directory.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
