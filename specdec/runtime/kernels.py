@@ -27,7 +27,7 @@ from specdec.runtime.calibrate import calibrate, fastest_routes
 from specdec.runtime.linear import chunks, linear, max_rows, packed, plan, prepack
 from specdec.runtime.memory import HUGE_PAGE, Slabs, huge_empty
 from specdec.runtime.patch import skinny_linears
-from specdec.runtime.state import CHUNK_ROWS, KERNEL_ROUTES, MAX_ROWS, MM_ROWS, ROUTES, Routes
+from specdec.runtime.state import CHUNK_ROWS, KERNEL_ROUTES, MAX_ROWS, MM_ROWS, ROUTES, Routes, resolve
 
 __all__ = ["ATTENTION_POINTS", "ATTENTION_ROWS", "CHUNK_ROWS", "HUGE_PAGE", "KERNEL_ROUTES", "MAX_ROWS", "MM_ROWS",
            "ROUTES", "VARIANTS", "Routes", "RuntimeConfig", "Slabs", "attention", "attention_op", "calibrate",
@@ -43,8 +43,6 @@ def variant(config: RuntimeConfig | None = None) -> str | None:
 def routes(config: RuntimeConfig | None = None) -> tuple[str, ...]:
     """The route each block size 1..MAX_ROWS takes (index 0 = 1 row) under ``config``, as things stand
     (calibrated, or not yet)."""
-    from specdec.runtime.state import resolve
-
     return resolve(current() if config is None else config).routes.linear
 
 
