@@ -376,3 +376,19 @@ def test_plan_gives_each_chunk_its_route(monkeypatch):
     assert kernels.plan(16, 128) == [0, 16, 3]
     _routes(monkeypatch, routes[:8] + ["linear"] + routes[9:], chunked=False)
     assert kernels.plan(17, 128) == [0, 17, 0]
+
+
+def test_the_cli_reads_the_environment_once_at_its_edge(monkeypatch, capsys):
+    """``specdec`` reads the SPECDEC_* variables into one configuration before a command runs, and the
+    command runs under it; a bad value is an error that names it."""
+    from specdec import cli, config
+    from specdec.cli import generate
+
+    seen = []
+    monkeypatch.setattr(generate, "run", lambda args: seen.append((args.runtime, config.current())) or 0)
+    monkeypatch.setenv("SPECDEC_FUSED", "off")
+    assert cli.main(["generate", "hi"]) == 0
+    assert seen[0][0] is seen[0][1] and seen[0][0].fused is False
+    monkeypatch.setenv("SPECDEC_KERNEL", "bogus")
+    assert cli.main(["generate", "hi"]) == 2
+    assert "SPECDEC_KERNEL='bogus'" in capsys.readouterr().err
