@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specdec.config import RuntimeConfig
+from specdec.config import current as current_runtime
 from specdec.runtime import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Commit, Drafter, Prompt
@@ -63,6 +65,9 @@ class SpecDecoderConfig:
     # free sources' classes not chosen; one free drafter: its class when gated off) draft too, for every
     # row, unverified, and are scored against the committed text (DraftLengthController.observe_shadow)
     shadow_drafts: bool = True
+    # the CPU runtime (kernel variant, self-check, lean forward, ...: specdec.config); None: the one of the
+    # enclosing specdec.runtime.use block (the CLI opens one from the SPECDEC_* variables), else the defaults
+    runtime: RuntimeConfig | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
@@ -323,9 +328,11 @@ class SpecDecoder:
             generator = torch.Generator().manual_seed(seed)  # CPU: the verifier samples on the CPU
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
         # Llama-shaped models run the lean forward (specdec.runtime.fastpath), built and checked here, not in step 1
-        paths = [p for p in map(fastpath.get, modules) if p is not None]
+        runtime = self.config.runtime or current_runtime()
+        paths = [p for p in (fastpath.get(m, runtime) for m in modules) if p is not None]
         replaced = [m for p in paths for m in p.replaced()]
-        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows, skip=replaced):
+        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows, skip=replaced,
+                                                            runtime=runtime):
             kernels.prepack([w for p in paths for w in p.fused_weights()], self.config.skinny_rows)
             batch, steps = self._generate(prompts, max_new_tokens, _eos_set(eos_token_id, self.target),
                                           streamer, callback, _Acceptance(sampling, generator))

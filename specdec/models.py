@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.config import current as current_runtime
+
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_FORMAT = 1  # bump when the cached layout changes
@@ -60,10 +62,8 @@ class ModelLoadError(ValueError):
 
 
 def cache_root() -> Path:
-    if os.environ.get("SPECDEC_CACHE"):
-        return Path(os.environ["SPECDEC_CACHE"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "specdec"
+    """Where converted models live: the runtime configuration's ``cache_dir`` (``specdec.config``)."""
+    return current_runtime().cache_dir
 
 
 def default_gguf_path() -> Path:
@@ -81,8 +81,8 @@ def default_gguf_path() -> Path:
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
                trust_remote_code: bool = False) -> LoadedModel:
-    """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never reach a hub at run time
+    """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory (local
+    files only: the CLI also sets HF_HUB_OFFLINE=1 for the process)."""
     if spec == DEFAULT_MODEL:
         loaded = _load_gguf_cached(default_gguf_path(), dtype, "SmolLM2-135M-Instruct")
     else:

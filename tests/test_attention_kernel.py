@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from conftest import hf_greedy, perturbed, tiny_llama
-from specdec.runtime import kernels
+from specdec.config import RuntimeConfig, use
+from specdec.runtime import attention as attn
+from specdec.runtime import calibrate, kernels, state
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
@@ -72,33 +74,39 @@ def test_bad_shapes_name_the_problem(ops):
         ops.attention(q.double(), k.double(), k.double(), None, 1.0)
 
 
+def _points(monkeypatch, points):
+    """The attention kernel's verdicts per (rows, keys) point (None: uncalibrated), as if its self-check
+    had chosen them for the default variant."""
+    routes = state.Routes(state.uncalibrated(True).linear, True, points)
+    monkeypatch.setitem(state.CALIBRATED, kernels.variant(), routes)
+
+
 def test_the_route_leaves_what_it_does_not_take_to_sdpa(ops, monkeypatch):
-    monkeypatch.setattr(kernels, "_attention_routes", None)
+    _points(monkeypatch, None)
     q, k = torch.randn(1, 1, 3, 64), torch.randn(1, 1, 8, 64)
     assert kernels.attention(q, k, k, None, 0.125) is not None
     assert kernels.attention(q.double(), k.double(), k.double(), None, 0.125) is None
     assert kernels.attention(torch.randn(1, 1, kernels.ATTENTION_ROWS + 1, 64), k, k, None, 0.125) is None
     assert kernels.attention(q, k.transpose(2, 3).contiguous().transpose(2, 3), k, None, 0.125) is None
     assert kernels.attention(q, k, k, torch.zeros(1, 1, 2, 8), 0.125) is None  # 3 rows, 2 bias rows
-    monkeypatch.setattr(kernels, "_attention_routes", {(3, 256): False})
+    _points(monkeypatch, {(3, 256): False})
     assert kernels.attention(q, k, k, None, 0.125) is None  # the self-check found SDPA faster there
-    monkeypatch.setattr(kernels, "_attention_routes", None)
-    monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
-    assert kernels.attention(q, k, k, None, 0.125) is None
+    _points(monkeypatch, None)
+    with use(RuntimeConfig(attention="sdpa")):
+        assert kernels.attention(q, k, k, None, 0.125) is None
 
 
 def test_calls_take_the_verdict_of_the_nearest_point():
-    assert kernels._attention_point(3, 300) == (3, 256)
-    assert kernels._attention_point(9, 300) == (12, 256)
-    assert kernels._attention_point(9, 900) == (12, 2048)  # nearer 2048 than 256 on a log scale
-    assert kernels._attention_point(60, 50_000) == (48, 2048)
+    assert attn.attention_point(3, 300) == (3, 256)
+    assert attn.attention_point(9, 300) == (12, 256)
+    assert attn.attention_point(9, 900) == (12, 2048)  # nearer 2048 than 256 on a log scale
+    assert attn.attention_point(60, 50_000) == (48, 2048)
 
 
-def test_the_self_check_weighs_every_point(ops, monkeypatch):
-    monkeypatch.setattr(kernels, "_attention_routes", None)
-    kernels._calibrate_attention(torch.Generator().manual_seed(0), rounds=1, stream_mb=1)
+def test_the_self_check_weighs_every_point(ops):
+    points = calibrate.calibrate_attention(ops, torch.Generator().manual_seed(0), rounds=1, stream_mb=1)
     rows, keys = kernels.ATTENTION_POINTS
-    assert set(kernels._attention_routes) == {(r, k) for r in rows for k in keys}
+    assert set(points) == {(r, k) for r in rows for k in keys}
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -107,23 +115,24 @@ def test_the_self_check_weighs_every_point(ops, monkeypatch):
 def test_decoding_through_the_attention_kernel_stays_exact(seed, drafter, batch, ops, monkeypatch):
     """fp32 targets (head size 16) attend through the kernel at every block: plain steps, verifies of
     partly accepted drafts, ragged batches; every row equals the target's own greedy decoding."""
-    monkeypatch.setattr(kernels, "_attention_routes", None)  # uncalibrated: the kernel wherever it applies
+    _points(monkeypatch, None)  # uncalibrated: the kernel wherever it applies
     calls = {"kernel": 0}
-    real = kernels.attention_op  # asked by kernels.attention, and once a forward by the lean path
+    real = attn.attention_op  # asked by attention.attention, and once a forward by the lean path
 
     def counted(*args):
         out = real(*args)
         calls["kernel"] += out is not None
         return out
 
-    monkeypatch.setattr(kernels, "attention_op", counted)
+    monkeypatch.setattr(attn, "attention_op", counted)
     target = tiny_llama(seed, dtype=torch.float32)
     if not ops.attention_supports(target.config.hidden_size // target.config.num_attention_heads):
         pytest.skip("no kernel shape for the tiny model's head size here")
     d = ModelDrafter(perturbed(target, 0.3, seed)) if drafter == "perturbed" else PromptLookupDrafter()
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 128, (1, 6 + 5 * b), generator=g).repeat(1, 2) for b in range(batch)]
-    config = SpecDecoderConfig(draft_length=DraftLengthConfig(initial=6, maximum=6, adaptive=False, cost_aware=False))
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(initial=6, maximum=6, adaptive=False, cost_aware=False),
+                               runtime=RuntimeConfig(calibrate=False))  # these routes, not this machine's
     out = SpecDecoder(target, d, config).generate([p[0] for p in prompts], max_new_tokens=30, eos_token_id=None)
     for s, p in enumerate(prompts):
         assert torch.equal(out.generated(s), hf_greedy(target, p, 30)[0, p.shape[1]:]), f"sequence {s}"

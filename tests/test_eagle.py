@@ -246,13 +246,14 @@ def test_reduced_draft_vocabulary_maps_back_to_target_ids(target, tmp_path):
 
 
 def test_registry_eagle_needs_a_head(target, tmp_path, monkeypatch):
-    monkeypatch.delenv("SPECDEC_EAGLE_HEAD", raising=False)
+    from specdec.config import RuntimeConfig, use
+
     monkeypatch.setattr("specdec.drafters.eagle.PACKAGED_HEAD", tmp_path / "none")
     with pytest.raises(ValueError, match="specdec train-eagle"):
         make_drafter("eagle", target)
     save_head(_random_head(target), tmp_path / "h")
-    monkeypatch.setenv("SPECDEC_EAGLE_HEAD", str(tmp_path / "h"))
-    assert isinstance(make_drafter("eagle", target), EagleDrafter)
+    with use(RuntimeConfig(eagle_head=tmp_path / "h")):  # SPECDEC_EAGLE_HEAD at the CLI
+        assert isinstance(make_drafter("eagle", target), EagleDrafter)
     assert isinstance(make_eagle(target, tmp_path / "h"), EagleDrafter)
 
 

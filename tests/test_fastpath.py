@@ -15,8 +15,9 @@ from transformers import (LlamaForCausalLM, MistralConfig, MistralForCausalLM, Q
                           Qwen3Config, Qwen3ForCausalLM)
 
 from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
+from specdec.config import RuntimeConfig, use
 from specdec.runtime import fastpath
-from specdec.decoder import SpecDecoder
+from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.forward import forward_block
@@ -43,16 +44,16 @@ def mistral(**kw):
     return _model(MistralForCausalLM, MistralConfig(**SHAPE, **{"sliding_window": None, **kw}))
 
 
-def _blocks(model, monkeypatch, on: bool):
-    monkeypatch.setenv("SPECDEC_FASTPATH", "on" if on else "off")
-    return ragged_blocks(model)
+def _blocks(model, on: bool):
+    with use(RuntimeConfig(fastpath=on)):
+        return ragged_blocks(model)
 
 
 @pytest.mark.parametrize("make", [lambda: tiny_llama(3), qwen2, mistral], ids=["llama", "qwen2-bias", "mistral"])
-def test_fast_path_matches_hf_forward(make, monkeypatch):
+def test_fast_path_matches_hf_forward(make):
     model = make()
     assert fastpath.get(model) is not None, "this model should take the fast path"
-    fast, hf = _blocks(model, monkeypatch, True), _blocks(model, monkeypatch, False)
+    fast, hf = _blocks(model, True), _blocks(model, False)
     for (lf, hf_), (lh, hh) in zip(fast, hf):
         torch.testing.assert_close(lf, lh, atol=1e-10, rtol=1e-10)
         torch.testing.assert_close(hf_, hh, atol=1e-10, rtol=1e-10)
@@ -129,7 +130,6 @@ def test_weights_changed_in_place_rebuild_the_fused_copies():
 @pytest.mark.parametrize("seed", range(3))
 def test_hf_forward_stays_exact_with_the_path_off(seed, monkeypatch):
     """The path off: a partly agreeing drafter on a ragged batch of two, token for token as HF greedy."""
-    monkeypatch.setenv("SPECDEC_FASTPATH", "off")
     model = tiny_llama(seed)
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(1, 128, (n,), generator=g) for n in (7, 12)]
@@ -137,16 +137,17 @@ def test_hf_forward_stays_exact_with_the_path_off(seed, monkeypatch):
     mask = torch.zeros(2, 12, dtype=torch.long)
     for b, p in enumerate(prompts):
         ids[b, 12 - len(p):], mask[b, 12 - len(p):] = p, 1  # left-padded, as HF batches
-    out = SpecDecoder(model, ModelDrafter(perturbed(model, 0.3, seed))).generate(ids, attention_mask=mask,
-                                                                                 max_new_tokens=16)
+    off = SpecDecoderConfig(runtime=RuntimeConfig(fastpath=False))
+    out = SpecDecoder(model, ModelDrafter(perturbed(model, 0.3, seed)), off).generate(ids, attention_mask=mask,
+                                                                                      max_new_tokens=16)
+    assert model not in fastpath._paths  # never built: HF's forward ran every block
     for b, p in enumerate(prompts):
         assert out.sequences[b, 12 : 12 + 16].tolist() == hf_greedy(model, p[None], 16)[0, len(p):].tolist()
 
 
-def test_bad_switch_value_is_an_error(monkeypatch):
-    monkeypatch.setenv("SPECDEC_FASTPATH", "yes")
+def test_bad_switch_value_is_an_error():
     with pytest.raises(ValueError, match="SPECDEC_FASTPATH='yes'"):
-        fastpath.get(tiny_llama(0))
+        RuntimeConfig.from_environ({"SPECDEC_FASTPATH": "yes"})
 
 
 def test_warm_up_builds_the_path_and_leaves_the_controller_unmeasured():

@@ -6,12 +6,15 @@ unfused path's on chains, trees and ragged batches, and decoding through it toke
 target's own greedy decoding, with drafts accepted in part.
 """
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
+from specdec.config import RuntimeConfig
 from specdec.runtime import fastpath
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
@@ -66,15 +69,22 @@ def _blocks(model, fuse: bool):
     return ragged_blocks(model)
 
 
-def test_fused_path_matches_the_unfused_one(ops, monkeypatch):
+def _fused_ops_made(monkeypatch, change=None) -> dict:
+    """Count the forwards that take the fused layer ops (``change``: what to make of those ops)."""
     calls = {"n": 0}
-    real = fastpath.FastPath._fused_layers
+    real = fastpath.FastPath._fused_ops
 
     def counted(self, *args):
-        calls["n"] += 1
-        return real(self, *args)
+        ops = real(self, *args)
+        calls["n"] += ops is not None
+        return ops if ops is None or change is None else change(ops)
 
-    monkeypatch.setattr(fastpath.FastPath, "_fused_layers", counted)
+    monkeypatch.setattr(fastpath.FastPath, "_fused_ops", counted)
+    return calls
+
+
+def test_fused_path_matches_the_unfused_one(ops, monkeypatch):
+    calls = _fused_ops_made(monkeypatch)
     model = tiny_llama(3, dtype=torch.float32)
     assert fastpath.get(model) is not None  # built and checked against HF's forward (through the fused ops)
     calls["n"] = 0
@@ -126,8 +136,7 @@ def test_fused_ops_that_disagree_are_dropped_not_the_path(ops, monkeypatch, capl
     to return junk), the path is kept without them, a warning says so, and decoding stays exact."""
     import logging
 
-    real = fastpath.FastPath._fused_layers
-    monkeypatch.setattr(fastpath.FastPath, "_fused_layers", lambda self, *a: real(self, *a) * 1.5)
+    _fused_ops_made(monkeypatch, lambda ops: dataclasses.replace(ops, silu_mul=lambda gu: ops.silu_mul(gu) * 1.5))
     target = tiny_llama(5, dtype=torch.float32)
     with caplog.at_level(logging.WARNING, logger="specdec.runtime.fastpath"):
         path = fastpath.get(target)
@@ -141,10 +150,10 @@ def test_fused_ops_that_disagree_are_dropped_not_the_path(ops, monkeypatch, capl
 def test_a_fused_op_that_fails_leaves_hf_ops(ops, monkeypatch, caplog):
     import logging
 
-    def fails(self, *a):
+    def fails(*a):
         raise RuntimeError("rope_split: qkv does not hold the heads")
 
-    monkeypatch.setattr(fastpath.FastPath, "_fused_layers", fails)
+    _fused_ops_made(monkeypatch, lambda ops: dataclasses.replace(ops, rope_split=fails))
     target = tiny_llama(6, dtype=torch.float32)
     with caplog.at_level(logging.WARNING, logger="specdec.runtime.fastpath"):
         path = fastpath.get(target)
@@ -170,18 +179,17 @@ def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes, atten
     """All layers in one compiled call (csrc/layers.cpp) give the loop's logits and hidden states exactly,
     through torch's linears and through the kernels' routes, on a chain, a ragged tree block and a SPLIT
     block (each batch row attending over its own rows); with SDPA's attention too (where the self-check
-    finds it faster, or SPECDEC_ATTENTION=sdpa: SDPA over the grouped rows, as grouped_attention calls it)."""
+    finds it faster, or RuntimeConfig(attention="sdpa"): SDPA over the grouped rows, as grouped_attention calls it)."""
     from specdec.runtime import kernels
 
-    if attention == "sdpa":
-        monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
+    runtime = RuntimeConfig(attention=attention if attention == "sdpa" else "auto")
     model = tiny_llama(3, dtype=torch.float32)
-    path = fastpath.get(model)
+    path = fastpath.get(model, runtime)
     calls = _count_one_calls(monkeypatch)
     outs = {}
     for one_call in (True, False):
         path.one_call = one_call
-        with kernels.skinny_linears(model, max_rows=kernels.MAX_ROWS if kernel_routes else 0):
+        with kernels.skinny_linears(model, max_rows=kernels.MAX_ROWS if kernel_routes else 0, runtime=runtime):
             outs[one_call] = ragged_blocks(model)
     # the first block fills a store with no buffers yet (its update makes them): declined; the others ran
     assert calls == {"ran": 2, "declined": 1}
@@ -195,20 +203,19 @@ def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, atte
     rows, PAD and SPLIT attention, BMC periods 1-16, random accepted paths: two stores, one fed by the
     one call and one by the loop, give the same logits and hold the same K/V after every block, bit for
     bit."""
-    if attention == "sdpa":
-        monkeypatch.setenv("SPECDEC_ATTENTION", "sdpa")
+    runtime = RuntimeConfig(attention=attention if attention == "sdpa" else "auto")
     from specdec.runtime import kernels
     from specdec.forward import forward_block
     from specdec.kv.bmc import BMCCache, BMCConfig
     from specdec.tree import ancestor_mask
 
     model = tiny_llama(4, dtype=torch.float32)
-    path = fastpath.get(model)
+    path = fastpath.get(model, runtime)
     calls = _count_one_calls(monkeypatch)
     g = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
     rand = lambda n: int(torch.randint(n, (1,), generator=g))  # noqa: E731
-    with kernels.skinny_linears(model):
+    with kernels.skinny_linears(model, runtime=runtime):
         for case in range(150):
             B, T = 1 + rand(4), [1, 2, 3, 8, 16][rand(5)]
             caches = {m: BMCCache.for_model(model, B, BMCConfig(T)) for m in (True, False)}

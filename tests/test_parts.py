@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec import models
+from specdec.config import RuntimeConfig
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import SpecDecoder
 from specdec.drafters.base import Prompt
@@ -113,7 +114,7 @@ def test_gguf_cache_detects_truncation_and_bit_flips(tmp_path):
 def test_corrupt_gguf_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "current_runtime", lambda: RuntimeConfig(cache_dir=tmp_path / "cache"))
     d = models._gguf_cache_dir(gguf, torch.float32)
     d.mkdir(parents=True)
     (d / "model.safetensors").write_bytes(b"garbage")
@@ -130,7 +131,7 @@ def test_corrupt_gguf_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
 
 
 def test_corrupt_gguf_file_is_named(tmp_path, monkeypatch):
-    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(models, "current_runtime", lambda: RuntimeConfig(cache_dir=tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(models.ModelLoadError, match="could not read GGUF file .*broken.gguf"):

@@ -32,7 +32,6 @@ peak RSS above the loaded model (Linux: /proc/self/clear_refs resets the peak af
 from __future__ import annotations
 
 import json
-import os
 import queue
 import statistics
 import time
@@ -46,6 +45,8 @@ from transformers import LogitsProcessor, LogitsProcessorList
 from specdec.bench.books import BOOKS, INSTRUCTIONS, LongPrompt, build_prompts, read_books
 from specdec.bench.runner import AnswerFile, group, rotated, warm_up
 from specdec.cli.options import int_list, name_list, positive_int
+from specdec.config import RuntimeConfig, use
+from specdec.config import current as current_runtime
 from specdec.controller import cost
 from specdec.prompting import context_window
 
@@ -193,8 +194,14 @@ def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
     return records
 
 
-def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out) -> None:
-    torch.set_num_threads(int(os.environ.get("SPECDEC_BENCH_THREADS", "2")))
+def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out,
+                    runtime: RuntimeConfig) -> None:
+    with use(runtime):  # a spawned process: the parent's runtime, handed over
+        _peak_rss(spec, model_spec, ids, max_new_tokens, out, runtime.bench_threads)
+
+
+def _peak_rss(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out, threads: int) -> None:
+    torch.set_num_threads(threads)
     from specdec.models import load_model
 
     loaded = load_model(model_spec)
@@ -220,7 +227,8 @@ def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_to
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    p = ctx.Process(target=_peak_rss_child, args=(spec, model_spec, ids[0].tolist(), max_new_tokens, q))
+    p = ctx.Process(target=_peak_rss_child, args=(spec, model_spec, ids[0].tolist(), max_new_tokens, q,
+                                                      current_runtime()))
     p.start()
     while True:  # a child that dies (out of memory, an error) must not hang the bench
         try:

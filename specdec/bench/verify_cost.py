@@ -21,8 +21,8 @@ the forward, the lm_head, the verification and the commit. ``--profile`` adds th
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -30,6 +30,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache
 
+from specdec.config import current as current_runtime
+from specdec.config import use
 from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Drafter
@@ -178,6 +180,14 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
+    runtime = current_runtime()
+    if args.kernel:  # this command's variant: the runtime the rest runs under
+        runtime = dataclasses.replace(runtime, kernel=args.kernel)
+    with use(runtime):
+        return _run(args)
+
+
+def _run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
@@ -185,8 +195,6 @@ def run(args) -> int:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.kernel:
-        os.environ["SPECDEC_KERNEL"] = args.kernel
     try:  # before the model loads: a typo should not cost a load
         sizes = tuple(int(q) for q in args.sizes.split(","))
         if min(sizes) < 1:

@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
+
+from specdec.config import RuntimeConfig, hub_offline, use
 
 COMMANDS = {  # name -> (module, one-line help)
     "generate": ("specdec.cli.generate", "generate from a prompt on the default (or any) model"),
@@ -50,13 +51,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    hub_offline()  # models load from files on disk
     args = build_parser().parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"specdec: '{args.command}' is not available in this version", file=sys.stderr)
         return 2
     try:
-        return importlib.import_module(args._module).run(args) or 0
+        # the SPECDEC_* variables, read once here; every command runs under them (args.runtime too)
+        args.runtime = RuntimeConfig.from_environ()
+        with use(args.runtime):
+            return importlib.import_module(args._module).run(args) or 0
     except (ValueError, FileNotFoundError) as e:  # bad input: one line naming the problem
         print(f"specdec {args.command}: error: {e}", file=sys.stderr)
         return 2

@@ -57,6 +57,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from specdec.config import current as current_runtime
 from specdec.runtime import kernels
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.forward import cache_arg
@@ -550,8 +551,9 @@ PACKAGED_HEAD = Path(__file__).resolve().parent.parent / "data" / "eagle_head"
 
 def make_eagle(target, head_path: str | os.PathLike | None = None,
                config: EagleConfig = EagleConfig()) -> EagleDrafter:
-    """An EagleDrafter from ``head_path``, else $SPECDEC_EAGLE_HEAD, else the packaged head."""
-    path = head_path or os.environ.get("SPECDEC_EAGLE_HEAD") or PACKAGED_HEAD
+    """An EagleDrafter from ``head_path``, else the runtime configuration's ``eagle_head``
+    ($SPECDEC_EAGLE_HEAD at the CLI), else the packaged head."""
+    path = head_path or current_runtime().eagle_head or PACKAGED_HEAD
     if not (Path(path) / HEAD_JSON).is_file():
         raise ValueError(
             f"no EAGLE head at {path}: train one for this target with `specdec train-eagle --model "

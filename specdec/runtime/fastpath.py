@@ -1,51 +1,40 @@
 """A lean forward for Llama-family targets: HF's own math and weights, without HF's per-module Python.
 
-A decode or verify step of the default model (30 layers, 1-16 rows, ~20 ms on 2 cores) spent ~3.7 ms
-outside the arithmetic: ~300 module calls with their hooks and kwargs plumbing, HF's mask and output
-bookkeeping, and three small q/k/v GEMMs (two gate/up ones) where one streams the same bytes.
-``FastPath`` runs one block through the same ops in the same order: RMSNorm written as HF writes it,
-HF's rotary module and ``apply_rotary_pos_emb``, the cache's own ``update`` (the Cache interface, so a
-BMC store and a compressed one both work), the attention function the block would have used
-(``forward.grouped_attention`` or SPLIT), and every linear through ``kernels.linear``. q/k/v and
-gate/up are each fused into one matrix (copies kept beside the model: ~50% more memory for the
-layers' weights; the modules they replace are not packed for the kernel, so the total stays close).
+``FastPath`` runs one block through the same ops in the same order as HF's modules: RMSNorm written as
+HF writes it, HF's rotary module and ``apply_rotary_pos_emb``, the cache's own ``update`` (the Cache
+interface, so a BMC store and a compressed one both work), the attention function the block would have
+used (``runtime.attention``: ``grouped_attention``, PAD, or ``split_attention``, SPLIT), and every linear
+through ``runtime.linear.linear``. q/k/v and gate/up are each fused into one matrix (copies kept beside
+the model; the modules they replace are not packed for the kernel).
 
-Measured (default model, 300-token context, 2 threads, AVX-512 machine, medians of 60 alternating
-steps): 1 row 20.4 -> 16.7 ms, 8 rows 25.7 -> 22.8 ms (unfused: 18.4 and 23.5 ms). Spec-Bench at
-batch 1, path on vs off: plain decoding 1.96x vs 1.72x HF ``generate``, prompt lookup 3.06x vs 2.79x
-(docs/benchmarks.md, "The lean forward").
+One layer loop (``_layers``) with its ops between the linears as a parameter (``LayerOps``, chosen once
+a forward):
 
-fp32 blocks on CPU then run the ops between the matmuls fused (``csrc/layer_ops.cpp``, built with the
-kernels): each RMSNorm with the residual add before it, the q/k/v split with the rotary embedding,
-SiLU x up; 4 op calls a layer instead of ~35. Each of those small ops cost 5-7 us in place (the weight
-stream had just pushed its code and data out of the caches): ~6.9 ms of a 1-row step went to them
-on a Xeon, 3.2 ms since (the attention kernel called here too), and whole steps got 15-18% faster
-at 1-16 rows at 200 tokens of context, 10-17% at 2,000 (2026-11-25, 2 threads; docs/benchmarks.md,
-"Verify cost in place"). The rotary embedding is bit for bit HF's, the norms
-and SiLU agree to fp32 rounding (another summation order, Cephes' exp), as the kernels' linears do.
-``SPECDEC_FUSED=off`` runs HF's ops one by one (read when a path is built).
+- ``HF_OPS``: HF's ops one by one (any dtype; ``RuntimeConfig(fused=False)``);
+- the fused ops of ``csrc/layer_ops.cpp`` for fp32 on CPU: each RMSNorm with the residual add before
+  it, the q/k/v split with the rotary embedding, SiLU x up (the rotary embedding bit for bit HF's, the
+  norms and SiLU to fp32 rounding: another summation order, Cephes' exp);
+- with the fused ops, where the cache hands over its buffers (a BMC store: ``direct_buffers``), the
+  whole loop as one compiled call (``csrc/layers.cpp``: the same ops in the same order with the same
+  arguments, the store's write and the attention included, so bit for bit the loop's results;
+  ``RuntimeConfig(one_call=False)`` keeps the loop).
 
-Where the cache is a BMC store (``direct_buffers``) the fused loop itself runs as one compiled call
-(``csrc/layers.cpp``, ``_one_call``): every layer's ops, linears on the routes ``kernels.plan`` gives,
-the store's K/V write and the attention (PAD, or SPLIT per batch row; the kernel or SDPA as the
-self-check says), in the same order with the same arguments, so the results are the loop's bit for
-bit. The loop made ~10 Python-level calls a layer: one call took a step of the default model 16-26%
-faster at 1-16 rows (a Xeon, 2026-11-26) and a ragged B = 8 batch's plain decoding 30%.
-``SPECDEC_ONE_CALL=off`` keeps the loop (read when a path is built).
+Why each exists and what it was worth: docs/decisions/004-lean-forward.md.
 
 Only plain Llama-shaped decoders take it: ``llama``, and ``mistral`` / ``qwen2`` without a sliding
 window (Qwen2's q/k/v biases are fused too); RMSNorm, SiLU-gated MLP, one rotary table, no
 tensor-parallel split. Each path is checked against HF's forward once when built (a 5-token block;
 logits must agree to fp32 rounding), and anything else, or a disagreeing check, runs HF's forward.
-``SPECDEC_FASTPATH=off`` turns it off (to compare, or to rule it out).
+``RuntimeConfig(fastpath=False)`` turns it off (to compare, or to rule it out).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.nn as nn
@@ -53,8 +42,14 @@ import torch.nn.functional as F
 from transformers import DynamicCache
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from specdec.runtime import kernels
+from specdec.config import RuntimeConfig
 from specdec.models import sliding_window
+from specdec.runtime import attention as attn
+from specdec.runtime import linear as lin
+from specdec.runtime import state
+from specdec.runtime.attention import grouped_attention, split_attention
+from specdec.runtime.patch import skinny_linears
+from specdec.runtime.state import KERNEL_ROUTES, ROUTES
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
 log = logging.getLogger(__name__)
@@ -73,16 +68,58 @@ class _Layer:
     down: nn.Linear
 
 
-def _rms(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True)
+class LayerOps:
+    """The ops between a layer's linears. x, y [B, Q, C]; qkv [B, Q, (Hq + 2 Hkv) Dh]; gate_up [B, Q, 2I]."""
+
+    norm: Callable  # (x, weight, eps) -> RMSNorm(x)
+    add_norm: Callable  # (x, y, weight, eps) -> (x + y, RMSNorm(x + y))
+    # (qkv, cos, sin, Hq, Hkv) -> q [B, Hq, Q, Dh], k [B, Hkv, Q, Dh] (both rotated), v [B, Hkv, Q, Dh]
+    rope_split: Callable
+    silu_mul: Callable  # (gate_up) -> SiLU(gate) * up [B, Q, I]
+    compiled: object | None = None  # the compiled ops these are (whose ``layers`` runs the one call), or None
+
+
+def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """LlamaRMSNorm.forward, op for op (fp32 statistics, the weight applied in the input dtype)."""
     dtype = x.dtype
     x = x.to(torch.float32)
-    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
-    return norm.weight * x.to(dtype)
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(dtype)
+
+
+def _add_rms(x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float):
+    x = x + y
+    return x, _rms(x, weight, eps)
+
+
+def _rope_split(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, hq: int, hkv: int):
+    B, Q, _ = qkv.shape
+    Dh = qkv.shape[-1] // (hq + 2 * hkv)
+    q, k, v = qkv.split([hq * Dh, hkv * Dh, hkv * Dh], dim=-1)
+    q = q.view(B, Q, -1, Dh).transpose(1, 2)  # [B, Hq, Q, Dh]
+    k = k.view(B, Q, -1, Dh).transpose(1, 2)  # [B, Hkv, Q, Dh]
+    v = v.view(B, Q, -1, Dh).transpose(1, 2)
+    q, k = apply_rotary_pos_emb(q, k, cos, sin)
+    return q, k, v
+
+
+def _silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+HF_OPS = LayerOps(_rms, _add_rms, _rope_split, _silu_mul)
+
+
+@cache
+def fused_ops(ops) -> LayerOps:
+    """The compiled layer ops (``csrc/layer_ops.cpp``) of a kernel build."""
+    return LayerOps(ops.rms_norm, ops.add_rms_norm, ops.rope_split, ops.silu_mul, ops)
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return kernels.linear(x, weight, bias, kernels.max_rows())  # the decoder's skinny_rows
+    return lin.linear(x, weight, bias, lin.max_rows())  # the decoder's skinny_rows
 
 
 def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
@@ -91,12 +128,40 @@ def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
     return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
 
+class _Attention:
+    """A forward's attention for every layer: ``attention`` (HF's signature), or the kernel called
+    directly where ``grouped_attention`` would call it for every layer alike (a block with a mask, or
+    one row): its route asked once a forward (by the first layer), the mask cut once."""
+
+    def __init__(self, attention, mask: torch.Tensor | None, Q: int, hq: int, hkv: int) -> None:
+        self.attention, self.full_mask, self.hq, self.hkv = attention, mask, hq, hkv
+        self.direct = attention is grouped_attention and (mask is not None or Q == 1)
+        self.kernel, self.keys, self.mask = None, 0, None
+
+    def __call__(self, layer: _Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, Hq, Q, Dh], k/v [B, Hkv, L, Dh] views of the store -> o [B, Q, Hq*Dh]."""
+        B, _, Q, Dh = q.shape
+        rows = self.hq // self.hkv * Q  # grouped query rows per KV head
+        if self.direct and self.kernel is None:  # the first layer decides for all that attend as many keys
+            self.keys = k.shape[2]
+            self.mask = None if self.full_mask is None else self.full_mask[..., :self.keys]
+            self.kernel = attn.attention_op(q.reshape(B, self.hkv, rows, Dh), k, v, self.mask)
+            self.direct = self.kernel is not None
+        if self.direct and k.shape[2] == self.keys:
+            scale = layer.attn.scaling if layer.attn.scaling is not None else Dh**-0.5
+            o = self.kernel.attention(q.reshape(B, self.hkv, rows, Dh), k, v, self.mask, scale)
+            return o.view(B, self.hq, Q, Dh).transpose(1, 2).reshape(B, Q, -1)
+        o, _ = self.attention(layer.attn, q, k, v, self.full_mask, dropout=0.0, scaling=layer.attn.scaling)
+        return o.reshape(B, Q, -1)
+
+
 class FastPath:
     """One forward over a block of rows already planned in a cache (``BMCCache.prepare*``)."""
 
-    def __init__(self, model) -> None:
+    def __init__(self, model, config: RuntimeConfig = RuntimeConfig()) -> None:
         # no reference to the model itself: the paths are a weak-keyed table of models
         cfg = model.config
+        self.config = config  # the runtime this path was built and checked under
         self.decoder, self.head = model.model, model.get_output_embeddings()
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.q_size = cfg.num_attention_heads * self.head_dim
@@ -113,11 +178,10 @@ class FastPath:
         # the norm after each layer: the next layer's input norm, the model's final norm after the last
         self.next_norms = [layer.norm1 for layer in self.layers[1:]] + [self.decoder.norm]
         self._sources = self._stamp()
-        # the fused layer ops (``_fused_layers``) where they apply; False: HF's ops, one by one
-        self.fuse = os.environ.get("SPECDEC_FUSED", "on") != "off"
-        # the fused layers in one compiled call (``_one_call``) where the store and attention allow; False:
-        # the loop in ``_fused_layers``. Per layer: 4 linears, 2 norms (each with its eps) after them
-        self.one_call = os.environ.get("SPECDEC_ONE_CALL", "on") != "off"
+        self.fuse = config.fused  # the fused layer ops where they apply; False: HF's ops, one by one
+        # the fused layers in one compiled call where the store and attention allow; False: the loop.
+        # Per layer: 4 linears, 2 norms (each with its eps) after them
+        self.one_call = config.one_call
         self._weights = [w for layer in self.layers for w in (layer.qkv, layer.o.weight, layer.gate_up, layer.down.weight)]
         self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o.bias, layer.gate_up_bias, layer.down.bias)]
         norms = [n for layer, nxt in zip(self.layers, self.next_norms) for n in (layer.norm2, nxt)]
@@ -152,88 +216,55 @@ class FastPath:
         causal block over an empty cache (a prefill: SDPA's causal path, as HF runs it); attention: the HF
         attention function to run; logits_rows: only the last this many rows' logits (a prefill's last).
         Returns (logits [B, Q or logits_rows, V], last hidden state after the norm [B, Q, C])."""
-        B, Q = input_ids.shape
-        Dh, qs, kvs = self.head_dim, self.q_size, self.kv_size
         x = self.decoder.embed_tokens(input_ids)  # [B, Q, C]
         cos, sin = self.decoder.rotary_emb(x, position_ids)
         ops = self._fused_ops(x, cos)
-        if ops is not None:
-            hidden = self._fused_layers(ops, cache, x, cos, sin, attention_mask, attention)
-            rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
-            return _linear(rows, self.head.weight, self.head.bias), hidden
-        for i, layer in enumerate(self.layers):
-            h = _rms(layer.norm1, x)
-            q, k, v = _linear(h, layer.qkv, layer.qkv_bias).split([qs, kvs, kvs], dim=-1)
-            q = q.view(B, Q, -1, Dh).transpose(1, 2)  # [B, Hq, Q, Dh]
-            k = k.view(B, Q, -1, Dh).transpose(1, 2)  # [B, Hkv, Q, Dh]
-            v = v.view(B, Q, -1, Dh).transpose(1, 2)
-            q, k = apply_rotary_pos_emb(q, k, cos, sin)
-            k, v = cache.update(k, v, i)  # [B, Hkv, L, Dh] views of the store
-            o, _ = attention(layer.attn, q, k, v, attention_mask, dropout=0.0, scaling=layer.attn.scaling)
-            x = x + _linear(o.reshape(B, Q, -1), layer.o.weight, layer.o.bias)
-            gate, up = _linear(_rms(layer.norm2, x), layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-            x = x + _linear(F.silu(gate) * up, layer.down.weight, layer.down.bias)
-        hidden = _rms(self.decoder.norm, x)
+        hidden = self._layers(HF_OPS if ops is None else ops, cache, x, cos, sin, attention_mask, attention)
         rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
         return _linear(rows, self.head.weight, self.head.bias), hidden
 
-    def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor):
-        """The kernels' fused layer ops (``csrc/layer_ops.cpp``) if they take this forward (fp32 on CPU,
-        the rotary table as wide as a head, the kernels built and on), else None: HF's ops below."""
+    def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor) -> LayerOps | None:
+        """The kernels' fused layer ops if they take this forward (fp32 on CPU, the rotary table as wide
+        as a head, the kernels built and on), else None: HF's ops."""
         if not (self.fuse and x.dtype == torch.float32 and x.device.type == "cpu" and cos.dtype == torch.float32
                 and cos.dim() == 3 and cos.shape[-1] == self.head_dim):
             return None
-        return kernels.extension()
+        ops = state.active().ops
+        return None if ops is None else fused_ops(ops)
 
-    def _fused_layers(self, ops, cache, x, cos, sin, attention_mask, attention) -> torch.Tensor:
-        """The layers through the fused ops: each norm fused with the residual add before it, q/k/v split
-        and rotated in one op, SiLU x up in one; the same math as the loop in ``__call__`` (the rotary
-        embedding bit for bit, the norms and SiLU to fp32 rounding). Returns the final norm's output."""
-        from specdec.forward import _split_attention, grouped_attention
-
+    def _layers(self, ops: LayerOps, cache, x, cos, sin, attention_mask, attention) -> torch.Tensor:
+        """Every layer by ``ops``, x [B, Q, C] -> the final norm's output [B, Q, C]: per layer the input
+        norm (fused with the residual add before it), q/k/v, their split and rotation, the cache's
+        update, attention, o, the post-attention norm (with its residual add), gate/up, SiLU x up, down.
+        With compiled ops, the one call where it takes the block."""
         B, Q, _ = x.shape
-        Dh = self.head_dim
         cos, sin = cos.contiguous(), sin.contiguous()
-        hq, hkv = self.q_size // Dh, self.kv_size // Dh
-        rows = hq // hkv * Q  # grouped query rows per KV head
-        h = ops.rms_norm(x, self.layers[0].norm1.weight, self.layers[0].norm1.variance_epsilon)
-        # the attention kernel called here where grouped_attention would call it for every layer alike
-        # (a block with a mask, or one row): its route is asked once a forward, the mask cut once
-        kernel, direct = None, attention is grouped_attention and (attention_mask is not None or Q == 1)
-        if self.one_call and (direct or (attention is _split_attention and attention_mask is not None)):
-            out = self._one_call(ops, cache, x, h, cos, sin, attention_mask, split=not direct)
+        hq, hkv = self.q_size // self.head_dim, self.kv_size // self.head_dim
+        first = self.layers[0].norm1
+        h = ops.norm(x, first.weight, first.variance_epsilon)
+        attend = _Attention(attention, attention_mask, Q, hq, hkv)
+        if ops.compiled is not None and self.one_call and (
+                attend.direct or (attention is split_attention and attention_mask is not None)):
+            out = self._one_call(ops.compiled, cache, x, h, cos, sin, attention_mask, split=not attend.direct)
             if out is not None:
                 return out
         for i, layer in enumerate(self.layers):
             q, k, v = ops.rope_split(_linear(h, layer.qkv, layer.qkv_bias), cos, sin, hq, hkv)
             k, v = cache.update(k, v, i)  # [B, Hkv, L, Dh] views of the store
-            if direct and kernel is None:  # the first layer decides for all that attend as many keys
-                keys = k.shape[2]
-                mask = None if attention_mask is None else attention_mask[..., :keys]
-                kernel = kernels.attention_op(q.view(B, hkv, rows, Dh), k, v, mask)
-                direct = kernel is not None
-            if direct and k.shape[2] == keys:
-                scale = layer.attn.scaling if layer.attn.scaling is not None else Dh**-0.5
-                o = kernel.attention(q.view(B, hkv, rows, Dh), k, v, mask, scale)
-                o = o.view(B, hq, Q, Dh).transpose(1, 2).reshape(B, Q, -1)
-            else:
-                o, _ = attention(layer.attn, q, k, v, attention_mask, dropout=0.0, scaling=layer.attn.scaling)
-                o = o.reshape(B, Q, -1)
-            x, h = ops.add_rms_norm(x, _linear(o, layer.o.weight, layer.o.bias), layer.norm2.weight,
-                                    layer.norm2.variance_epsilon)
+            o = attend(layer, q, k, v)
+            x, h = ops.add_norm(x, _linear(o, layer.o.weight, layer.o.bias), layer.norm2.weight,
+                                layer.norm2.variance_epsilon)
             mlp = _linear(ops.silu_mul(_linear(h, layer.gate_up, layer.gate_up_bias)), layer.down.weight, layer.down.bias)
             norm = self.next_norms[i]
-            x, h = ops.add_rms_norm(x, mlp, norm.weight, norm.variance_epsilon)
+            x, h = ops.add_norm(x, mlp, norm.weight, norm.variance_epsilon)
         return h
 
     def _one_call(self, ops, cache, x, h, cos, sin, attention_mask, split: bool = False) -> torch.Tensor | None:
-        """The loop of ``_fused_layers`` as one compiled call (``csrc/layers.cpp``: the same ops in the
-        same order, the store's write included, bit for bit the loop's results), where the cache hands
-        over its buffers (a BMC store); attention as ``grouped_attention`` runs it (PAD), or with
-        ``split`` as ``_split_attention`` does (each batch row over its own rows); None otherwise (the
-        loop then runs). A 1-row step made ~10 Python-level calls a layer between its linears; at 200
-        tokens of context one call took a 1-row step of the default model from 29.2 to 21.5 ms, 8 rows
-        from 35.4 to 28.2, 16 rows from 49.0 to 39.3 (the Xeon, 2026-11-26, same process, alternating)."""
+        """The loop of ``_layers`` on the fused ops as one compiled call (``csrc/layers.cpp``: the same ops
+        in the same order, the store's write included, bit for bit the loop's results), where the cache
+        hands over its buffers (a BMC store); attention as ``grouped_attention`` runs it (PAD), or with
+        ``split`` as ``split_attention`` does (each batch row over its own rows); None otherwise (the
+        loop then runs)."""
         buffers = getattr(cache, "direct_buffers", None)
         buffers = buffers() if buffers is not None and self._scale is not None else None
         if buffers is None:
@@ -247,12 +278,13 @@ class FastPath:
         probe = x.new_empty(B, hkv, hq // hkv * Q, Dh)  # the kernel's rules read shapes, not values
         # per attention call (the block, or each row alone): the kernel, or SDPA where the self-check says
         rows = [(b, b + 1, starts[b] + Q) for b in range(B)] if split else [(0, B, end)]
-        kernel = [kernels.attention_op(probe[a:b], keys[0][a:b, :, :e], values[0][a:b, :, :e],
-                                       None if mask is None else mask[a:b, ..., :e]) is ops for a, b, e in rows]
+        kernel = [attn.attention_op(probe[a:b], keys[0][a:b, :, :e], values[0][a:b, :, :e],
+                                    None if mask is None else mask[a:b, ..., :e]) is ops for a, b, e in rows]
         if not all(kernel) and (mask is None or hq == hkv):  # SDPA's grouped path needs both (grouped_attention)
             return None
-        plan = kernels.plan(B * Q, kernels.max_rows())
-        packed = self._packed() if any(r in (2, 3) for r in plan[2::3]) else []
+        plan = lin.plan(B * Q, lin.max_rows())
+        kernel_ids = [ROUTES.index(r) for r in KERNEL_ROUTES]
+        packed = self._packed() if any(r in kernel_ids for r in plan[2::3]) else []
         _, h = ops.layers(x, h, self._weights, packed, self._biases, self._norms, self._eps, keys, values, starts,
                           cos, sin, mask, hq, hkv, self._scale, plan, kernel, split)
         return h
@@ -260,25 +292,25 @@ class FastPath:
     def _packed(self) -> list[torch.Tensor]:
         """``_weights`` packed for the kernel variant in use (made once per variant: ``stale`` rebuilds
         the path if a source weight changes)."""
-        v, ops = kernels._in_use()
-        packs = self._packs.get(v)
+        rt = state.active()
+        packs = self._packs.get(rt.config.kernel)
         if packs is None:
-            packs = self._packs[v] = [kernels._packed(w, v, ops) for w in self._weights]
+            packs = self._packs[rt.config.kernel] = [lin.pack(w, rt) for w in self._weights]
         return packs
 
     def agrees(self, model) -> bool:
         """Run a 5-token block through HF's forward (``model``'s) and through this path; True if the
         logits agree to fp32 rounding."""
-        ids = torch.arange(3, 8, device=model.device)[None] % model.config.vocab_size
+        device = model.device
+        ids = torch.arange(3, 8, dtype=torch.long, device=device)[None] % model.config.vocab_size
         Q = ids.shape[1]
-        with torch.inference_mode(), kernels.skinny_linears(max_rows=0):  # torch's linears: the math, not the routes
+        # torch's linears: the math, not the routes
+        with torch.inference_mode(), skinny_linears(max_rows=0, runtime=self.config):
             ref = model(input_ids=ids, use_cache=False).logits.float()
             dtype = self.layers[0].qkv.dtype
-            bias = torch.full((Q, Q), torch.finfo(dtype).min, dtype=dtype, device=model.device).triu(1)
-            from specdec.forward import grouped_attention
-
+            bias = torch.full((Q, Q), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
             try:
-                out, _ = self(DynamicCache(config=model.config), ids, torch.arange(Q, device=model.device)[None],
+                out, _ = self(DynamicCache(config=model.config), ids, torch.arange(Q, dtype=torch.long, device=device)[None],
                               bias[None, None], grouped_attention)
             except RuntimeError as e:  # e.g. a fused op that refuses this model's shapes
                 log.warning("specdec: the lean forward failed on %s (%s)", type(model).__name__, str(e).splitlines()[0])
@@ -318,28 +350,23 @@ def supported(model) -> bool:
 _paths: "weakref.WeakKeyDictionary[nn.Module, FastPath | None]" = weakref.WeakKeyDictionary()
 
 
-def enabled() -> bool:
-    v = os.environ.get("SPECDEC_FASTPATH", "on")
-    if v not in ("on", "off"):
-        raise ValueError(f"SPECDEC_FASTPATH={v!r}: expected on or off")
-    return v == "on"
-
-
-def get(model, check: bool = True) -> FastPath | None:
-    """The model's fast path, built and checked against HF's forward at first sight, or None: not a
-    supported model, turned off, or its check disagreed. check: rebuild it if the model's weights
-    changed since (~150 attribute reads: once per generation, not per step)."""
-    if not enabled():
+def get(model, runtime: RuntimeConfig | None = None, check: bool = True) -> FastPath | None:
+    """The model's fast path under ``runtime`` (default: the configuration in force), built and checked
+    against HF's forward at first sight, or None: not a supported model, turned off, or its check
+    disagreed. check: rebuild it if the model's weights changed since (~150 attribute reads: once per
+    generation, not per step); a path built under another configuration is rebuilt too."""
+    config = state.config() if runtime is None else runtime
+    if not config.fastpath:
         return None
     if model in _paths:
         path = _paths[model]
-        if path is None or not check or not path.stale():
+        if path is None or ((path.config is config or path.config == config) and (not check or not path.stale())):
             return path
     elif not supported(model):
         _paths[model] = None
         return None
     with torch.inference_mode(False), torch.no_grad():  # the fused copies: normal tensors, whoever calls
-        path = FastPath(model)
+        path = FastPath(model, config)
     ok = path.agrees(model)
     if not ok and path.fuse:  # the fused layer ops may be what disagrees: the path without them
         path.fuse = False

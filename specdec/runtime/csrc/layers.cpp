@@ -10,12 +10,12 @@
 //     store's buffers (as BMCLayer.update writes them); o = attention(q, k_view, v_view, mask) over the
 //     first ``end`` rows, or with ``split`` per batch row over its own start + Q rows (SPLIT attention);
 //     each by the kernel or, where the self-check found SDPA faster, SDPA over the grouped query rows
-//     as forward.grouped_attention calls it;  x, h = add_rms_norm(x, linear(o, o_i), norm2_i);
+//     as runtime/attention.py grouped_attention calls it;  x, h = add_rms_norm(x, linear(o, o_i), norm2_i);
 //     x, h = add_rms_norm(x, linear(silu_mul(linear(h, gate_up_i)), down_i), next_norm_i)
 // and returns (x, h). The ops are this build's own (the dispatcher's handles, found once), the linears
 // by the routes the caller planned: per chunk of rows, F.linear (0), W @ x^T (1: an odd row count padded
-// with a zero row, as kernels._skinny), the packed kernel (2) or its wide shape (3). Same ops, same
-// order, same arguments as specdec/fastpath.py's loop: the results are the loop's, bit for bit.
+// with a zero row, as runtime/linear.py _skinny), the packed kernel (2) or its wide shape (3). Same ops, same
+// order, same arguments as specdec/runtime/fastpath.py's loop: the results are the loop's, bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -124,7 +124,7 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
   int64_t end = 0;
   for (int64_t s : starts) end = std::max(end, s + Q);
   // who attends over which keys: PAD, every row over the first ``end`` rows in one call; SPLIT, each
-  // batch row alone over its own rows (forward._split_attention). Each by the kernel or by SDPA.
+  // batch row alone over its own rows (runtime/attention.py split_attention). Each by the kernel or by SDPA.
   const int64_t groups = split ? B : 1;
   TORCH_CHECK(static_cast<int64_t>(kernel_attention.size()) == groups, "layers: ", kernel_attention.size(),
               " attention routes for ", groups, split ? " rows (SPLIT)" : " block (PAD)");
@@ -133,7 +133,7 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
     Group p{split ? g : 0, split ? g + 1 : B, split ? starts[g] + Q : end, kernel_attention.get(g), std::nullopt};
     if (mask.has_value()) p.mask = (split ? mask->slice(0, g, g + 1) : *mask).slice(3, 0, p.keys);
     TORCH_CHECK(p.kernel || (p.mask.has_value() && hq > hkv),
-                "layers: SDPA's attention here only for grouped heads under a mask (forward.grouped_attention's path)");
+                "layers: SDPA's attention here only for grouped heads under a mask (grouped_attention's path)");
     if (!p.kernel && Q > 1) p.mask = p.mask->repeat({1, 1, hq / hkv, 1});  // SDPA's: a mask row per grouped row
     parts.push_back(std::move(p));
   }

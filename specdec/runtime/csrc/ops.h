@@ -1,5 +1,5 @@
 // The op namespace the kernels register in, and the registration macros every source uses.
-// specdec/kernels.py passes -DSPECDEC_OPS=<namespace> per variant (the AVX2 build gets its own, so
+// specdec/runtime/build.py passes -DSPECDEC_OPS=<namespace> per variant (the AVX2 build gets its own, so
 // both can be loaded in one process); packed_linear.cpp defines the library, the others add fragments.
 #pragma once
 

@@ -2,15 +2,15 @@
 //
 // A verify step multiplies a few rows by every weight matrix of the model, so it should cost what
 // streaming the weights from memory costs. MKL's GEMM does not stream them at that rate for 1-16
-// rows (see specdec/kernels.py), so this kernel does: the weight is packed once into panels
+// rows (see specdec/runtime/linear.py), so this kernel does: the weight is packed once into panels
 // [P, K, L] (L output features side by side for each input feature, L = one vector register), so the
 // inner loop reads one vector of weights per input feature and multiplies it with a broadcast of each
 // row's input, accumulators in registers, no horizontal sums; R panels at a time share each broadcast.
 //
-// Shapes, picked at compile time by what the compiler targets (specdec/kernels.py builds with
+// Shapes, picked at compile time by what the compiler targets (specdec/runtime/build.py builds with
 // -march=native, or -march=x86-64-v3 for the AVX2 variant):
 //   AVX-512 (32 vector registers): L = 16, and two shapes, both in the build, picked per call
-//     (``wide``; specdec/kernels.py times both once per process and keeps the faster per block size):
+//     (``wide``; specdec/runtime/calibrate.py times both once per process and keeps the faster per block size):
 //     narrow: all M <= 16 rows in one pass over one panel at a time (tuned on a Zen 4);
 //     wide: 3-12 rows over two panels side by side (one broadcast of each input feeds two FMAs:
 //       2M + 2 + 1 <= 27 registers), 13-16 rows as two balanced passes of <= 8 (16 rows over two
@@ -26,7 +26,7 @@
 // The vectors are GCC vector extensions; threads are torch's own pool (at::parallel_for over strips
 // of panels; built with -fopenmp, and the loader gives it the libgomp torch already loaded). Built
 // on first use by torch.utils.cpp_extension, with a fallback to torch when no compiler is there;
-// specdec/kernels.py also times each shape against torch once per process and keeps torch's path for
+// specdec/runtime/calibrate.py also times each shape against torch once per process and keeps torch's path for
 // any block size where the kernel is slower.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
