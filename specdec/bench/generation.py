@@ -34,6 +34,7 @@ import torch
 from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
+from specdec.drafters.base import Corpus
 from specdec.registry import make_drafter
 from specdec.sampling import sampling_kwargs
 
@@ -98,7 +99,7 @@ def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0, prep
         return out.sequences, len(out.steps)
 
     remember = None
-    if hasattr(drafter, "remember"):  # corpus drafters (suffix): keep the session's answers
+    if isinstance(drafter, Corpus):  # corpus drafters (suffix, auto): keep the session's answers
         def remember(seq, prompt_len):
             drafter.remember(seq[0].tolist(), prompt_len)
 
@@ -109,7 +110,7 @@ def prepare_corpus_drafter(drafter, questions, tokenizer, exclude: bool, corpus_
                            say=print) -> None:
     """Before the session: drop stored answers to the benchmark's questions (matched on the decoded
     prompt text), add ``--corpus FILE``, and index the corpus (so no timed generation pays for it)."""
-    if not hasattr(drafter, "exclude_questions"):
+    if not isinstance(drafter, Corpus):
         return
     if corpus_file:
         from specdec.drafters.suffix import read_corpus

@@ -58,7 +58,7 @@ import torch
 from torch import nn
 
 from specdec.runtime import kernels
-from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.forward import cache_arg
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import text_config
@@ -202,8 +202,8 @@ class EagleDrafter(Drafter):
     parent first, so the chosen set is closed under ancestors).
     """
 
-    needs_hidden_states = True
-    follows_controller = False  # EAGLE-2 sizes its tree by draft scores, up to total_tokens
+    # EAGLE-2 sizes its tree by draft scores, up to total_tokens; sampled trees carry their q
+    capabilities = Capabilities(reads_hidden_states=True, sizes_own_tree=True, batches=True, samples=True)
 
     @classmethod
     def default(cls, target, config: EagleConfig = EagleConfig()) -> "EagleDrafter":

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.tree import DraftTree
 
 
@@ -79,7 +79,8 @@ class NgramIndex:
 
 
 class PromptLookupDrafter(Drafter):
-    shadow_drafts = True  # a propose is a dict lookup and a slice
+    # a propose is a dict lookup and a slice (free); deterministic chains (a one-hot q under sampling)
+    capabilities = Capabilities(free_drafts=True, batches=True, samples=True)
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config

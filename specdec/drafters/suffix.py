@@ -67,7 +67,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.base import Capabilities, Commit, Corpus, Drafter, Prompt
 from specdec.jsonl import read_jsonl
 from specdec.tree import DraftTree
 
@@ -400,9 +400,10 @@ class _Row:
         self.corpus_state, self.corpus_matched, self.corpus_version = 0, 0, -1
 
 
-class SuffixDrafter(Drafter):
-    follows_controller = False  # self-sized tree; the controller's gate (per match class) decides
-    shadow_drafts = True  # a propose walks the automata (~0.1-0.5 ms) and changes nothing
+class SuffixDrafter(Drafter, Corpus):
+    # self-sized trees (the controller's gate, per match class, decides); a propose walks the
+    # automata and changes nothing (free); deterministic trees (a one-hot q under sampling)
+    capabilities = Capabilities(sizes_own_tree=True, free_drafts=True, batches=True, samples=True)
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: SuffixCorpus | None = None) -> None:
         self.config = config
