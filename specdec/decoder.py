@@ -28,7 +28,7 @@ import torch
 from specdec.runtime import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Commit, Corpus, Drafter, Prompt
-from specdec.drafters.chooser import Chooser, as_chooser
+from specdec.drafters.chooser import Chooser, Shadow, as_chooser, draft_step
 from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block, prefill
 from specdec.controller import period
@@ -79,16 +79,6 @@ class StepStats:
     verify_time: float  # seconds in the target forward, verification and commit
     sequences: list[int] = field(default_factory=lambda: [0])  # which sequence each entry is
     split: bool = False  # the step's attention ran per sequence (SPLIT) rather than padded (PAD)
-
-
-@dataclass(frozen=True)
-class _Shadow:
-    """A draft made and not verified: its class, each row's parents and tokens, and its seconds."""
-
-    key: object
-    parents: list[list[int]]
-    tokens: list[list[int]]
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -182,36 +172,8 @@ class _Batch:
         return keep
 
 
-def draft_step(chooser: Chooser | None, controller: DraftLengthController, batch_size: int, wanted: int,
-               shadow: bool = False) -> tuple[object, DraftTree, list[_Shadow]]:
-    """One step's draft: its class, the tree (empty when drafting does not pay), and with ``shadow``
-    (greedy), the free classes' unchosen drafts (``drafters.chooser``). The decoder's step 1, shared
-    with the replays of stored answers (``specdec.bench.replay``), so a replay drafts as the decoder does."""
-    if chooser is None or wanted <= 0:
-        return None, DraftTree.empty(batch_size), []
-    key, budget, free = chooser.choose(controller, wanted, shadow)
-    shadows = shadow_drafts(chooser, controller, free, wanted)
-    if budget <= 0:  # nobody drafts (key None), or the class's rule says not now
-        return key, DraftTree.empty(batch_size), shadows
-    return key, chooser.propose(key, budget), shadows
-
-
-def shadow_drafts(chooser: Chooser, controller: DraftLengthController, keys: list, wanted: int) -> list[_Shadow]:
-    """Unverified drafts of classes ``keys`` (free classes that draft nothing this step). Their seconds
-    are part of the step's draft time: the price of scoring them."""
-    out = []
-    for key in keys:
-        n = controller.shadow_size(wanted, key, tree=chooser.own_tree(key))
-        if n <= 0:
-            continue
-        t0 = time.perf_counter()
-        tree = chooser.shadow(key, n)
-        out.append(_Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
-    return out
-
-
 def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted: list[list[int]],
-               verify_time: float | None, draft_time: float | None, shadows: list[_Shadow] = (),
+               verify_time: float | None, draft_time: float | None, shadows: list[Shadow] = (),
                texts: list[list[int]] = (), grew: bool = False, resume: float = 0.0,
                catch_up: float = 0.0) -> None:
     """What the controller learns from a verified step (the decoder's step 5, shared with the

@@ -24,8 +24,10 @@ Every source sees every commit, so a source not used stays in step.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import Counter
+from dataclasses import dataclass
 from typing import Callable, Hashable
 
 from specdec.drafters.base import Capabilities, Commit, Corpus, Drafter, Prompt
@@ -219,3 +221,42 @@ class Sources(Chooser, Corpus):
 def as_chooser(drafter: Drafter | Chooser | None) -> Chooser | None:
     """What the decoder drafts through: a chooser as it is, a plain drafter as its one source."""
     return drafter if drafter is None or isinstance(drafter, Chooser) else OneDrafter(drafter)
+
+
+@dataclass(frozen=True)
+class Shadow:
+    """A draft made and not verified: its class, each row's parents and tokens, and its seconds."""
+
+    key: object
+    parents: list[list[int]]
+    tokens: list[list[int]]
+    seconds: float
+
+
+def draft_step(chooser: Chooser | None, controller, batch_size: int, wanted: int,
+               shadow: bool = False) -> tuple[object, DraftTree, list[Shadow]]:
+    """One step's draft through ``chooser`` (a DraftLengthController sizes it): its class, the tree
+    (empty when drafting does not pay), and with ``shadow`` (greedy), the free classes' unchosen
+    drafts. The decoder's step 1, shared with the replays of stored answers (``specdec.bench.replay``),
+    so a replay drafts as the decoder does."""
+    if chooser is None or wanted <= 0:
+        return None, DraftTree.empty(batch_size), []
+    key, budget, free = chooser.choose(controller, wanted, shadow)
+    shadows = shadow_drafts(chooser, controller, free, wanted)
+    if budget <= 0:  # nobody drafts (key None), or the class's rule says not now
+        return key, DraftTree.empty(batch_size), shadows
+    return key, chooser.propose(key, budget), shadows
+
+
+def shadow_drafts(chooser: Chooser, controller, keys: list, wanted: int) -> list[Shadow]:
+    """Unverified drafts of classes ``keys`` (free classes that draft nothing this step). Their seconds
+    are part of the step's draft time: the price of scoring them."""
+    out = []
+    for key in keys:
+        n = controller.shadow_size(wanted, key, tree=chooser.own_tree(key))
+        if n <= 0:
+            continue
+        t0 = time.perf_counter()
+        tree = chooser.shadow(key, n)
+        out.append(Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
+    return out

@@ -3,9 +3,8 @@
 Free drafts (no model call), strong where the answer repeats its context: summaries, edits, code,
 RAG. After Saxena's prompt-lookup decoding (also HF's ``prompt_lookup_num_tokens``).
 
-HF's version scans the whole text for the suffix n-gram at every step: O(length) per step, 1 ms per
-step at a batch of 8 short answers, and more at long context, paid even when the controller then
-drafts nothing. Here each row keeps an ``NgramIndex`` (n-gram -> where its last earlier occurrence
+HF's version scans the whole text for the suffix n-gram at every step: O(length) per step, paid
+even when the controller then drafts nothing. Here each row keeps an ``NgramIndex`` (n-gram -> where its last earlier occurrence
 ended), updated per committed token: a lookup is one dict access. ``find_continuation`` is the
 scan, kept as the reference the index is tested against.
 """
