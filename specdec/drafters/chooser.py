@@ -44,7 +44,7 @@ class Chooser(ABC):
     """The decoder's side of drafting; a subclass holds the drafters in ``self.sources``."""
 
     sources: dict[str, Drafter]
-    _drafted: Drafter | None = None  # the source whose propose() this step's draft is
+    _current: Drafter | None = None  # this step's source: the last one sized, then the one chosen
 
     @abstractmethod
     def choose(self, controller, wanted: int, shadow: bool) -> tuple[Hashable, int, list[Hashable]]:
@@ -87,21 +87,21 @@ class Chooser(ABC):
         return [m for d in self.sources.values() for m in d.torch_modules()]
 
     def catch_up_seconds(self) -> float:
-        """The catch-up of the source that drafted this step (``Drafter.catch_up_seconds``)."""
-        return 0.0 if self._drafted is None else self._drafted.catch_up_seconds()
+        """The catch-up of this step's source (``Drafter.catch_up_seconds``); 0 before one is sized."""
+        return 0.0 if self._current is None else self._current.catch_up_seconds()
 
     def resume_seconds(self) -> float:
-        return 0.0 if self._drafted is None else self._drafted.resume_seconds()
+        return 0.0 if self._current is None else self._current.resume_seconds()
 
     def begin(self, prompt: Prompt) -> None:
         for d in self._started():
             d.begin(prompt)
-        self._drafted = None
+        self._current = None
 
     def accept(self, commit: Commit) -> None:
         for d in self._started():
             d.accept(commit)
-        self._drafted = None
+        self._current = None
 
     def select(self, rows: list[int]) -> None:
         for d in self._started():
@@ -123,8 +123,13 @@ class OneDrafter(Chooser):
         return key, budget, free
 
     def propose(self, key: Hashable, budget: int) -> DraftTree:
-        self._drafted = self.drafter
         return self.drafter.propose(budget)
+
+    def catch_up_seconds(self) -> float:
+        return self.drafter.catch_up_seconds()
+
+    def resume_seconds(self) -> float:
+        return self.drafter.resume_seconds()
 
     def shadow(self, key: Hashable, budget: int) -> DraftTree:
         return self.drafter.propose(budget)
@@ -181,16 +186,21 @@ class Sources(Chooser, Corpus):
         options = self.candidates()
         free = [k for k in options if k[0] not in self.by_match
                 and self.sources[k[0]].capabilities.free_drafts] if shadow else []
-        key, budget = controller.choose(options, lambda k: draft_size(controller, k, wanted, self.own_tree(k)), free)
+        key, budget = controller.choose(options, lambda k: self._size(controller, k, wanted), free)
+        if key is not None:
+            self._current = self.sources[key[0]]
         return key, budget, [k for k in free if k != key]
+
+    def _size(self, controller, key: Hashable, wanted: int) -> int:
+        self._current = self.sources[key[0]]  # asked: its catch-up is this step's (until one is chosen)
+        return draft_size(controller, key, wanted, self.own_tree(key))
 
     def own_tree(self, key: Hashable) -> bool:
         return self.sources[key[0]].own_tree(self._classes.get(key[0]))
 
     def propose(self, key: Hashable, budget: int) -> DraftTree:
         self.drafts[key[0]] += 1
-        self._drafted = self.sources[key[0]]
-        return self._drafted.propose(budget)
+        return self.sources[key[0]].propose(budget)
 
     def shadow(self, key: Hashable, budget: int) -> DraftTree:
         return self.sources[key[0]].propose(budget)
