@@ -29,7 +29,8 @@ from specdec.config import RuntimeConfig
 from specdec.config import current as current_runtime
 from specdec.runtime import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
-from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.base import Commit, Corpus, Drafter, Prompt
+from specdec.drafters.chooser import Chooser, Shadow, as_chooser, draft_step
 from specdec.drafters.model import vocab_size_of
 from specdec.forward import forward_block, prefill
 from specdec.controller import period
@@ -61,9 +62,10 @@ class SpecDecoderConfig:
     # docs/benchmarks.md "PAD vs SPLIT" (this project's 2-core CPU): at 25% padded columns PAD won a
     # 1-row step by 9% (SPLIT won 4-row blocks by 7%), at 47% SPLIT won both (7%, 35%), at 71%+ by 1.4-8x
     split_waste: float = 0.3
-    # greedy: a free drafter's classes that draft nothing in a step (several sources, drafters.auto: the
-    # free sources' classes not chosen; one free drafter: its class when gated off) draft too, for every
-    # row, unverified, and are scored against the committed text (DraftLengthController.observe_shadow)
+    # greedy: a free drafter's classes that draft nothing in a step (several sources: the free sources'
+    # classes not chosen; one free drafter: its class when gated off) draft too, for every row,
+    # unverified, and are scored against the committed text (drafters.chooser; why:
+    # docs/decisions/009-shadow-drafts.md)
     shadow_drafts: bool = True
     # the CPU runtime (kernel variant, self-check, lean forward, ...: specdec.config); None: the one of the
     # enclosing specdec.runtime.use block (the CLI opens one from the SPECDEC_* variables), else the defaults
@@ -82,16 +84,6 @@ class StepStats:
     verify_time: float  # seconds in the target forward, verification and commit
     sequences: list[int] = field(default_factory=lambda: [0])  # which sequence each entry is
     split: bool = False  # the step's attention ran per sequence (SPLIT) rather than padded (PAD)
-
-
-@dataclass(frozen=True)
-class _Shadow:
-    """A draft made and not verified: its class, each row's parents and tokens, and its seconds."""
-
-    key: object
-    parents: list[list[int]]
-    tokens: list[list[int]]
-    seconds: float
 
 
 @dataclass(frozen=True)
@@ -185,62 +177,8 @@ class _Batch:
         return keep
 
 
-def draft_step(drafter: Drafter | None, controller: DraftLengthController, batch_size: int, wanted: int,
-               shadow: bool = False) -> tuple[object, DraftTree, list[_Shadow]]:
-    """One step's draft: its class, the tree (empty when drafting does not pay), and with ``shadow``
-    (greedy), the free sources' unchosen drafts (``shadow_drafts``). The decoder's step 1, shared with
-    the replays of stored answers (``specdec.bench.replay``), so a replay drafts as the decoder does."""
-    if drafter is None or wanted <= 0:
-        return None, DraftTree.empty(batch_size), []
-    options = drafter.candidates()
-
-    def size(key) -> int:
-        if options is not None:
-            drafter.use(key)  # several sources: the class's own source drafts it
-        if drafter.follows_controller:
-            return min(controller.budget(key), wanted)
-        # the drafter shapes its own tree; the controller says whether and how many nodes (Sequoia)
-        return controller.tree_budget(wanted, key)
-
-    shadows = []
-    if options is None:
-        key = drafter.draft_class()
-        budget = size(key)
-        if budget <= 0 and shadow and drafter.shadow_drafts:
-            # a free drafter's gated-off class is scored unverified (as auto's free sources are):
-            # its probes, spaced up to 64 steps, left prompt lookup's 1- and 2-gram classes shut
-            # through answers where they paid 1.4-1.6x at long contexts (replayed: the controller
-            # 4% slower than with its own class scored, 2% behind a fixed 9-token draft)
-            shadows = shadow_drafts(drafter, controller, [key], wanted, own=True)
-    else:  # several sources: the one measured fastest that drafts (or one due a turn); or none
-        free = drafter.shadows(options) if shadow else []
-        key, budget = controller.choose(options, size, free)
-        shadows = shadow_drafts(drafter, controller, [k for k in free if k != key], wanted)
-        if key is None:
-            return None, DraftTree.empty(batch_size), shadows
-        drafter.use(key)
-    return key, (drafter.propose(budget) if budget > 0 else DraftTree.empty(batch_size)), shadows
-
-
-def shadow_drafts(drafter: Drafter, controller: DraftLengthController, keys: list, wanted: int,
-                  own: bool = False) -> list[_Shadow]:
-    """Unverified drafts of classes ``keys`` (free sources' classes not chosen, ``drafters.auto``;
-    ``own``: a single free drafter's class that drafts nothing this step). Their seconds (0.1-0.5
-    ms a step for suffix) are part of the step's draft time: the price of scoring them."""
-    out = []
-    for key in keys:
-        own_tree = not drafter.follows_controller if own else drafter.sizes_own_tree(key)
-        n = controller.shadow_size(wanted, key, tree=own_tree)
-        if n <= 0:
-            continue
-        t0 = time.perf_counter()
-        tree = drafter.propose(n) if own else drafter.shadow(key, n)
-        out.append(_Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
-    return out
-
-
 def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted: list[list[int]],
-               verify_time: float | None, draft_time: float | None, shadows: list[_Shadow] = (),
+               verify_time: float | None, draft_time: float | None, shadows: list[Shadow] = (),
                texts: list[list[int]] = (), grew: bool = False, resume: float = 0.0,
                catch_up: float = 0.0) -> None:
     """What the controller learns from a verified step (the decoder's step 5, shared with the
@@ -259,10 +197,11 @@ def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted
 
 
 class SpecDecoder:
-    def __init__(self, target, drafter: Drafter | None = None,
+    def __init__(self, target, drafter: Drafter | Chooser | None = None,
                  config: SpecDecoderConfig = SpecDecoderConfig()) -> None:
         self.target = target.eval()
-        self.drafter = drafter
+        self.drafter = drafter  # as given: a drafter, several sources (drafters.chooser.Sources), or None
+        self.chooser = as_chooser(drafter)  # what the loop drafts through
         self.config = config
         self.vocab_size = vocab_size_of(target)
         cfg = text_config(target)
@@ -270,9 +209,9 @@ class SpecDecoder:
         self.sliding_window = sliding_window(cfg)
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
         self.controller = DraftLengthController(config.draft_length)
-        if drafter is not None and drafter.vocab_size not in (None, self.vocab_size):
+        if drafter is not None and self.chooser.vocab_size not in (None, self.vocab_size):
             raise ValueError(
-                f"drafter vocabulary ({drafter.vocab_size} tokens) does not match the target's "
+                f"drafter vocabulary ({self.chooser.vocab_size} tokens) does not match the target's "
                 f"({self.vocab_size} tokens): a drafter must share the target's tokenizer")
 
     def warm_up(self) -> None:
@@ -283,7 +222,7 @@ class SpecDecoder:
         controller measures none of it; a clock started next times generation only."""
         ids = torch.arange(1, 9, dtype=torch.long)[None] % text_config(self.target).vocab_size
         SpecDecoder(self.target, None, self.config).generate(ids, max_new_tokens=2)
-        if hasattr(self.drafter, "build_index"):
+        if isinstance(self.drafter, Corpus):
             self.drafter.build_index()
 
     def generate(self, input_ids, max_new_tokens: int = 128, eos_token_id=None,
@@ -318,9 +257,13 @@ class SpecDecoder:
         if streamer is not None and len(prompts) > 1:
             raise ValueError(f"a streamer takes one sequence (HF streamers are batch-1); got {len(prompts)}: "
                              "use callback=, whose events name their sequence")
-        if len(prompts) > 1 and self.drafter is not None and not self.drafter.supports_batch:
-            raise ValueError(f"drafter {type(self.drafter).__name__} cannot draft for a batch of "
-                             f"{len(prompts)} sequences (it has no select()); pass one sequence at a time")
+        caps = self.chooser.capabilities if self.chooser is not None else None
+        if len(prompts) > 1 and caps is not None and not caps.batches:
+            raise ValueError(f"drafter {type(self.drafter).__name__} cannot draft for a batch of {len(prompts)} "
+                             "sequences (its capabilities do not declare batches); pass one sequence at a time")
+        if do_sample and caps is not None and not caps.samples:
+            raise ValueError(f"drafter {type(self.drafter).__name__} does not declare that it drafts under "
+                             "sampling (Capabilities.samples); use it greedily (do_sample=False)")
         pad = _pad_id(pad_token_id, eos_token_id, self.target)
         sampling = SamplingParams.resolve(self.target, temperature, top_k, top_p) if do_sample else None
         if sampling is not None and generator is None:
@@ -372,7 +315,7 @@ class SpecDecoder:
             # shadow drafts are scored against the committed text: greedy only (a sampled token
             # that differs from a draft does not mean the draft would have been rejected)
             shadow = self.config.shadow_drafts and judge.sampling is None
-            key, tree, shadows = draft_step(self.drafter, controller, len(batch.rows), batch.wanted(), shadow)
+            key, tree, shadows = draft_step(self.chooser, controller, len(batch.rows), batch.wanted(), shadow)
             t1 = time.perf_counter()
             # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
             allocations = cache.num_allocations
@@ -384,8 +327,8 @@ class SpecDecoder:
             # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
             # a drafter's catch-up (EAGLE's head fed a whole prompt) is not the price of this draft's size;
             # the part after a pause is a price of drafting again (the step's gain)
-            catch_up, resume = (self.drafter.catch_up_seconds(), self.drafter.resume_seconds()) \
-                if self.drafter is not None else (0.0, 0.0)
+            catch_up, resume = (self.chooser.catch_up_seconds(), self.chooser.resume_seconds()) \
+                if self.chooser is not None else (0.0, 0.0)
             texts = [commit.new_tokens(b) for b in range(len(batch.rows))] if shadows else []
             learn_step(controller, key, tree, ver.accepted.tolist(), stats.verify_time,
                        max(0.0, stats.draft_time - catch_up), shadows, texts,
@@ -399,11 +342,16 @@ class SpecDecoder:
 
     # -- stages
 
+    @property
+    def _reads_hidden(self) -> bool:
+        """The drafter reads the target's hidden states: the prefill and verify keep them."""
+        return self.chooser is not None and self.chooser.capabilities.reads_hidden_states
+
     def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor],
                  judge: _Acceptance) -> tuple[Verification, Commit]:
         """Prompts of one length together (no padding: HF's unpadded prefill), each length alone,
         through ``forward.prefill`` into their rows; the first token of each."""
-        want_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+        want_hidden = self._reads_hidden
         B, P = len(prompts), max(len(p) for p in prompts)
         groups: dict[int, list[int]] = {}
         for b, p in enumerate(prompts):
@@ -411,7 +359,7 @@ class SpecDecoder:
         logits: list[torch.Tensor | None] = [None] * B
         hidden: list[torch.Tensor | None] = [None] * B
         # at most PREFILL_TOKENS per forward: its DynamicCache is a transient second copy of those rows'
-        # K/V (16 x 2k-token prompts in one forward peaked at 1.3x HF's RSS)
+        # K/V (why: docs/decisions/011-prefill-chunks.md)
         chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
                   for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
         for rows in chunks:
@@ -422,7 +370,7 @@ class SpecDecoder:
                 hidden[b] = pre.hidden[g] if want_hidden else None
         ver = judge(torch.stack(logits)[:, None], DraftTree.empty(B))  # the first token: nothing drafted
         last = torch.stack([h[-1:] for h in hidden]) if want_hidden else None  # [B, 1, D]
-        if self.drafter is not None:
+        if self.chooser is not None:
             ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
             prefix = torch.zeros(B, max(P - 1, 0), hidden[0].shape[-1], dtype=hidden[0].dtype) if want_hidden else None
             for b, p in enumerate(prompts):
@@ -430,7 +378,7 @@ class SpecDecoder:
                 if want_hidden:
                     prefix[b, : len(p) - 1] = hidden[b][:-1]
             lengths = torch.tensor([len(p) for p in prompts])
-            self.drafter.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
+            self.chooser.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
         return ver, _make_commit(DraftTree.empty(B), ver, last)
 
     def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):
@@ -440,7 +388,7 @@ class SpecDecoder:
         Returns the verification, the target's last hidden states at the kept rows [B, 1 + A, D] if
         the drafter reads them (row j produced new token j), and whether attention ran SPLIT.
         """
-        want_hidden = self.drafter is not None and self.drafter.needs_hidden_states
+        want_hidden = self._reads_hidden
         B, N = tree.tokens.shape
         block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, 1 + N]
         if _is_chain(tree):
@@ -479,13 +427,13 @@ class SpecDecoder:
         keep = batch.extend(commit, stats, callback)
         if streamer is not None:  # batch size 1: the one sequence's tokens of this step
             streamer.put(torch.tensor(batch.new[0][before:]))
-        if self.drafter is not None:  # also after the last step: a drafter's state ends in step
-            self.drafter.accept(commit)
+        if self.chooser is not None:  # also after the last step: a drafter's state ends in step
+            self.chooser.accept(commit)
         if len(keep) < len(batch.rows):  # compaction: one gather per buffer, in the store and the drafter
             if keep:
                 cache.select(keep)
-                if self.drafter is not None:
-                    self.drafter.select(keep)
+                if self.chooser is not None:
+                    self.chooser.select(keep)
             batch.rows = [batch.rows[r] for r in keep]
         return keep
 

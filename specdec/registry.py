@@ -1,15 +1,24 @@
-"""Names the CLI and configs use for drafters, mapped to constructors (no if/elif ladders).
+"""Names for drafters, mapped to factories: what ``--drafter NAME`` accepts in every command.
 
-Each constructor takes the target model and returns a Drafter, or None for plain decoding.
+    register_drafter("bigram", lambda target: BigramDrafter())    # a plugin's drafter gets a name
+    make_drafter("bigram", target)                                 # what the commands call
+
+A factory takes the target model and returns a Drafter, several sources (``drafters.chooser.Sources``)
+or None (plain decoding). An installed package can also name its drafters in the entry-point group
+``specdec.drafters`` (``bigram = "mypkg.drafters:make_bigram"``): they are registered when this module
+is first imported, before any command builds its arguments.
 """
 
 from __future__ import annotations
 
+import re
+import warnings
 from functools import partial
+from importlib.metadata import entry_points
 from typing import Callable
 
-from specdec.drafters.auto import AutoDrafter
 from specdec.drafters.base import Drafter
+from specdec.drafters.chooser import Chooser, Sources
 from specdec.drafters.eagle import make_eagle
 from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.hybrid import LookupHybridDrafter
@@ -19,28 +28,25 @@ from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
 from specdec.models import text_config
 
-DrafterFactory = Callable[[object], "Drafter | None"]
-
+DrafterFactory = Callable[[object], "Drafter | Chooser | None"]
+ENTRY_POINTS = "specdec.drafters"  # the entry-point group plugins name their drafters in
+NAME = re.compile(r"[a-z0-9][a-z0-9+._-]*")  # lower case, as the CLI spells them: "eagle+lookup"
 
 # Self-speculation joins ``auto`` from the prompt length at which its draft token reads at most this
 # share of a target step's bytes (StreamingDrafter.pays_from): the weights are read once per step
 # whatever the batch, the K/V per sequence, so a batch reaches it at shorter prompts (MagicDec's
-# regime). Measured on the default model (AVX-512 machine), next to the copy sources: at batch 1 it
-# made ``auto`` 3-25% slower at 2,048 tokens (ratio 0.89) and 6-7% slower at 7,000 (0.65) (alone it
-# was 0.97-1.10x and 1.2-1.4x plain decoding there); at 8 x 7,000 (0.24) it is auto's main gain, 1.4x
-# plain decoding alone. 0.5 lies between: ~12,800 tokens at batch 1, ~2,500 at batch 8.
+# regime). Why 0.5: docs/decisions/008-auto-sources.md
 SELF_SPEC_MAX_READ_RATIO = 0.5
+EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from (008-auto-sources.md)
 
 
-def make_auto(target) -> AutoDrafter:
-    """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts under 2,048 tokens, twice
-    what its head was trained on) and StreamingLLM self-speculation (prompts long enough that its
-    drafts read at most half of what a target step reads, at the batch's size); the controller picks
-    per step (drafters.auto). Where the stored answers fit the target's vocabulary, suffix indexes
+def make_auto(target) -> Sources:
+    """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts up to EAGLE_MAX_PROMPT
+    tokens) and StreamingLLM self-speculation (prompts long enough that its drafts read at most
+    SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size); the controller picks
+    per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
     them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head learned from those same
-    answers, and beside a suffix drafter over them it added no accepted tokens, only its draft time
-    (26 Spec-Bench questions, one process: tau 2.24 with and without it, 75.7 vs 76.6 tokens/s;
-    B = 8: 10.25 vs 10.22 s; a15ae54, the Xeon)."""
+    answers and added only its draft time beside them (docs/decisions/008-auto-sources.md)."""
     corpus = stored_answers_fit(text_config(target).vocab_size)
     suffix = SuffixDrafter.from_stored_answers() if corpus else SuffixDrafter()
     sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": suffix}
@@ -51,8 +57,8 @@ def make_auto(target) -> AutoDrafter:
             pass  # no head for this target: the model-free sources only
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
     streaming_from = partial(streaming.pays_from, SELF_SPEC_MAX_READ_RATIO)  # prompt tokens, given the batch size
-    return AutoDrafter(sources, min_prompt={"streaming": streaming_from}, max_prompt={"eagle": 4 * 512 - 1},
-                       by_match=("eagle",) if "eagle" in sources else ())
+    return Sources(sources, min_prompt={"streaming": streaming_from}, max_prompt={"eagle": EAGLE_MAX_PROMPT},
+                   by_match=("eagle",) if "eagle" in sources else ())
 
 
 DRAFTERS: dict[str, DrafterFactory] = {
@@ -80,14 +86,41 @@ DRAFTERS: dict[str, DrafterFactory] = {
 }
 
 
-def make_drafter(name: str, target) -> Drafter | None:
+def register_drafter(name: str, factory: DrafterFactory, *, replace: bool = False) -> None:
+    """Give ``factory`` (target -> Drafter | Sources | None) the name ``name`` in every command.
+    Names are lower case (letters, digits, ``+ . _ -``); a name already taken is refused unless
+    ``replace``."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"drafter name {name!r}: use lower-case letters, digits and + . _ - "
+                         "(starting with a letter or digit)")
+    if not callable(factory):
+        raise TypeError(f"drafter {name!r}: the factory must be callable (target -> drafter), got {factory!r}")
+    if name in DRAFTERS and not replace:
+        raise ValueError(f"drafter {name!r} is already registered; pass replace=True to replace it")
+    DRAFTERS[name] = factory
+
+
+def drafter_names() -> list[str]:
+    """Every registered name, sorted: what ``--drafter`` accepts."""
+    return sorted(DRAFTERS)
+
+
+def make_drafter(name: str, target) -> Drafter | Chooser | None:
     try:
         factory = DRAFTERS[name]
     except KeyError:
-        raise ValueError(f"unknown drafter {name!r}; known: {', '.join(sorted(DRAFTERS))}") from None
+        raise ValueError(f"unknown drafter {name!r}; known: {', '.join(drafter_names())}") from None
     return factory(target)
 
 
-def register_drafter(name: str, factory: DrafterFactory) -> None:
-    """Add a drafter name (later drafters - EAGLE, self-speculation - register themselves here)."""
-    DRAFTERS[name] = factory
+def _load_plugins() -> None:
+    """Register the drafters installed packages name in the ``specdec.drafters`` entry-point group;
+    a plugin that fails to load is skipped with a warning (the built-in names still work)."""
+    for ep in entry_points(group=ENTRY_POINTS):
+        try:
+            register_drafter(ep.name, ep.load())
+        except Exception as e:  # a broken plugin must not break every command
+            warnings.warn(f"drafter plugin {ep.name!r} ({ep.value}) not registered: {e}", stacklevel=2)
+
+
+_load_plugins()

@@ -7,7 +7,7 @@ from conftest import hf_greedy, perturbed, tiny_llama
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
-from specdec.drafters.auto import AutoDrafter
+from specdec.drafters.chooser import Sources
 from specdec.drafters.base import Prompt
 from specdec.drafters.self_spec import StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter
@@ -163,7 +163,7 @@ def test_auto_equals_hf_greedy_and_tries_every_source(seed):
     ref = hf_greedy(target, ids, 40)
     for shadow_drafts in (True, False):  # without shadows every source drafts to be measured
         config = SpecDecoderConfig(draft_length=DraftLengthConfig(revisit_every=3 + seed), shadow_drafts=shadow_drafts)
-        drafter = AutoDrafter(_sources(target, seed), min_prompt={"streaming": 48})
+        drafter = Sources(_sources(target, seed), min_prompt={"streaming": 48})
         out = SpecDecoder(target, drafter, config).generate(ids, max_new_tokens=40, eos_token_id=None)
         assert torch.equal(out.sequences, ref), f"seed {seed}: {dict(drafter.drafts)}"
     assert set(drafter.drafts) == {"lookup", "suffix", "model", "streaming"}
@@ -180,7 +180,7 @@ def test_auto_scores_its_free_sources_unverified_at_batch_1_greedy_only():
     ref = hf_greedy(target, ids, 40)
 
     def run(shadow_drafts, **kw):
-        drafter = AutoDrafter({"lookup": PromptLookupDrafter(), "model": ModelDrafter(perturbed(target, 0.1, seed=5))})
+        drafter = Sources({"lookup": PromptLookupDrafter(), "model": ModelDrafter(perturbed(target, 0.1, seed=5))})
         decoder = SpecDecoder(target, drafter, SpecDecoderConfig(shadow_drafts=shadow_drafts))
         out = decoder.generate(ids, max_new_tokens=40, eos_token_id=None, **kw)
         samples = sum(st.gain_samples for k, st in decoder.controller.classes.items() if k and k[0] == "lookup")
@@ -227,7 +227,7 @@ def test_auto_in_a_ragged_batch_outside_sources_prompt_ranges():
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 128, (n,), generator=g) for n in (12, 30, 21)]
     prompts = [torch.cat([p, p[: len(p) // 2]]) for p in prompts]
-    drafter = AutoDrafter(_sources(target, 7), min_prompt={"streaming": 1000}, max_prompt={"model": 40})
+    drafter = Sources(_sources(target, 7), min_prompt={"streaming": 1000}, max_prompt={"model": 40})
     out = SpecDecoder(target, drafter).generate(prompts, max_new_tokens=24, eos_token_id=None)
     for b, p in enumerate(prompts):
         assert out.generated(b).tolist() == hf_greedy(target, p[None], 24)[0, len(p):].tolist()
@@ -241,7 +241,7 @@ def test_a_source_s_minimum_prompt_can_depend_on_the_batch_size():
     (the weights are read once a step, the K/V per sequence)."""
     target = tiny_llama(7)
     prompt = torch.arange(40) % 128
-    drafter = AutoDrafter(_sources(target, 7), min_prompt={"streaming": lambda batch: 100 if batch == 1 else 30})
+    drafter = Sources(_sources(target, 7), min_prompt={"streaming": lambda batch: 100 if batch == 1 else 30})
     one = SpecDecoder(target, drafter).generate(prompt[None], max_new_tokens=8, eos_token_id=None)
     assert "streaming" not in drafter.active
     assert one.generated(0).tolist() == hf_greedy(target, prompt[None], 8)[0, 40:].tolist()
@@ -255,15 +255,15 @@ def test_a_model_source_is_keyed_by_the_lookup_match_and_stays_exact():
     so the controller weighs its guesses against copies at the same kind of position."""
     target = tiny_llama(3)
     sources = {"lookup": PromptLookupDrafter(), "model": ModelDrafter(perturbed(target, 0.3, seed=3))}
-    drafter = AutoDrafter(sources, by_match=("model",))
+    drafter = Sources(sources, by_match=("model",))
     drafter.begin(Prompt(torch.tensor([[5, 6, 7, 8, 9, 1, 6, 7]]), torch.tensor([8])))
     assert ("model", ("match", 2)) in drafter.candidates() and ("lookup", 2) in drafter.candidates()
     drafter.begin(Prompt(torch.tensor([[5, 6, 7, 4]]), torch.tensor([4])))
     assert drafter.candidates() == [("model", ("match", 0))]  # lookup has nothing to copy
     with pytest.raises(ValueError, match="'lookup' source"):
-        AutoDrafter({"model": sources["model"]}, by_match=("model",))
+        Sources({"model": sources["model"]}, by_match=("model",))
     with pytest.raises(ValueError, match="names no source"):
-        AutoDrafter(sources, by_match=("eagle",))
+        Sources(sources, by_match=("eagle",))
     g = torch.Generator().manual_seed(3)
     base = torch.randint(0, 128, (1, 30), generator=g)
     ids = torch.cat([base, base[:, :20]], dim=1)
@@ -274,19 +274,19 @@ def test_a_model_source_is_keyed_by_the_lookup_match_and_stays_exact():
 def test_auto_refuses_sources_of_different_vocabularies():
     small = tiny_llama(0, vocab=64)
     with pytest.raises(ValueError, match="vocabulary"):
-        AutoDrafter({"a": ModelDrafter(small), "b": ModelDrafter(tiny_llama(0))})
+        Sources({"a": ModelDrafter(small), "b": ModelDrafter(tiny_llama(0))})
 
 
 def test_auto_is_registered_without_an_eagle_head_for_the_target(target):
     drafter = make_drafter("auto", target)  # the packaged head is for SmolLM2: skipped here
-    assert isinstance(drafter, AutoDrafter) and "eagle" not in drafter.sources
+    assert isinstance(drafter, Sources) and "eagle" not in drafter.sources
 
 
 def test_auto_forwards_its_corpus_to_the_suffix_source_and_stays_exact():
     target = tiny_llama(3)
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9))
     ref = hf_greedy(target, ids, 40)
-    drafter = AutoDrafter({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()})
+    drafter = Sources({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()})
     first = SpecDecoder(target, drafter).generate(ids, max_new_tokens=40, eos_token_id=None)
     drafter.remember(first.sequences[0].tolist(), prompt_len=12)  # as `specdec bench --remember` does
     assert len(drafter.sources["suffix"].corpus.docs) == 1

@@ -18,7 +18,7 @@ from conftest import hf_greedy, perturbed
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
-from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.kv.bmc import BMCConfig
 from specdec.tree import DraftTree
@@ -32,6 +32,8 @@ class OracleTreeDrafter(Drafter):
     """Random trees around the true continuation: the first `d` levels of the main path are right
     (d random, so drafts are accepted whole, in part or not at all), the right token sometimes sits
     behind a wrong sibling, and wrong branches hang off the path. Rows draft different sizes (0 too)."""
+
+    capabilities = Capabilities(batches=True)
 
     def __init__(self, truth: list[list[int]], seq_ids: list[int], seed: int) -> None:
         self.truth = truth  # per sequence: its reference continuation

@@ -330,7 +330,7 @@ def test_hybrid_takes_lookup_after_a_long_enough_match(target):
         d = LookupHybridDrafter(eagle, config=HybridConfig(min_ngram=min_ngram))
         d.begin(prompt)
         assert d.draft_class() == (("lookup", 2) if want == "lookup" else ("other", None))
-        assert d.follows_controller == (want == "lookup")
+        assert d.own_tree(d.draft_class()) == (want != "lookup")  # lookup chains: the controller's length
         tree = d.propose(3)
         if want == "lookup":  # the chain that followed the 2-gram's first occurrence
             assert tree.tokens[0, :3].tolist() == ids[0, 5:8].tolist()

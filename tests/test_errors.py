@@ -55,7 +55,7 @@ def test_a_drafter_that_cannot_batch_says_so(target):
         def accept(self, commit):
             pass
 
-    assert not OneAtATime().supports_batch
+    assert not OneAtATime().capabilities.batches
     with pytest.raises(ValueError, match="OneAtATime cannot draft for a batch of 2 sequences"):
         SpecDecoder(target, OneAtATime()).generate([[1, 2], [3]])
 

@@ -11,6 +11,7 @@ from specdec.bench.policy import Recording, _leading, compare, overall, record, 
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.base import Capabilities
 from specdec.drafters.self_spec import StreamingDrafter
 
 TARGET = tiny_llama(5, layers=2)
@@ -115,7 +116,7 @@ def test_the_overall_row_is_the_geometric_mean_of_each_column():
 def test_a_tree_drafter_is_refused():
 
     class Tree(StreamingDrafter):
-        follows_controller = False
+        capabilities = Capabilities(sizes_own_tree=True, batches=True, samples=True)
 
     with pytest.raises(ValueError, match="chain drafters"):
         record(TARGET, lambda: Tree(TARGET, budget=10, sink=2), torch.ones(1, 5, dtype=torch.long), 4, None)

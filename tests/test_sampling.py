@@ -24,7 +24,7 @@ import specdec.verifiers.sampling as vs
 from conftest import hf_greedy, perturbed, tiny_llama
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
-from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.self_spec import StreamingDrafter
@@ -339,7 +339,7 @@ class FixedTreeDrafter(Drafter):
     """Always the same small deterministic tree (up to ``budget`` nodes): two children, the first
     with a child. probs None, as an EAGLE top-k tree."""
 
-    follows_controller = False
+    capabilities = Capabilities(sizes_own_tree=True, batches=True, samples=True)
 
     def __init__(self, tokens: list[int]) -> None:
         self.tokens = tokens

@@ -35,6 +35,7 @@ from specdec.bench.runner import AnswerFile, group, make_decoder, rotated, warm_
 from specdec.cli.options import int_list, name_list, non_negative_float, positive_int
 from specdec.prompting import chat_ids, eos_ids, user_turn
 from specdec.runtime import kernels
+from specdec.drafters.base import Corpus
 from specdec.sampling import sampling_kwargs
 
 HF_PROMPT_LOOKUP_TOKENS = 10  # HF's documented default for prompt_lookup_num_tokens
@@ -75,7 +76,7 @@ def specdec_method(model, drafter_name: str, eos, temperature: float = 0.0, prep
         return out.sequences, len(out.steps)
 
     remember = None
-    if hasattr(drafter, "remember"):  # corpus drafters (suffix): keep the session's answers
+    if isinstance(drafter, Corpus):  # corpus drafters (suffix, auto): keep the session's answers
         def remember(seq, prompt_len):
             drafter.remember(seq[0].tolist(), prompt_len)
 
@@ -86,7 +87,7 @@ def prepare_corpus_drafter(drafter, questions, tokenizer, exclude: bool, corpus_
                            say=print) -> None:
     """Before the session: drop stored answers to the benchmark's questions (matched on the decoded
     prompt text), add ``--corpus FILE``, and index the corpus (so no timed generation pays for it)."""
-    if not hasattr(drafter, "exclude_questions"):
+    if not isinstance(drafter, Corpus):
         return
     if corpus_file:
         from specdec.drafters.suffix import read_corpus

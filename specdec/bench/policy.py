@@ -57,7 +57,7 @@ class Recording:
     verify: dict[int, float]  # rows per sequence (1 + k) -> seconds of a verify step
     draft: dict[int, float]  # k -> seconds of a k-token draft
     drafter: str = ""  # the --drafter it was recorded with (streaming at a budget: "streaming@512")
-    free: bool = False  # its drafts cost nothing and change nothing (``Drafter.shadow_drafts``)
+    free: bool = False  # its drafts cost nothing and change nothing (``Capabilities.free_drafts``)
 
     @staticmethod
     def from_json(d: dict) -> "Recording":
@@ -101,7 +101,7 @@ def record(model, make_drafter, ids: torch.Tensor, max_new_tokens: int, eos, key
     from specdec.decoder import SpecDecoder
 
     probe = _Recorder(make_drafter(), depth)
-    if not probe.inner.follows_controller:
+    if probe.inner.capabilities.sizes_own_tree:
         raise ValueError(f"{type(probe.inner).__name__} sizes its own trees: bench-controller replays chain drafters")
     # every step asks for a draft (fixed k = 1); the recorder drafts depth tokens and verifies none
     out = SpecDecoder(model, probe, fixed_setting("k=1")).generate(ids, max_new_tokens=max_new_tokens,
@@ -122,7 +122,7 @@ def record(model, make_drafter, ids: torch.Tensor, max_new_tokens: int, eos, key
     return Recording(key, answer, runs, [len(d) for d in probe.drafts], probe.classes,
                      {q: statistics.median(v) for q, v in sorted(verify.items())},
                      {k: statistics.median(v) for k, v in sorted(draft.items())}, drafter,
-                     probe.inner.shadow_drafts)
+                     probe.inner.capabilities.free_drafts)
 
 
 def replay(rec: Recording, controller=None, k: int = 0, noise: float = 0.0, seed: int = 0,

@@ -42,6 +42,7 @@ from specdec.cli.options import positive_int
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import draft_step, learn_step
 from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.chooser import Chooser, as_chooser
 from specdec.tree import path_along
 
 
@@ -73,7 +74,7 @@ def step_cost(curve: dict[int, float], rows: int) -> float:
     return curve[sizes[-1]]
 
 
-def replay(drafter: Drafter, prompt: list[int], answer: list[int], budget: int = 10,
+def replay(drafter: Drafter | Chooser, prompt: list[int], answer: list[int], budget: int = 10,
            curve: dict[int, float] | None = None, controller: DraftLengthController | None = None) -> ReplayStats:
     """One generation of ``answer`` after ``prompt``, batch 1; ``curve``: verify cost per rows
     (``step_cost``), to price each step. Drafts are sized by ``controller`` as the decoder sizes them
@@ -88,6 +89,7 @@ def replay(drafter: Drafter, prompt: list[int], answer: list[int], budget: int =
     if controller.config.cost_aware and not curve:
         raise ValueError("the controller prices drafts by verify times: give a verify curve")
     controller.new_run(1)
+    drafter = as_chooser(drafter)  # drafted as the decoder drafts: through a chooser
     drafter.begin(Prompt(torch.tensor([prompt]), torch.tensor([len(prompt)])))
     pos, steps, nodes = 1, 1, 0  # the prefill's forward gives answer[0]
     cost = 1.0 if curve else 0.0  # the prefill counted as one forward, as tau counts it

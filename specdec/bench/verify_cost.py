@@ -34,7 +34,7 @@ from specdec.config import current as current_runtime
 from specdec.config import use
 from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
-from specdec.drafters.base import Drafter
+from specdec.drafters.base import Capabilities, Drafter
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
 from specdec.tree import DraftTree, chain_mask
@@ -102,7 +102,7 @@ class FixedDraft(Drafter):
     """Proposes the same q - 1 tokens for every row at every step (a chain or a star): a drafter whose
     only effect is the verify block's size, for timing it inside the decoder."""
 
-    follows_controller = False
+    capabilities = Capabilities(sizes_own_tree=True, batches=True)
 
     def __init__(self, nodes: int, tree: bool = False, token: int = 17) -> None:
         self.nodes, self.tree, self.token, self.rows = nodes, tree, token, 0

@@ -1,19 +1,26 @@
-"""The drafter contract: three methods, the same for every way of guessing tokens.
+"""The drafter contract: four methods and a declaration, the same for every way of guessing tokens.
 
     begin(prompt)     a new generation starts; the drafter sets up its own state
     propose(budget)   guess up to ``budget`` tokens after the committed text, as a DraftTree
     accept(commit)    learn what was committed this step (accepted drafts + the target's token)
-    select(rows)      batches only: keep these batch rows (finished sequences leave the batch)
-    candidates(), use(key)   several sources only: the controller picks this step's (drafters.auto)
+    select(rows)      batches: keep these batch rows (finished sequences leave the batch)
+    capabilities      what the drafter declares it reads and can do (``Capabilities``), never probed
 
-The decoder owns the committed text; a drafter mirrors what it needs of it. A drafter whose
-vocabulary differs from the target's sets ``vocab_size`` so the decoder can refuse it up front.
+Optional: ``draft_class()`` keys the controller's statistics, ``torch_modules()`` lists the modules
+it runs, ``catch_up_seconds()`` / ``resume_seconds()`` price its catch-up work. A drafter that keeps a
+corpus of finished text also implements ``Corpus``. Several drafters drafting in turn are a
+``drafters.chooser.Sources``, not a drafter. The decoder owns the committed text; a drafter mirrors
+what it needs of it. A drafter whose vocabulary differs from the target's sets ``vocab_size`` so the
+decoder can refuse it up front. docs/drafters.md walks through writing one.
+
+Dimensions: B batch rows, P prompt columns, N draft nodes, A accepted drafts, D hidden size.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Callable, Hashable, Iterable, Sequence
 
 import torch
 
@@ -22,10 +29,29 @@ from specdec.tree import DraftTree
 
 
 @dataclass(frozen=True)
+class Capabilities:
+    """What a drafter declares (class attribute ``capabilities``); the decoder reads it, never probes."""
+
+    # Prompt.hidden and Commit.hidden must be filled with the target's last hidden states (EAGLE)
+    reads_hidden_states: bool = False
+    # the drafter shapes its own tree (EAGLE-2's scores, suffix trees): the controller only gates it
+    # and caps its nodes (tree_budget); False: the controller sets a chain length (budget)
+    sizes_own_tree: bool = False
+    # propose costs microseconds and changes no state, so a draft may be made and never verified
+    # (shadow drafts, scored against the committed text when greedy)
+    free_drafts: bool = False
+    # select() drops rows: the drafter drafts for a batch of sequences (else batch size 1 only)
+    batches: bool = False
+    # valid under sampling: deterministic drafts (DraftTree.probs None, a one-hot q) or drafts drawn
+    # from its own distribution given as DraftTree.probs (processed as Prompt.sampling says)
+    samples: bool = False
+
+
+@dataclass(frozen=True)
 class Prompt:
     input_ids: torch.Tensor  # [B, P] int64, right-padded
     lengths: torch.Tensor  # [B] int64 real tokens per row
-    hidden: torch.Tensor | None = None  # [B, P - 1, D] target last hidden states, if the drafter asks
+    hidden: torch.Tensor | None = None  # [B, P - 1, D] target last hidden states, if the drafter reads them
     # The target's KV store (a specdec.kv.BMCCache) right after the prefill, for drafters that read
     # the target's own K/V (self-speculation copies rows of it). Read it, never write it; it stays
     # the same object for the whole generation and grows by the committed rows of every step.
@@ -52,60 +78,8 @@ class Commit:
 
 
 class Drafter(ABC):
+    capabilities: Capabilities = Capabilities()  # greedy, batch size 1, controller-sized chains
     vocab_size: int | None = None  # None: the drafter emits whatever ids the target uses
-    needs_hidden_states: bool = False  # True: Prompt.hidden and Commit.hidden must be filled
-    # True: the decoder's draft-length controller sets the budget (chain drafters). A drafter that
-    # sizes its own drafts (EAGLE-2's dynamic tree ranks nodes by score) sets False: it is capped by
-    # the tokens still wanted, and the controller's throughput gate only decides whether it drafts.
-    follows_controller: bool = True
-    # True: ``propose`` costs microseconds and changes no state, so a draft may be made and never
-    # verified (``drafters.auto`` scores such shadow drafts against the committed text)
-    shadow_drafts: bool = False
-
-    def draft_class(self):
-        """A key for the controller's acceptance statistics of the next draft (any hashable; None =
-        one class for all). Prompt lookup returns the length of the n-gram it will copy after."""
-        return None
-
-    def candidates(self) -> list | None:
-        """A drafter over several sources (``drafters.auto``): the draft classes it could draft in
-        next, for the controller to pick one of (``use``); None (the default): one source."""
-        return None
-
-    def use(self, key) -> None:
-        """Draft the next step in class ``key``, one of ``candidates()``."""
-
-    def torch_modules(self) -> list:
-        """The nn.Modules the drafter runs, for the decoder's CPU kernel routing (specdec.runtime.kernels)."""
-        return []
-
-    def catch_up_seconds(self) -> float:
-        """Seconds of the last ``propose`` spent bringing the drafter's state up to date rather than
-        drafting (EAGLE feeds its head the pairs it has not seen: a whole prompt at an answer's first
-        draft), 0 once ``accept`` ran. The controller prices draft sizes without it, and gains without
-        its prompt part (``resume_seconds``): a one-off cost of ~2 plain steps read as the price of a
-        6-node tree kept EAGLE's trees at 1-4 nodes and its gate shut for 242 of 252 steps of a qa
-        answer where 6-node trees took 0.95 tokens per step."""
-        return 0.0
-
-    def resume_seconds(self) -> float:
-        """The part of ``catch_up_seconds`` spent on text committed after the prompt while the drafter
-        was not drafting (a gated pause, or steps another source drafted in ``drafters.auto``). Not the
-        price of a draft size, but a price of drafting again now: the controller counts it in the
-        step's gain. With several sources every switch back pays it; not counted, EAGLE's feeds after
-        its pauses were ~4% of a batch-8 run that nobody's gain saw, and auto, choosing EAGLE at a
-        measured gain of ~1.0, ran 7% behind plain decoding."""
-        return 0.0
-
-    def select(self, rows: list[int]) -> None:
-        """Keep only batch rows ``rows`` (ascending, indices into the current rows), dropping the
-        others' state: the decoder calls it when sequences finish, so their rows are no longer
-        computed. A drafter that cannot drop rows leaves this as is and works at batch size 1 only."""
-        raise NotImplementedError(f"{type(self).__name__} cannot draft for a batch (it has no select())")
-
-    @property
-    def supports_batch(self) -> bool:
-        return type(self).select is not Drafter.select
 
     @abstractmethod
     def begin(self, prompt: Prompt) -> None: ...
@@ -115,6 +89,61 @@ class Drafter(ABC):
 
     @abstractmethod
     def accept(self, commit: Commit) -> None: ...
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only batch rows ``rows`` (ascending, indices into the current rows), dropping the
+        others' state: the decoder calls it when sequences finish. Declare ``batches`` with it."""
+        raise NotImplementedError(f"{type(self).__name__} cannot draft for a batch (it has no select())")
+
+    def draft_class(self) -> Hashable:
+        """A key for the controller's statistics of the next draft (any hashable; None = one class
+        for all). Prompt lookup returns the length of the n-gram it will copy after."""
+        return None
+
+    def own_tree(self, key: Hashable) -> bool:
+        """Whether the draft of class ``key`` sizes its own tree (``Capabilities.sizes_own_tree``): the
+        declaration, for every class. A drafter of several rules answers per class (the lookup hybrid:
+        its lookup chains follow the controller, its other drafter's trees may not)."""
+        return self.capabilities.sizes_own_tree
+
+    def torch_modules(self) -> list:
+        """The nn.Modules the drafter runs, for the decoder's CPU kernel routing (specdec.runtime.kernels)."""
+        return []
+
+    def catch_up_seconds(self) -> float:
+        """Seconds of the last ``propose`` spent bringing the drafter's state up to date rather than
+        drafting (EAGLE feeds its head the pairs it has not seen: a whole prompt at an answer's first
+        draft), 0 once ``accept`` ran. The controller prices draft sizes without it.
+        Why: docs/decisions/010-catch-up-pricing.md"""
+        return 0.0
+
+    def resume_seconds(self) -> float:
+        """The part of ``catch_up_seconds`` spent on text committed after the prompt while the drafter
+        was not drafting (a gated pause, or steps another source drafted): a price of drafting again
+        now, which the controller counts in the step's gain. Why: docs/decisions/010-catch-up-pricing.md"""
+        return 0.0
+
+
+class Corpus(ABC):
+    """A drafter that also drafts from a corpus of finished text (the suffix drafter; ``Sources``
+    forwards to its sources that are one). The bench and chat feed it; checked by isinstance."""
+
+    @abstractmethod
+    def remember(self, sequence: Sequence[int], prompt_len: int = 0) -> None:
+        """Add a finished conversation (prompt + answer ids; its first ``prompt_len`` are the prompt)."""
+
+    @abstractmethod
+    def add_documents(self, docs: Iterable) -> None:
+        """Add documents (``drafters.suffix.CorpusDoc``: ids and prompt length), e.g. `--corpus FILE`."""
+
+    @abstractmethod
+    def build_index(self) -> None:
+        """Index the corpus now, so no timed generation pays for it."""
+
+    @abstractmethod
+    def exclude_questions(self, questions: Sequence[str], decode: Callable[[list[int]], str]) -> int:
+        """Drop stored conversations whose prompt contains one of ``questions`` (a benchmark must not
+        draft from answers to its own questions); how many were dropped."""
 
 
 class TokenHistory:

@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass
 
-from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.tree import DraftTree, pick_rows
 
@@ -38,13 +38,15 @@ class LookupHybridDrafter(Drafter):
         self.lookup = lookup if lookup is not None else PromptLookupDrafter()
         self.config = config
         self.vocab_size = other.vocab_size
-        self.needs_hidden_states = other.needs_hidden_states
+        o = other.capabilities  # lookup batches and samples: the other drafter decides those
+        self.capabilities = Capabilities(reads_hidden_states=o.reads_hidden_states, sizes_own_tree=o.sizes_own_tree,
+                                         batches=o.batches, samples=o.samples)
         self._use_lookup: list[bool] | None = None  # per row: this step's source is lookup; None until chosen
         self.drafts = Counter()  # row proposals per source ("lookup", "other"): what a run relied on
 
-    @property
-    def follows_controller(self) -> bool:
-        return True if self._use_lookup and any(self._use_lookup) else self.other.follows_controller
+    def own_tree(self, key) -> bool:
+        """Lookup chains follow the controller's length; the other drafter's drafts, its own rule."""
+        return key[0] != "lookup" and self.other.own_tree(key[1])
 
     def torch_modules(self) -> list:
         return self.other.torch_modules()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.sampling import SamplingParams, greedy, target_probs
@@ -35,6 +35,8 @@ class ModelDrafter(Drafter):
     Drafts d1..d(K-1) are written speculatively; accept() rolls the store back to the rows whose
     tokens the target kept.
     """
+
+    capabilities = Capabilities(batches=True, samples=True)  # controller-sized chains
 
     def __init__(self, draft_model, config: ModelDrafterConfig = ModelDrafterConfig()) -> None:
         self.model = draft_model.eval()

@@ -3,9 +3,8 @@
 Free drafts (no model call), strong where the answer repeats its context: summaries, edits, code,
 RAG. After Saxena's prompt-lookup decoding (also HF's ``prompt_lookup_num_tokens``).
 
-HF's version scans the whole text for the suffix n-gram at every step: O(length) per step, 1 ms per
-step at a batch of 8 short answers, and more at long context, paid even when the controller then
-drafts nothing. Here each row keeps an ``NgramIndex`` (n-gram -> where its last earlier occurrence
+HF's version scans the whole text for the suffix n-gram at every step: O(length) per step, paid
+even when the controller then drafts nothing. Here each row keeps an ``NgramIndex`` (n-gram -> where its last earlier occurrence
 ended), updated per committed token: a lookup is one dict access. ``find_continuation`` is the
 scan, kept as the reference the index is tested against.
 """
@@ -17,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.drafters.base import Commit, Drafter, Prompt, TokenHistory
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.tree import DraftTree
 
 
@@ -79,7 +78,8 @@ class NgramIndex:
 
 
 class PromptLookupDrafter(Drafter):
-    shadow_drafts = True  # a propose is a dict lookup and a slice
+    # a propose is a dict lookup and a slice (free); deterministic chains (a one-hot q under sampling)
+    capabilities = Capabilities(free_drafts=True, batches=True, samples=True)
 
     def __init__(self, config: PromptLookupConfig = PromptLookupConfig()) -> None:
         self.config = config

@@ -32,7 +32,7 @@ import torch
 from transformers import AttentionInterface
 
 from specdec.controller.cost import shortest_paying_prompt
-from specdec.drafters.base import Commit, Drafter, Prompt
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
@@ -45,6 +45,8 @@ from specdec.tree import DraftTree
 
 class SelfSpecDrafter(Drafter):
     """The shared loop; a subclass only says which prompt rows the draft keeps (``prompt_rows``)."""
+
+    capabilities = Capabilities(batches=True, samples=True)  # controller-sized chains, sampled with q
 
     def __init__(self, target, cache_config: CompressedCacheConfig) -> None:
         self.target = target

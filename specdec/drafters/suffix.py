@@ -7,24 +7,6 @@ draft is a tree: every continuation that followed the matched context, ranked by
 and (3) besides the row's own prompt and answer it searches a shared corpus of earlier outputs (the
 target's stored answers, the answers of this session: ``remember``).
 
-The index: a suffix automaton (Blumer et al. 1985; the DAWG) per text, built online.
-    - every substring of the text is a path from the root; a state is a set of substrings with the
-      same end positions, ``length`` its longest one, ``link`` the state of its longest suffix that
-      ends elsewhere too. At most 2n states and 3n transitions: memory linear in the text.
-    - ``extend(token)`` is amortised O(1) for the automaton, plus one ``count`` increment on each
-      state of the new end's suffix-link chain: every state on it but the new one is a suffix of
-      the text that occurred before, so the chain is at most (longest repeated suffix + 2) long --
-      a handful of states on ordinary text, more while the text repeats itself.
-    - ``count[v]`` = how often v's substrings occur (end positions). For a context s (state v) and
-      a token c, count[trans[v][c]] = how often s was followed by c: the frequencies of the tree.
-    - the longest suffix of the text that occurred before is ``link[last]`` (O(1)); the longest
-      suffix found in a *corpus* automaton is tracked by the usual matching walk, one step per
-      committed token (amortised O(1)).
-Pure Python, measured on the project's 2-core machine (loaded): ``extend`` ~1.3 us a token, both trees
-of a step (local and corpus, best first) ~60 us, the DraftTree tensors ~55 us, ``accept`` ~30 us.
-Memory: ~480 bytes a token (a dict of transitions per state): the project's 313k stored tokens take
-~150 MB and ~2 s to index, once per session.
-
 The tree: best first by estimated path probability. A child's probability is its count over the sum
 of its siblings' counts (the context's continuations), times its parent's; nodes are taken in
 decreasing probability while their probability is >= ``min_prob``, up to a size set by the match
@@ -34,22 +16,11 @@ the path probabilities is the expected number of accepted tokens under these cou
 and the one with the higher score (the corpus's times ``corpus_weight``) is proposed, as
 SuffixDecoding picks between its per-request and global trees.
 
-Budget: ``follows_controller = False``. The drafter sizes its own tree (by match length and
+Budget: ``Capabilities.sizes_own_tree``. The drafter sizes its own tree (by match length and
 probabilities); the decoder caps it at the tokens still wanted, and the controller's throughput
 gate decides per *draft class* whether drafting pays at all -- the class is (source, bucketed match
 length) (``match_bucket``), so 1-token matches that do not pay for their verify rows are gated off
-while long matches keep drafting. The controller's measured verify cost enters through that gate.
-
-Measured (tau = tokens per target forward, every draft verified, i.e. cost_aware off; 2026-11-23):
-    replay (``python -m specdec.bench.replay``) of 50 stored greedy answers held out of the corpus
-    (all conversations with their prompts left out): suffix 1.82, suffix + corpus 3.24, prompt
-    lookup 1.84 -- but these prompts are templated like the corpus's, so this is optimistic.
-    The default model on 6 Spec-Bench questions (one each of writing, coding, summarization, qa,
-    math_reasoning, rag; 128 tokens; the decoder and the replay agree to the digit): suffix + corpus
-    1.61 (1.29 / 1.52 / 1.61 / 1.83 / 2.13 / 1.52), suffix 1.36, prompt lookup 1.40, with 3.4, 1.5 and
-    5.0 drafted nodes per step. Larger trees (min_prob 0.02, 8 nodes per matched token, 32 nodes)
-    reach 1.72 at 7.4 nodes a step; mixing the local and corpus trees (probabilities weighted by
-    match length) instead of picking one gave +0.06 in both replays. Not adopted yet.
+while long matches keep drafting. Why these trees and what they reach: docs/decisions/014-suffix-drafter.md.
 
     drafter = SuffixDrafter()                                   # `--drafter suffix`
     drafter = SuffixDrafter.from_file("data/eagle_answers.jsonl")   # `suffix-corpus`
@@ -67,12 +38,12 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from specdec.drafters.base import Commit, Drafter, Prompt
-from specdec.jsonl import read_jsonl
+from specdec.drafters.base import Capabilities, Commit, Corpus, Drafter, Prompt
+# the index and the corpus live in their own modules; their names stay importable from here
+from specdec.drafters.corpus import (STORED_ANSWERS_VOCAB, CorpusDoc, SuffixCorpus, default_answers_path,  # noqa: F401
+                                     read_corpus, read_text_corpus, read_token_jsonl, stored_answers_fit)
+from specdec.drafters.suffix_automaton import SEPARATOR, SuffixAutomaton  # noqa: F401
 from specdec.tree import DraftTree
-
-SEPARATOR = -1  # between corpus documents: never drafted, never matched (no query holds it)
-
 
 @dataclass(frozen=True)
 class SuffixConfig:
@@ -88,100 +59,6 @@ class SuffixConfig:
             raise ValueError(f"need max_nodes, max_depth >= 0, min_match, nodes_per_match >= 1: {self}")
         if not 0.0 <= self.min_prob <= 1.0 or self.corpus_weight < 0:
             raise ValueError(f"need 0 <= min_prob <= 1 and corpus_weight >= 0: {self}")
-
-
-# --------------------------------------------------------------------------------------------------
-# The index
-
-
-class SuffixAutomaton:
-    """An online suffix automaton with occurrence counts (see the module docstring).
-
-    Worked example, text [a b a] (a=1, b=2): states 0 (root), 1 "a", 2 "ab"/"b", 3 "aba"/"ba";
-    link[3] = 1 ("a" ends at 0 and 2), so the longest earlier suffix is "a" (length 1), and
-    count[trans[1][2]] = 1: "a" was followed by "b" once.
-    """
-
-    __slots__ = ("trans", "link", "length", "count", "last")
-
-    def __init__(self, tokens: Iterable[int] = ()) -> None:
-        self.trans: list[dict[int, int]] = [{}]  # [S] token -> state
-        self.link: list[int] = [-1]  # [S] suffix link, -1 for the root
-        self.length: list[int] = [0]  # [S] longest substring of the state
-        self.count: list[int] = [0]  # [S] end positions of the state's substrings (occurrences)
-        self.last = 0  # the state of the whole text
-        for t in tokens:
-            self.extend(t)
-
-    def __len__(self) -> int:
-        """Tokens indexed (separators included)."""
-        return self.length[self.last]
-
-    @property
-    def num_states(self) -> int:
-        return len(self.length)
-
-    def _new_state(self, length: int, link: int, trans: dict[int, int], count: int) -> int:
-        self.trans.append(trans)
-        self.link.append(link)
-        self.length.append(length)
-        self.count.append(count)
-        return len(self.length) - 1
-
-    def extend(self, c: int) -> None:
-        trans, link, length = self.trans, self.link, self.length
-        cur = self._new_state(length[self.last] + 1, 0, {}, 0)
-        p = self.last
-        while p != -1 and c not in trans[p]:
-            trans[p][c] = cur
-            p = link[p]
-        if p != -1:
-            q = trans[p][c]
-            if length[p] + 1 == length[q]:
-                link[cur] = q
-            else:  # q holds longer strings than p.c: split off the short ones (same end positions)
-                clone = self._new_state(length[p] + 1, link[q], dict(trans[q]), self.count[q])
-                while p != -1 and trans[p].get(c) == q:
-                    trans[p][c] = clone
-                    p = link[p]
-                link[q] = link[cur] = clone
-        self.last = cur
-        v = cur  # the new end position is an occurrence of every suffix: the link chain up to the root
-        count = self.count
-        while v != -1:
-            count[v] += 1
-            v = link[v]
-
-    def longest_repeat(self) -> tuple[int, int]:
-        """(state, length) of the longest suffix of the text that also ends earlier (length 0: none)."""
-        v = self.link[self.last]
-        return (v, self.length[v]) if v > 0 else (0, 0)
-
-    def step(self, state: int, matched: int, c: int) -> tuple[int, int]:
-        """Matching walk: the longest suffix of (query + c) found in the text, given the one of query.
-
-        (state, matched) -> (state', matched'); shorten along links until c can follow.
-        """
-        trans, link = self.trans, self.link
-        while state > 0 and c not in trans[state]:
-            state = link[state]
-            matched = self.length[state]
-        nxt = trans[state].get(c)
-        if nxt is None:
-            return 0, 0
-        return nxt, matched + 1
-
-    def match(self, tokens: Sequence[int]) -> tuple[int, int]:
-        """(state, length) of the longest suffix of ``tokens`` that occurs in the text."""
-        state, matched = 0, 0
-        for c in tokens:
-            state, matched = self.step(state, matched, c)
-        return state, matched
-
-    def children(self, state: int) -> list[tuple[int, int, int]]:
-        """(token, count, state) of each continuation of ``state``'s context, separators left out."""
-        count = self.count
-        return [(c, count[u], u) for c, u in self.trans[state].items() if c != SEPARATOR]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -273,119 +150,6 @@ def expand_tree(children: Callable[[object], list[tuple[int, int, object]]], roo
 
 
 # --------------------------------------------------------------------------------------------------
-# Corpus: earlier outputs, loaded lazily, shared by every row
-
-
-@dataclass(frozen=True)
-class CorpusDoc:
-    ids: tuple[int, ...]  # the whole conversation: prompt then answer
-    prompt_len: int  # tokens of the prompt (0: unknown / plain text)
-
-
-def read_token_jsonl(path: str | os.PathLike) -> list[CorpusDoc]:
-    """Documents of a JSONL file of token ids: {"ids": [...], "prompt_len": n (optional)} per line,
-    as ``data/eagle_answers.jsonl``; a malformed line is named ("FILE:LINE: ...")."""
-    def parse(obj) -> CorpusDoc:
-        ids = tuple(int(t) for t in obj["ids"])
-        p = int(obj.get("prompt_len", 0))
-        if not ids or any(t < 0 for t in ids) or not 0 <= p <= len(ids):
-            raise ValueError(f"{len(ids)} ids, prompt_len {p}")
-        return CorpusDoc(ids, p)
-
-    return read_jsonl(path, parse, "a token-id")
-
-
-def read_corpus(path: str | os.PathLike, tokenizer=None) -> list[CorpusDoc]:
-    """A ``.jsonl`` of token ids (``read_token_jsonl``) or, any other name, plain text, one document
-    per line (``read_text_corpus``, needs the target's tokenizer)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"suffix corpus {path} not found")
-    if path.suffix == ".jsonl":
-        return read_token_jsonl(path)
-    if tokenizer is None:
-        raise ValueError(f"suffix corpus {path} is plain text: a tokenizer is needed to read it")
-    return read_text_corpus(path, tokenizer)
-
-
-def read_text_corpus(path: str | os.PathLike, tokenizer) -> list[CorpusDoc]:
-    """Documents of a plain-text file, one per non-blank line, tokenized (no special tokens)."""
-    with open(path, encoding="utf-8") as f:
-        lines = [line.rstrip("\n") for line in f if line.strip()]
-    return [CorpusDoc(tuple(tokenizer(line, add_special_tokens=False)["input_ids"]), 0) for line in lines]
-
-
-def default_answers_path() -> Path:
-    """The project's stored answers of the default model (``data/eagle_answers.jsonl`` in the repo)."""
-    return Path(__file__).resolve().parents[2] / "data" / "eagle_answers.jsonl"
-
-
-STORED_ANSWERS_VOCAB = 49152  # the stored answers are token ids of SmolLM2's tokenizer
-
-
-def stored_answers_fit(vocab_size: int | None) -> bool:
-    """Whether the stored answers can serve a target of this vocabulary as a corpus: the repository's
-    data/ is there (not in an installed wheel) and the vocabulary is SmolLM2's (the default model and
-    its larger siblings share the tokenizer)."""
-    return vocab_size == STORED_ANSWERS_VOCAB and default_answers_path().is_file()
-
-
-def _normalize(text: str) -> str:
-    return " ".join(text.split())
-
-
-class SuffixCorpus:
-    """Token-id documents behind one suffix automaton, built on first use (so exclusions can be set
-    first) and grown by ``add`` without a rebuild."""
-
-    def __init__(self, docs: Iterable[CorpusDoc] = ()) -> None:
-        self.docs: list[CorpusDoc] = list(docs)
-        self._index: SuffixAutomaton | None = None
-        self.version = 0  # bumped whenever the index changes: rows re-match their text then
-
-    @property
-    def index(self) -> SuffixAutomaton:
-        if self._index is None:
-            index = SuffixAutomaton()
-            for doc in self.docs:
-                for t in doc.ids:
-                    index.extend(t)
-                index.extend(SEPARATOR)
-            self._index = index
-        return self._index
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(len(d.ids) for d in self.docs)
-
-    def add(self, ids: Sequence[int], prompt_len: int = 0) -> None:
-        doc = CorpusDoc(tuple(int(t) for t in ids), prompt_len)
-        self.docs.append(doc)
-        if self._index is not None:  # incremental: append to the built automaton
-            for t in doc.ids:
-                self._index.extend(t)
-            self._index.extend(SEPARATOR)
-        self.version += 1
-
-    def exclude_questions(self, questions: Sequence[str], decode: Callable[[list[int]], str]) -> int:
-        """Drop the documents whose prompt (decoded) contains one of ``questions`` (whitespace
-        normalised); a document without a prompt length is matched on its whole text. Returns how
-        many were dropped. Rebuilds the index if it was built."""
-        wanted = [q for q in (_normalize(q) for q in questions) if q]
-        keep = []
-        for doc in self.docs:
-            text = _normalize(decode(list(doc.ids[: doc.prompt_len or len(doc.ids)])))
-            if not any(q in text for q in wanted):
-                keep.append(doc)
-        dropped = len(self.docs) - len(keep)
-        if dropped:
-            self.docs = keep
-            self._index = None
-            self.version += 1
-        return dropped
-
-
-# --------------------------------------------------------------------------------------------------
 # The drafter
 
 
@@ -400,9 +164,10 @@ class _Row:
         self.corpus_state, self.corpus_matched, self.corpus_version = 0, 0, -1
 
 
-class SuffixDrafter(Drafter):
-    follows_controller = False  # self-sized tree; the controller's gate (per match class) decides
-    shadow_drafts = True  # a propose walks the automata (~0.1-0.5 ms) and changes nothing
+class SuffixDrafter(Drafter, Corpus):
+    # self-sized trees (the controller's gate, per match class, decides); a propose walks the
+    # automata and changes nothing (free); deterministic trees (a one-hot q under sampling)
+    capabilities = Capabilities(sizes_own_tree=True, free_drafts=True, batches=True, samples=True)
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: SuffixCorpus | None = None) -> None:
         self.config = config
