@@ -79,21 +79,45 @@ def default_gguf_path() -> Path:
     return path
 
 
+WEIGHTS = ("fp32", "packed", "q8_0", "q4_0", "q4_1")  # load_model's ``weights``
+
+
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False) -> LoadedModel:
+               trust_remote_code: bool = False, weights: str = "fp32") -> LoadedModel:
     """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory (local
-    files only: the CLI also sets HF_HUB_OFFLINE=1 for the process)."""
+    files only: the CLI also sets HF_HUB_OFFLINE=1 for the process).
+
+    weights: "fp32" (a GGUF dequantized once into a cached fp32 model), "packed" (a GGUF's quantized
+    layers kept in the file's blocks, ``specdec.quant``: the same outputs as fp32, a fraction of the
+    memory; computed by the reference dequantizer until block kernels exist), or "q8_0" / "q4_0" /
+    "q4_1" (any model's linear layers quantized on load: a new target whose outputs are its own)."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
+    gguf = None
     if spec == DEFAULT_MODEL:
-        loaded = _load_gguf_cached(default_gguf_path(), dtype, "SmolLM2-135M-Instruct")
+        gguf = default_gguf_path()
+        loaded = _load_gguf_cached(gguf, dtype, "SmolLM2-135M-Instruct")
     else:
         path = Path(spec).expanduser()
         if path.is_file() and path.suffix == ".gguf":
+            gguf = path
             loaded = _load_gguf_cached(path, dtype, path.stem)
         elif path.is_dir():
             loaded = _load_hf_dir(path, dtype, trust_remote_code, path.name)
         else:
             raise ModelLoadError(f"no model at {spec!r}: expected 'default', a .gguf file, or a "
                                  "directory with config.json and *.safetensors")
+    if weights == "packed":
+        from specdec.quant.gguf import pack_gguf_weights
+
+        if gguf is None:
+            raise ModelLoadError(f"weights='packed' keeps a GGUF file's blocks, and {spec!r} is not a GGUF file "
+                                 "(quantize on load instead: weights='q8_0', 'q4_0' or 'q4_1')")
+        pack_gguf_weights(loaded.model, gguf)
+    elif weights != "fp32":
+        from specdec.quant import quantize_model
+
+        quantize_model(loaded.model, weights.upper())
     loaded.model.to(device)
     return loaded
 

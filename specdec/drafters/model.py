@@ -19,9 +19,9 @@ class ModelDrafterConfig:
 
 
 def vocab_size_of(model) -> int:
-    """Rows of the output embedding: the id space a model's logits cover."""
+    """Rows of the output layer (an nn.Linear or a quantized one): the id space a model's logits cover."""
     out = model.get_output_embeddings()
-    return out.weight.shape[0] if out is not None else model.config.vocab_size
+    return out.out_features if out is not None else model.config.vocab_size
 
 
 class ModelDrafter(Drafter):

@@ -1,0 +1,102 @@
+"""Layers whose weights stay packed in GGUF blocks: their reference forward defines the target.
+
+``QuantLinear`` and ``QuantEmbedding`` hold a weight as its blocks (uint8 [N, row_bytes], never an
+fp32 copy of the whole matrix) and compute with the reference dequantization of
+``specdec.quant.formats``: a forward dequantizes the matrix (an embedding: only the rows it looks
+up) to fp32 and runs the fp32 op. So ``target.generate(...)`` on a model holding them is the
+exactness reference for every faster path, and since the dequantized values equal transformers'
+own GGUF loading bit for bit, that reference computes what the fp32 target computes.
+
+    model = quantize_model(model, "Q8_0")          # any HF model: its nn.Linear layers as Q8_0 blocks
+    swap_linear(model, "model.layers.0.mlp.up_proj", QuantLinear(blocks, block_format("Q4_K"), 576))
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from specdec.quant.formats import BlockFormat, block_format, dequantize
+
+# the formats ``quantize_model`` can write (the gguf package's quantizers); K formats load from files
+QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1")
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat, in_features: int,
+                 bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != fmt.row_bytes(in_features):
+            raise ValueError(f"{fmt.name} blocks for {in_features} input features must be uint8 "
+                             f"[out_features, {fmt.row_bytes(in_features)}], got {blocks.dtype} {tuple(blocks.shape)}")
+        self.fmt = fmt
+        self.in_features, self.out_features = in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks, persistent=False)  # [N, row_bytes] uint8
+        self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight the blocks define: float32 [out_features, in_features]."""
+        return dequantize(self.blocks, self.fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features]
+        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
+
+
+class QuantEmbedding(nn.Module):
+    def __init__(self, blocks: torch.Tensor, fmt: BlockFormat, embedding_dim: int,
+                 padding_idx: int | None = None) -> None:
+        super().__init__()
+        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != fmt.row_bytes(embedding_dim):
+            raise ValueError(f"{fmt.name} embedding blocks must be uint8 [vocab, {fmt.row_bytes(embedding_dim)}], "
+                             f"got {blocks.dtype} {tuple(blocks.shape)}")
+        self.fmt = fmt
+        self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
+        self.padding_idx = padding_idx
+        self.register_buffer("blocks", blocks, persistent=False)  # [V, row_bytes] uint8
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., embedding_dim] float32
+        rows = self.blocks.index_select(0, ids.reshape(-1))  # only the rows looked up are dequantized
+        return dequantize(rows, self.fmt).reshape(*ids.shape, self.embedding_dim)
+
+    def dequantized(self) -> torch.Tensor:
+        return dequantize(self.blocks, self.fmt)
+
+
+def swap_module(model: nn.Module, path: str, module: nn.Module) -> None:
+    """Replace the submodule at dotted ``path`` ("model.layers.0.mlp.up_proj") by ``module``."""
+    parent_path, _, name = path.rpartition(".")
+    parent = model.get_submodule(parent_path) if parent_path else model
+    if not hasattr(parent, name):
+        raise ValueError(f"the model has no module {path!r}")
+    setattr(parent, name, module)
+
+
+def quantize_blocks(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """float [N, K] -> uint8 [N, row_bytes]: the weight quantized to ``fmt`` (Q8_0, Q4_0, Q4_1)."""
+    from gguf import GGMLQuantizationType, quants
+
+    data = weight.detach().to(torch.float32).cpu().numpy()
+    packed = quants.quantize(data, GGMLQuantizationType[fmt.name])
+    return torch.from_numpy(np.ascontiguousarray(packed)).reshape(weight.shape[0], fmt.row_bytes(weight.shape[1]))
+
+
+def quantize_model(model: nn.Module, quant: str, skip: tuple[str, ...] = ()) -> nn.Module:
+    """Every nn.Linear of ``model`` (names in ``skip`` and untied output layers aside) becomes a
+    QuantLinear of ``quant`` blocks, in place; the fp32 weights are dropped. The user opts into that
+    target: its outputs are the quantized model's, exactly, not the fp32 model's."""
+    fmt = block_format(quant)
+    if fmt.name not in QUANTIZE_ON_LOAD:
+        raise ValueError(f"quantizing to {fmt.name} is not supported; on load: {', '.join(QUANTIZE_ON_LOAD)}")
+    tied = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for name, mod in list(model.named_modules()):
+        if type(mod) is not nn.Linear or name in skip or mod.in_features % fmt.block_weights:
+            continue
+        if tied is mod and tied.weight is model.get_input_embeddings().weight:
+            continue  # a tied output layer shares the embedding's fp32 weight: left as it is
+        swap_module(model, name, QuantLinear(quantize_blocks(mod.weight, fmt), fmt, mod.in_features, mod.bias))
+    return model

