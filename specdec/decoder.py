@@ -20,6 +20,7 @@ length together, in forwards of at most PREFILL_TOKENS tokens), and gives the fi
 
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
 
@@ -59,8 +60,7 @@ class SpecDecoderConfig:
     # Batches: attention over ragged lengths by padding to the longest (pad), per sequence (split),
     # or chosen per step (auto): split once padding would be more than `split_waste` of the work
     attention: str = "auto"
-    # docs/benchmarks.md "PAD vs SPLIT" (this project's 2-core CPU): at 25% padded columns PAD won a
-    # 1-row step by 9% (SPLIT won 4-row blocks by 7%), at 47% SPLIT won both (7%, 35%), at 71%+ by 1.4-8x
+    # why 0.3: docs/decisions/005-pad-vs-split.md
     split_waste: float = 0.3
     # greedy: a free drafter's classes that draft nothing in a step (several sources: the free sources'
     # classes not chosen; one free drafter: its class when gated off) draft too, for every row,
@@ -248,6 +248,8 @@ class SpecDecoder:
         callback: called with a ``StepEvent`` per live sequence after each step.
         max_new_tokens is clipped to the room left in the context window by the longest prompt.
         """
+        if not hasattr(type(max_new_tokens), "__index__") or operator.index(max_new_tokens) < 0:
+            raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
         ids, prompts = self._check_input(input_ids, attention_mask)
         longest = max(len(p) for p in prompts) + max_new_tokens
         if self.sliding_window is not None and longest > self.sliding_window:

@@ -145,8 +145,14 @@ def test_a_bad_number_is_named_in_one_line_before_any_model_loads(argv, message,
 
 
 def test_argument_types_accept_what_they_promise():
-    from specdec.cli.options import int_list, name_list, non_negative_float, non_negative_int, positive_int, probability
+    from specdec.arguments import int_list, name_list, non_negative_float, non_negative_int, positive_int, probability
 
     assert positive_int("3") == 3 and non_negative_int("0") == 0 and non_negative_float("0") == 0.0
     assert probability("1") == 1.0 and probability("0.9") == 0.9
     assert int_list("1024, 2048") == [1024, 2048] and name_list("none,prompt-lookup,") == ["none", "prompt-lookup"]
+
+
+@pytest.mark.parametrize("bad", [-5, 2.5, "8"])
+def test_generate_names_a_bad_max_new_tokens(target, bad):
+    with pytest.raises(ValueError, match=rf"max_new_tokens must be a whole number >= 0, got {bad!r}"):
+        SpecDecoder(target).generate(torch.tensor([[1, 2, 3]]), max_new_tokens=bad)

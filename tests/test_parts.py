@@ -216,7 +216,7 @@ def test_draft_time_is_each_classs_own():
     target step per token do not. One shared draft time would size both alike."""
     c = _cost_aware()
     c.update([0], [0], verify_time=1.0)
-    for _ in range(30):  # interleaved, as an AutoDrafter's sources are
+    for _ in range(30):  # interleaved, as a chooser's sources are
         _chain_step(c, [2], [1], verify_time=1.36, draft_time=0.0, key="lookup")
         _chain_step(c, [2], [1], verify_time=1.36, draft_time=2.0, key="self")
     c.step_time = {1: 1.0, 2: 1.36, 3: 1.36, 4: 1.36, 5: 1.8}

@@ -359,7 +359,7 @@ def test_a_replayed_controller_stops_drafting_what_does_not_pay():
     something else, and a verify row costs 2 plain steps: a fixed budget verifies the 2-node corpus
     tree after every 7 (5 steps' time), the controller (the decoder's own sizing and learning, shared
     through draft_step / learn_step) closes the class's gate after its first measured drafts."""
-    from specdec.bench.generation import fixed_setting
+    from specdec.bench.runner import fixed_setting
     from specdec.bench.replay import replay
     from specdec.controller import DraftLengthConfig, DraftLengthController
 

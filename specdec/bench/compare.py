@@ -118,7 +118,7 @@ def compare(groups: dict[str, dict[str, dict[str, tuple[int, float]]]], a: str, 
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specdec.cli.options import positive_int
+    from specdec.arguments import positive_int
 
     p = argparse.ArgumentParser(prog="python -m specdec.bench.compare", description=__doc__.split("\n")[0])
     p.add_argument("records", help="a .jsonl of specdec bench or specdec bench-longctx")

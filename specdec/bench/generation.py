@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from specdec.bench.runner import AnswerFile, group, make_decoder, rotated, warm_up
-from specdec.cli.options import int_list, name_list, non_negative_float, positive_int
+from specdec.arguments import int_list, name_list, non_negative_float, positive_int
 from specdec.prompting import chat_ids, eos_ids, user_turn
 from specdec.runtime import kernels
 from specdec.drafters.base import Corpus

@@ -34,8 +34,8 @@ def _attend(q, k, v, mask):
 
 def _run(method: str, B: int, prompt: int, n: int, g: torch.Generator) -> float:
     """Seconds for n decode steps (update + attention) after a prompt of `prompt` tokens."""
-    kv = torch.randn(n + prompt, B, HKV, 1, D, generator=g)
-    q = torch.randn(B, HQ, 1, D, generator=g)
+    kv = torch.randn(n + prompt, B, HKV, 1, D, generator=g, dtype=torch.float32)
+    q = torch.randn(B, HQ, 1, D, generator=g, dtype=torch.float32)
     total = prompt + n
     if method == "iterative":
         layer = DynamicLayer()
@@ -48,7 +48,7 @@ def _run(method: str, B: int, prompt: int, n: int, g: torch.Generator) -> float:
     if method in ("upfront", "sliced"):
         layer = StaticLayer(max_cache_len=total)
         layer.update(kv[:prompt, :, :, 0].permute(1, 2, 0, 3), kv[:prompt, :, :, 0].permute(1, 2, 0, 3))
-        mask = torch.full((B, 1, 1, total), torch.finfo(torch.float32).min)
+        mask = torch.full((B, 1, 1, total), torch.finfo(torch.float32).min, dtype=torch.float32)
         mask[..., :prompt] = 0
         t = time.perf_counter()
         for i in range(prompt, total):
@@ -96,7 +96,7 @@ def run_benchmark(n: int = 2048, batches=(1, 16), prompt: int = 64, repeats: int
 
 
 def add_arguments(p) -> None:
-    from specdec.cli.options import int_list, positive_int
+    from specdec.arguments import int_list, positive_int
 
     p.add_argument("--tokens", type=positive_int, default=2048, help="generated tokens per run")
     p.add_argument("--batches", type=int_list, default="1,16")

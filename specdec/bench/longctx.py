@@ -44,7 +44,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from specdec.bench.books import BOOKS, INSTRUCTIONS, LongPrompt, build_prompts, read_books
 from specdec.bench.runner import AnswerFile, group, rotated, warm_up
-from specdec.cli.options import int_list, name_list, positive_int
+from specdec.arguments import int_list, name_list, positive_int
 from specdec.config import RuntimeConfig, use
 from specdec.config import current as current_runtime
 from specdec.controller import cost

@@ -38,12 +38,12 @@ def run_once(T: int, B: int, prompt: int, n: int, rows: int, seed: int = 0) -> f
     """Seconds for a generation of >= n tokens per row (update + attention + commit + growth)."""
     g = torch.Generator().manual_seed(seed)
     cache = BMCCache(1, B, BMCConfig(T))
-    kv = torch.randn(B, HKV, prompt, D, generator=g)
+    kv = torch.randn(B, HKV, prompt, D, generator=g, dtype=torch.float32)
     cache.load_prefill(0, [(kv[0], kv[0])], capacity=prompt)
     for b in range(1, B):
         cache.load_prefill(b, [(kv[b], kv[b])], capacity=prompt)
-    q = torch.randn(B, HQ, rows, D, generator=g)
-    new = torch.randn(B, HKV, rows, D, generator=g)
+    q = torch.randn(B, HQ, rows, D, generator=g, dtype=torch.float32)
+    new = torch.randn(B, HKV, rows, D, generator=g, dtype=torch.float32)
     keep = torch.randint(0, rows, (n,), generator=g).tolist()  # accepted drafts per step (all rows alike)
     t = time.perf_counter()
     made = 0
@@ -82,7 +82,7 @@ def sweep(lengths, batches, periods=PERIODS, n: int = 512, rows: int = 4, repeat
 
 
 def add_arguments(p) -> None:
-    from specdec.cli.options import int_list, positive_int
+    from specdec.arguments import int_list, positive_int
 
     p.add_argument("--lengths", type=int_list, default="1024,2048,4096,8192", help="prompt (context) lengths")
     p.add_argument("--batches", type=int_list, default="1,8")

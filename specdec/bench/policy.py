@@ -200,7 +200,7 @@ def overall(rows: list[dict]) -> dict:
 
 def add_arguments(p) -> None:
     from specdec.bench.longctx import add_prompt_arguments
-    from specdec.cli.options import non_negative_float, non_negative_int, positive_int
+    from specdec.arguments import non_negative_float, non_negative_int, positive_int
 
     add_prompt_arguments(p, "2048,7000", 256)
     p.add_argument("--drafter", default="streaming", help="a chain drafter: streaming, snapkv (at --budget), "

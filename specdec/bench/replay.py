@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.bench.runner import fixed_setting
-from specdec.cli.options import positive_int
+from specdec.arguments import positive_int
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import draft_step, learn_step
 from specdec.drafters.base import Commit, Drafter, Prompt

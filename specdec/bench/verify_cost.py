@@ -162,7 +162,7 @@ def measure_in_decoder(model, context: int = 200, sizes=SIZES, repeats: int = 3,
 
 
 def add_arguments(p) -> None:
-    from specdec.cli.options import non_negative_int, positive_int
+    from specdec.arguments import non_negative_int, positive_int
 
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
     p.add_argument("--context", type=non_negative_int, default=200, help="tokens already in the cache")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.decoder import SpecDecoder, StepEvent
-from specdec.cli.options import add_sampling_arguments, positive_int, sampling_arguments
+from specdec.arguments import add_sampling_arguments, positive_int, sampling_arguments
 from specdec.prompting import context_window, eos_ids, fit_conversation, has_chat_template
 from specdec.registry import DRAFTERS, make_drafter
 
@@ -106,7 +106,7 @@ class ChatSession:
         self.model, self.tokenizer, self.console = model, tokenizer, console
         self.max_new_tokens = max_new_tokens
         self.color = color
-        self.sampling = dict(sampling or {})  # generate() arguments (specdec.cli.options.sampling_arguments)
+        self.sampling = dict(sampling or {})  # generate() arguments (specdec.arguments.sampling_arguments)
         if self.sampling.get("seed") is not None:  # one stream for the whole chat, not the same per reply
             self.sampling["generator"] = torch.Generator().manual_seed(self.sampling.pop("seed"))
         self.eos = eos_ids(model, tokenizer, required=True)

@@ -10,7 +10,7 @@ from rich.console import Console
 from specdec.runtime import kernels
 from specdec.decoder import SpecDecoder
 from specdec.registry import DRAFTERS, make_drafter
-from specdec.cli.options import add_sampling_arguments, positive_int, sampling_arguments
+from specdec.arguments import add_sampling_arguments, positive_int, sampling_arguments
 from specdec.models import WEIGHTS
 from specdec.prompting import encode_prompt
 

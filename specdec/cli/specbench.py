@@ -41,7 +41,7 @@ from specdec.decoder import SpecDecoder
 from specdec.bench.questions import Question, load_questions, select_questions
 from specdec.bench.runner import AnswerFile, check_run_settings, file_name, rotated, warm_up
 from specdec.bench.specbench_figures import BASELINE, print_summary, summarize
-from specdec.cli.options import name_list, non_negative_float, positive_int
+from specdec.arguments import name_list, non_negative_float, positive_int
 from specdec.prompting import chat_ids, context_window, eos_ids, has_chat_template, pad_id, reply_room
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import sampling_kwargs

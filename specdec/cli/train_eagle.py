@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.cli.options import non_negative_float, non_negative_int, positive_int
+from specdec.arguments import non_negative_float, non_negative_int, positive_int
 from specdec.training.eagle import TrainConfig, train_head
 from specdec.training.eagle_data import (PROMPTS_FILE, DataConfig, encode_prompts, generate_data, read_prompts,
                                          restore_answers, save_answers)

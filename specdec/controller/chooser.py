@@ -1,4 +1,4 @@
-"""Choosing among several draft classes (the sources of ``drafters.auto``): which one drafts this step.
+"""Choosing among several draft classes (the sources of ``drafters.chooser.Sources``, ``auto``): which one drafts this step.
 
 Why this order: docs/decisions/009-shadow-drafts.md (free sources measured by shadow drafts) and
 docs/decisions/006-draft-length.md (the gate, ``min_samples``).

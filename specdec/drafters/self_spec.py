@@ -63,8 +63,7 @@ class SelfSpecDrafter(Drafter):
     def pays_from(self, max_ratio: float, batch_size: int = 1) -> int:
         """The shortest prompt at which a draft token reads at most ``max_ratio`` of the bytes a target
         step reads (the weights once, and per sequence the compressed rows against every row:
-        ``cost_model.shortest_paying_prompt``). For the default model in fp32 (538 MB of weights,
-        46 KB of K/V a token), budget 512, ratio 0.5: ~12,800 tokens at batch 1, ~2,500 at batch 8."""
+        ``controller.cost.shortest_paying_prompt``; docs/decisions/008-auto-sources.md)."""
         weights = sum(p.numel() * p.element_size() for p in self.target.parameters())
         element = next(self.target.parameters()).element_size()
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element * batch_size

@@ -11,10 +11,9 @@ The tree: best first by estimated path probability. A child's probability is its
 of its siblings' counts (the context's continuations), times its parent's; nodes are taken in
 decreasing probability while their probability is >= ``min_prob``, up to a size set by the match
 length (``tree_limits``: a 1-token match gets 2 nodes, 8 tokens or more the full 16). The sum of
-the path probabilities is the expected number of accepted tokens under these counts
-(``expected_accepted`` in specdec.tree's sense); the local tree and the corpus tree are both built
-and the one with the higher score (the corpus's times ``corpus_weight``) is proposed, as
-SuffixDecoding picks between its per-request and global trees.
+the path probabilities is the expected number of accepted tokens under these counts; the local
+tree and the corpus tree are both built and the one with the higher score (the corpus's times
+``corpus_weight``) is proposed, as SuffixDecoding picks between its per-request and global trees.
 
 Budget: ``Capabilities.sizes_own_tree``. The drafter sizes its own tree (by match length and
 probabilities); the decoder caps it at the tokens still wanted, and the controller's throughput
