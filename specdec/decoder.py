@@ -37,6 +37,7 @@ from specdec.forward import forward_block, prefill
 from specdec.controller import period
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import attention_shape, sliding_window, text_config
+from specdec.prompting import eos_ids
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
 from specdec.verifiers.sampling import verify_sampling
@@ -503,11 +504,9 @@ def _make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None
 
 
 def _eos_set(eos_token_id, target) -> set[int]:
+    """eos_token_id (an int or a list), else the target's generation config's (``prompting.eos_ids``)."""
     if eos_token_id is None:
-        gen = getattr(target, "generation_config", None)
-        eos_token_id = getattr(gen, "eos_token_id", None) if gen is not None else None
-    if eos_token_id is None:
-        return set()
+        return set(eos_ids(target))
     return {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
 
 
