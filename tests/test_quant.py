@@ -195,3 +195,16 @@ def test_load_model_names_a_bad_weights_choice():
 
     with pytest.raises(ValueError, match=r"weights='q5': expected one of fp32, packed, q8_0, q4_0, q4_1"):
         load_model("default", weights="q5")
+
+
+def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypatch):
+    import specdec.quant.modules as qm
+
+    fmt = block_format("Q8_0")
+    g = torch.Generator().manual_seed(0)
+    layer = QuantLinear(qm.quantize_blocks(torch.randn(40, 64, generator=g), fmt), fmt, 64,
+                        bias=torch.randn(40, generator=g))
+    x = torch.randn(3, 64, generator=g)
+    whole = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
+    monkeypatch.setattr(qm, "CHUNK_FLOATS", 64 * 7)  # 7 output features a slice: 6 slices, the last of 5
+    torch.testing.assert_close(layer(x), whole, rtol=1e-6, atol=1e-6)

@@ -22,6 +22,7 @@ from specdec.quant.formats import BlockFormat, block_format, dequantize
 
 # the formats ``quantize_model`` can write (the gguf package's quantizers); K formats load from files
 QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1")
+CHUNK_FLOATS = 1 << 20  # QuantLinear's reference forward dequantizes at most this many weights at a time
 
 
 class QuantLinear(nn.Module):
@@ -40,8 +41,16 @@ class QuantLinear(nn.Module):
         """The weight the blocks define: float32 [out_features, in_features]."""
         return dequantize(self.blocks, self.fmt)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features]
-        return F.linear(x, self.dequantized().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features] -> [..., out_features]
+        # output features in slices of <= CHUNK_FLOATS dequantized weights: the transient fp32 copy of a
+        # large matrix (the 49k-row output layer: 113 MB) never exists whole
+        step = max(1, CHUNK_FLOATS // self.in_features)
+        bias = None if self.bias is None else self.bias.to(x.dtype)
+        if step >= self.out_features:
+            return F.linear(x, self.dequantized().to(x.dtype), bias)
+        out = torch.cat([F.linear(x, dequantize(self.blocks[i:i + step], self.fmt).to(x.dtype))
+                         for i in range(0, self.out_features, step)], dim=-1)
+        return out if bias is None else out + bias
 
     def extra_repr(self) -> str:
         return f"{self.fmt.name}, in_features={self.in_features}, out_features={self.out_features}"
