@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from specdec.quant.modules import QUANTIZE_ON_LOAD
+
 from specdec.config import current as current_runtime
 
 DEFAULT_MODEL = "default"
@@ -79,7 +81,8 @@ def default_gguf_path() -> Path:
     return path
 
 
-WEIGHTS = ("fp32", "packed", "q8_0", "q4_0", "q4_1")  # load_model's ``weights``
+# load_model's ``weights``: fp32, a GGUF's blocks kept packed, or a format to quantize to on load
+WEIGHTS = ("fp32", "packed", *(name.lower() for name in QUANTIZE_ON_LOAD))
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",

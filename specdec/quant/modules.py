@@ -25,13 +25,23 @@ QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1")
 CHUNK_FLOATS = 1 << 20  # QuantLinear's reference forward dequantizes at most this many weights at a time
 
 
+def _check_blocks(blocks: torch.Tensor, fmt: BlockFormat, row_weights: int, what: str, rows: str) -> None:
+    """blocks must be uint8 [rows, the bytes of ``row_weights`` weights in ``fmt``]; else a ValueError."""
+    if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != fmt.row_bytes(row_weights):
+        raise ValueError(f"{fmt.name} blocks for {what} must be uint8 [{rows}, {fmt.row_bytes(row_weights)}], "
+                         f"got {blocks.dtype} {tuple(blocks.shape)}")
+
+
+def _check_quantizable(fmt: BlockFormat) -> None:
+    if fmt.name not in QUANTIZE_ON_LOAD:
+        raise ValueError(f"quantizing to {fmt.name} is not supported; on load: {', '.join(QUANTIZE_ON_LOAD)}")
+
+
 class QuantLinear(nn.Module):
     def __init__(self, blocks: torch.Tensor, fmt: BlockFormat, in_features: int,
                  bias: torch.Tensor | None = None) -> None:
         super().__init__()
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != fmt.row_bytes(in_features):
-            raise ValueError(f"{fmt.name} blocks for {in_features} input features must be uint8 "
-                             f"[out_features, {fmt.row_bytes(in_features)}], got {blocks.dtype} {tuple(blocks.shape)}")
+        _check_blocks(blocks, fmt, in_features, f"{in_features} input features", "out_features")
         self.fmt = fmt
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks, persistent=False)  # [N, row_bytes] uint8
@@ -60,9 +70,7 @@ class QuantEmbedding(nn.Module):
     def __init__(self, blocks: torch.Tensor, fmt: BlockFormat, embedding_dim: int,
                  padding_idx: int | None = None) -> None:
         super().__init__()
-        if blocks.dtype != torch.uint8 or blocks.dim() != 2 or blocks.shape[1] != fmt.row_bytes(embedding_dim):
-            raise ValueError(f"{fmt.name} embedding blocks must be uint8 [vocab, {fmt.row_bytes(embedding_dim)}], "
-                             f"got {blocks.dtype} {tuple(blocks.shape)}")
+        _check_blocks(blocks, fmt, embedding_dim, f"an embedding of {embedding_dim} dimensions", "vocab")
         self.fmt = fmt
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.padding_idx = padding_idx
@@ -89,18 +97,18 @@ def quantize_blocks(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """float [N, K] -> uint8 [N, row_bytes]: the weight quantized to ``fmt`` (Q8_0, Q4_0, Q4_1)."""
     from gguf import GGMLQuantizationType, quants
 
+    _check_quantizable(fmt)
     data = weight.detach().to(torch.float32).cpu().numpy()
     packed = quants.quantize(data, GGMLQuantizationType[fmt.name])
     return torch.from_numpy(np.ascontiguousarray(packed)).reshape(weight.shape[0], fmt.row_bytes(weight.shape[1]))
 
 
 def quantize_model(model: nn.Module, quant: str, skip: tuple[str, ...] = ()) -> nn.Module:
-    """Every nn.Linear of ``model`` (names in ``skip`` and untied output layers aside) becomes a
-    QuantLinear of ``quant`` blocks, in place; the fp32 weights are dropped. The user opts into that
+    """Every nn.Linear of ``model`` becomes a QuantLinear of ``quant`` blocks, in place (aside: names in
+    ``skip``, layers whose rows are not whole blocks, an output layer tied to the embedding); the fp32 weights are dropped. The user opts into that
     target: its outputs are the quantized model's, exactly, not the fp32 model's."""
     fmt = block_format(quant)
-    if fmt.name not in QUANTIZE_ON_LOAD:
-        raise ValueError(f"quantizing to {fmt.name} is not supported; on load: {', '.join(QUANTIZE_ON_LOAD)}")
+    _check_quantizable(fmt)  # before the loop: a model with no layer to quantize still hears of it
     tied = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     for name, mod in list(model.named_modules()):
         if type(mod) is not nn.Linear or name in skip or mod.in_features % fmt.block_weights:
