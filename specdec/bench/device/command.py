@@ -59,6 +59,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--samples", type=int, default=exactness.SAMPLES, help="generations per sampling case")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per grid point (median)")
     p.add_argument("--traces", default=str(DEFAULT_TRACES), help="acceptance traces to price (traces.py)")
+    p.add_argument("--curves", default=None, help="price by the verify curves of an earlier run's JSON "
+                                                  "(--parts price without verify: a GPU's curves, priced anywhere)")
     p.add_argument("--budget-s", type=float, default=450.0, help="seconds the whole run may take")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
 
@@ -70,8 +72,9 @@ def _check(args) -> list[str]:
     shapes = args.shapes.split(",")
     if unknown := [x for x in shapes + [args.store_shape] if x not in costs.SHAPES]:
         raise ValueError(f"--shapes: unknown {', '.join(unknown)} (known: {', '.join(costs.SHAPES)})")
-    if "price" in parts and "verify" not in parts:
-        raise ValueError("--parts: price needs verify (it prices traces by the verify curves)")
+    if "price" in parts and "verify" not in parts and not args.curves:
+        raise ValueError("--parts: price needs verify, or --curves from an earlier run (it prices traces by "
+                         "the verify curves)")
     if args.budget_s <= 0 or args.samples < 1 or args.repeats < 1:
         raise ValueError("--budget-s, --samples and --repeats must be positive")
     return parts
@@ -161,7 +164,12 @@ def run(args) -> int:
         traces = Path(args.traces)
         if traces.is_file():
             methods = json.loads(traces.read_text())["methods"]
-            for r in pricing.price_all(methods, report.doc["parts"].get("verify", [])):
+            curves = report.doc["parts"].get("verify", [])
+            if args.curves:
+                source = json.loads(Path(args.curves).read_text())
+                curves = source["parts"]["verify"]
+                report.doc["curves_from"] = {k: v for k, v in source.items() if k != "parts"}
+            for r in pricing.price_all(methods, curves):
                 report.add("price", r)
         else:
             report.doc["price_skipped"] = f"no traces at {traces}"
