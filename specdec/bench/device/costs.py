@@ -16,6 +16,7 @@ whole run), and a grid point whose K/V would not fit the device's memory is reco
 
 from __future__ import annotations
 
+import gc
 import statistics
 import time
 from dataclasses import dataclass
@@ -74,8 +75,9 @@ def _synchronize(device: torch.device) -> None:
 
 
 def median_seconds(fn: Callable[[], object], device: torch.device, repeats: int) -> float:
-    """Median wall seconds of ``fn`` over ``repeats`` calls after one warm-up, synchronised per call."""
-    fn()
+    """Median wall seconds of ``fn`` over ``repeats`` calls after two warm-ups, synchronised per call."""
+    for _ in range(2):
+        fn()
     _synchronize(device)
     times = []
     for _ in range(repeats):
@@ -94,19 +96,25 @@ def free_bytes(device: torch.device) -> int:
     return 1 << 62
 
 
-def _random_kv(shape: Shape, batch: int, context: int, dtype, device) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _random_kv(shape: Shape, batch: int, context: int, dtype, device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Random K and V [batch, kv_heads, context, head_dim], one layer at a time (never all layers twice)."""
     g = torch.Generator(device=device).manual_seed(0)
-    kv = []
     for _ in range(shape.layers):
         k = torch.randn(batch, shape.kv_heads, context, shape.head_dim, generator=g, dtype=dtype, device=device)
-        kv.append((k, torch.randn(k.shape, generator=g, dtype=dtype, device=device)))
-    return kv
+        yield k, torch.randn(k.shape, generator=g, dtype=dtype, device=device)
+
+
+def _release(device: torch.device) -> None:
+    """Give the memory of the last grid point back before the next one is sized."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def bmc_store(model, shape: Shape, batch: int, context: int, room: int) -> BMCCache:
     """A BMC store of ``batch`` rows holding ``context`` random tokens each, with ``room`` rows to spare."""
     cache = BMCCache.for_model(model, batch, BMCConfig(period=64))
-    kv = _random_kv(shape, 1, context, model.dtype, model.device)  # one row's K/V, copied into every row
+    kv = list(_random_kv(shape, 1, context, model.dtype, model.device))  # one row's K/V, copied into every row
     for b in range(batch):
         cache.load_prefill(b, [(k[0], v[0]) for k, v in kv], capacity=context + room)
     return cache
@@ -134,20 +142,24 @@ def verify_curves(device, shapes: list[str], dtype: torch.dtype = torch.bfloat16
                     if time.perf_counter() > deadline:
                         yield {**point, "skipped": "time budget"}
                         continue
-                    cache = bmc_store(model, shape, batch, context, max(rows))
-                    g = torch.Generator().manual_seed(0)
-                    for q in rows:
-                        ids = torch.randint(0, shape.vocab, (batch, q), generator=g).to(device)
-                        seconds = median_seconds(lambda: forward_block(model, cache, ids, None, None), device,
-                                                 repeats)
-                        yield {**point, "rows": q, "seconds": seconds}
-                    del cache
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
+                    try:
+                        yield from _verify_point(model, shape, point, rows, repeats)
+                    except torch.OutOfMemoryError:
+                        yield {**point, "skipped": "out of memory"}
+                    _release(device)
         finally:
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+
+
+def _verify_point(model, shape: Shape, point: dict, rows, repeats: int) -> Iterator[dict]:
+    cache = bmc_store(model, shape, point["batch"], point["context"], max(rows))
+    g = torch.Generator().manual_seed(0)
+    for q in rows:
+        ids = torch.randint(0, shape.vocab, (point["batch"], q), generator=g).to(model.device)
+        seconds = median_seconds(lambda: forward_block(model, cache, ids, None, None), model.device, repeats)
+        yield {**point, "rows": q, "seconds": seconds}
 
 
 def store_steps(device, shape_name: str = "1B", dtype: torch.dtype = torch.bfloat16, batches=(16, 32, 64),
@@ -169,26 +181,41 @@ def store_steps(device, shape_name: str = "1B", dtype: torch.dtype = torch.bfloa
                     why = "time budget" if need <= headroom * free_bytes(device) else f"needs ~{need / 2**30:.0f} GiB"
                     yield {**point, "skipped": why}
                     continue
-                ids = torch.randint(0, shape.vocab, (batch, 1), generator=torch.Generator().manual_seed(0)).to(device)
-                cache = bmc_store(model, shape, batch, context, 1)
-                bmc = median_seconds(lambda: forward_block(model, cache, ids, None, None), device, repeats)
-                del cache
-                dyn = DynamicCache(config=model.config)
-                for layer, (k, v) in enumerate(_random_kv(shape, batch, context, dtype, device)):
-                    dyn.update(k, v, layer)
-                position = torch.full((batch, 1), context, dtype=torch.long, device=device)
-
-                def dynamic_step():
-                    with torch.inference_mode():
-                        model(input_ids=ids, position_ids=position, use_cache=True, **{arg: dyn})
-                    dyn.crop(-1)  # a view: the next step appends to the same context again
-
-                hf = median_seconds(dynamic_step, device, repeats)
-                del dyn
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                yield {**point, "bmc_seconds": bmc, "dynamic_seconds": hf, "dynamic_over_bmc": hf / bmc}
+                try:
+                    bmc, hf = _bmc_step(model, shape, point, repeats), _dynamic_step(model, shape, point, repeats, arg)
+                except torch.OutOfMemoryError:
+                    yield {**point, "skipped": "out of memory"}
+                else:
+                    yield {**point, "bmc_seconds": bmc, "dynamic_seconds": hf, "dynamic_over_bmc": hf / bmc}
+                _release(device)
     finally:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
+
+
+def _step_ids(shape: Shape, batch: int, device) -> torch.Tensor:
+    return torch.randint(0, shape.vocab, (batch, 1), generator=torch.Generator().manual_seed(0)).to(device)
+
+
+def _bmc_step(model, shape: Shape, point: dict, repeats: int) -> float:
+    cache = bmc_store(model, shape, point["batch"], point["context"], 1)
+    ids = _step_ids(shape, point["batch"], model.device)
+    return median_seconds(lambda: forward_block(model, cache, ids, None, None), model.device, repeats)
+
+
+def _dynamic_step(model, shape: Shape, point: dict, repeats: int, arg: str) -> float:
+    batch, context = point["batch"], point["context"]
+    dyn = DynamicCache(config=model.config)
+    for layer, (k, v) in enumerate(_random_kv(shape, batch, context, model.dtype, model.device)):
+        dyn.update(k, v, layer)
+        del k, v  # the cache holds its own copy
+    ids = _step_ids(shape, batch, model.device)
+    position = torch.full((batch, 1), context, dtype=torch.long, device=model.device)
+
+    def step():
+        with torch.inference_mode():
+            model(input_ids=ids, position_ids=position, use_cache=True, **{arg: dyn})
+        dyn.crop(-1)  # a view: the next step appends to the same context again
+
+    return median_seconds(step, model.device, repeats)
