@@ -9,7 +9,7 @@ import torch
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.sampling import SamplingParams, greedy, target_probs
+from specdec.sampling import SamplingParams, draw, greedy, target_probs
 from specdec.tree import DraftTree
 
 
@@ -115,10 +115,10 @@ class ModelDrafter(Drafter):
 def pick_token(logits: torch.Tensor, probs: list, sampling: SamplingParams | None,
                generator: torch.Generator | None) -> torch.Tensor:
     """A chain drafter's next token per row from logits [B, V]: argmax (greedy), or a sample from the
-    distribution processed as the target's is, which is appended to ``probs`` (on the CPU, where the
-    verifier reads q)."""
+    distribution processed as the target's is, which is appended to ``probs`` (on the logits' device,
+    where the verifier reads q; the uniforms come from ``generator``, a CPU one)."""
     if sampling is None:
         return greedy(logits)
-    q = target_probs(logits[:, None].cpu(), sampling)[:, 0]  # [B, V] float64
+    q = target_probs(logits[:, None], sampling)[:, 0]  # [B, V] float64
     probs.append(q)
-    return torch.multinomial(q, 1, generator=generator)[:, 0].to(logits.device)
+    return draw(q, generator)

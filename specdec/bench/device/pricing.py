@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specdec.bench.replay import step_cost
+
 # what the papers report for the regimes priced here, printed beside the figures
 PAPERS = {
     "magicdec": "MagicDec (Chen et al. 2024): up to ~2x with StreamingLLM self-speculation, 7-8B targets, "
@@ -56,13 +58,8 @@ class Curve:
         """Seconds of a verify of ``rows`` rows; between measured sizes linear, past the largest flat
         per row beyond it (proportional). Example: {1: 1.0, 4: 1.3}, rows 2 -> 1.1."""
         curve = self.seconds[(batch, context)]
-        sizes = sorted(curve)
-        if rows <= sizes[0]:
-            return curve[sizes[0]]
-        for a, b in zip(sizes, sizes[1:]):
-            if rows <= b:
-                return curve[a] + (curve[b] - curve[a]) * (rows - a) / (b - a)
-        return curve[sizes[-1]] * rows / sizes[-1]
+        largest = max(curve)
+        return curve[largest] * rows / largest if rows > largest else step_cost(curve, rows)
 
 
 def chain_gain(answers: list[dict], k: int) -> tuple[int, int]:

@@ -1,11 +1,12 @@
 """Acceptance traces recorded on the CPU with the real model, for ``pricing.py`` to price on a GPU.
 
     python -m specdec.bench.device.traces --answers results/specbench_answers.jsonl \\
-        --recordings results/streaming7k.jsonl --out data/device_traces.json
+        data/eagle_answers.jsonl@100-129,500-519 --recordings results/streaming7k.jsonl \\
+        --out data/device_traces.json
 
 Inputs are the target's own greedy answers, so no model runs here:
-- ``--answers``: token-id JSONL of greedy answers (``specdec bench --save-answers``, Spec-Bench
-  questions). Prompt lookup is driven along each answer: after every answer token s it drafts a
+- ``--answers``: token-id JSONL of greedy answers (``specdec bench --save-answers`` on Spec-Bench
+  questions; the project's held-out stored answers). Prompt lookup is driven along each answer: after every answer token s it drafts a
   chain of ``--depth`` tokens, and runs[s] is how many of them the answer continues with (a chain
   trace). Suffix trees and auto's text sources (prompt lookup + suffix over the project's stored
   answers) are replayed (``bench.replay``) at a fixed tree size: (nodes, accepted) per step.
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from specdec.bench.policy import Recording, _leading
-from specdec.bench.replay import replay
+from specdec.bench.replay import _ranges, replay
 from specdec.bench.runner import fixed_setting
 from specdec.controller import DraftLengthController
 from specdec.drafters import PromptLookupDrafter, Sources, SuffixDrafter
@@ -66,7 +67,8 @@ def from_answers(docs: list[CorpusDoc], corpus: list[CorpusDoc], depth: int, tre
     context = round(sum(len(d.ids) for d in docs) / len(docs))
     chains = [chain_runs(PromptLookupDrafter(), list(d.ids[: d.prompt_len]), list(d.ids[d.prompt_len:]), depth)
               for d in docs]
-    shared = SuffixCorpus(corpus)
+    held = {d.ids[: d.prompt_len] for d in docs}  # the corpus never holds a traced prompt's conversation
+    shared = SuffixCorpus(c for c in corpus if c.ids[: c.prompt_len] not in held)
     setting = f"n={tree_size}"
     makers = {"suffix": SuffixDrafter,
               "suffix-corpus": lambda: SuffixDrafter(corpus=shared),
@@ -93,7 +95,9 @@ def from_recordings(path: Path) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--answers", help="greedy answers (token-id JSONL with prompt_len)")
+    p.add_argument("--answers", nargs="+", metavar="FILE[@LINES]",
+                   help="greedy answers (token-id JSONL with prompt_len), optionally only some lines: "
+                        "data/eagle_answers.jsonl@100-129,500-519")
     p.add_argument("--corpus", default=None, help="what suffix-corpus searches (default: the stored answers)")
     p.add_argument("--recordings", help="bench-controller recordings (JSONL)")
     p.add_argument("--depth", type=int, default=10, help="chain length drafted at every answer token")
@@ -105,8 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.answers:
         from specdec.drafters.corpus import default_answers_path
 
-        docs = [CorpusDoc(d.ids[: d.prompt_len + args.max_new_tokens], d.prompt_len)
-                for d in read_token_jsonl(args.answers) if len(d.ids) > d.prompt_len + 1]
+        docs = []
+        for spec in args.answers:
+            path, _, lines = spec.partition("@")
+            read = read_token_jsonl(path)
+            docs += [CorpusDoc(d.ids[: d.prompt_len + args.max_new_tokens], d.prompt_len)
+                     for d in (read[i] for i in (_ranges(lines, len(read)) if lines else range(len(read))))
+                     if len(d.ids) > d.prompt_len + 1]
         corpus = read_token_jsonl(args.corpus or default_answers_path())
         methods.update(from_answers(docs, corpus, args.depth, args.tree_size))
     if args.recordings:
