@@ -140,6 +140,10 @@ class _Batch:
                 keep.append(row)
         return events, keep
 
+    def text(self, s: int) -> list[int]:
+        """Sequence s's committed tokens: its prompt, then what it generated."""
+        return self.prompt[s] + self.new[s]
+
 
 def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted: list[list[int]],
                verify_time: float | None, draft_time: float | None, shadows: list[Shadow] = (),
