@@ -18,6 +18,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "bench-longctx": ("specdec.bench.longctx", "long-context self-speculation (MagicDec) vs HF generate"),
     "bench-controller": ("specdec.bench.policy", "the draft-length controller vs every fixed length, on replayed steps"),
     "chat": ("specdec.cli.chat", "terminal chat with speculative decoding"),
+    "serve": ("specdec.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
     "specbench": ("specdec.cli.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
     "train-eagle": ("specdec.cli.train_eagle", "train an EAGLE head for a target, offline"),
 }

@@ -17,6 +17,7 @@ raises ``Busy``. Drafters that read hidden states (EAGLE) cannot restart mid-bat
 
 from __future__ import annotations
 
+import contextvars
 import logging
 import threading
 import time
@@ -135,11 +136,17 @@ class Engine:
             self._cv.notify()
 
     @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    @property
     def queue_length(self) -> int:
         return len(self._queue)
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="specdec-engine", daemon=True)
+        # the caller's context (a specdec.config.use block's runtime) goes with the thread
+        context = contextvars.copy_context()
+        self._thread = threading.Thread(target=context.run, args=(self._run,), name="specdec-engine", daemon=True)
         self._thread.start()
 
     def stop(self, deadline: float = 10.0) -> None:
