@@ -199,3 +199,18 @@ def test_a_full_queue_answers_429_with_retry_after():
     finally:
         release.set()
         live.stop()
+
+
+def test_the_load_script_measures_both_modes_on_a_small_load(server):
+    import asyncio
+
+    from specdec.bench.serve_load import _same_answers, percentile, run_load
+
+    assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4 and percentile([], 50) is None
+    bodies = [{"model": "tiny", "messages": chat(f"load {i}"), "stream": True, "max_tokens": 8, "temperature": 0,
+               "stream_options": {"include_usage": True}} for i in range(3)]
+    together = asyncio.run(run_load(server.url, bodies, 2, 2, 60))
+    alone_ = asyncio.run(run_load(server.url, bodies, 1, 4, 60))
+    for r in (together, alone_):
+        assert r["requests"] == 4 and r["errors"] == 0 and r["tokens"] > 0 and r["ttft_p50_s"] is not None
+    assert _same_answers(together, alone_)

@@ -35,8 +35,12 @@ def add_arguments(p) -> None:
 
 
 def run(args) -> int:
-    import uvicorn
     from pathlib import Path
+
+    try:
+        import uvicorn
+    except ModuleNotFoundError:
+        raise ValueError("specdec serve needs its HTTP stack: pip install 'specdec[serve]'") from None
 
     from specdec.decoder import SpecDecoder, SpecDecoderConfig
     from specdec.drafters.corpus import vocab_fingerprint
@@ -65,6 +69,9 @@ def run(args) -> int:
     log.info("serving %s (drafter %s) on http://%s:%d/v1", config.model_name, args.drafter, args.host, args.port)
     # uvicorn handles SIGTERM / SIGINT: stop accepting, let open requests finish (up to the timeout),
     # then the app's lifespan stops the engine and saves the cache
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down gracefully
+        pass
     return 0
