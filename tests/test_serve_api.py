@@ -80,7 +80,7 @@ def test_openai_completions_stream_and_not(server, client):
 
 
 def test_concurrent_clients_arriving_mid_batch_get_their_alone_answers(server, client):
-    texts = [f"question {i}: " + "xy" * (i + 1) for i in range(6)]
+    texts = [f"question {i}: " + "xy" * (i + 1) for i in range(8)]
     answers: dict[int, str] = {}
 
     def ask(i: int) -> None:
@@ -88,12 +88,12 @@ def test_concurrent_clients_arriving_mid_batch_get_their_alone_answers(server, c
         r = client.chat.completions.create(model="tiny", messages=chat(texts[i]), temperature=0, max_tokens=24)
         answers[i] = r.choices[0].message.content
 
-    threads = [threading.Thread(target=ask, args=(i,)) for i in range(6)]
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]  # 8 at once, 4 rows: some wait
     for t in threads:
         t.start()
     for t in threads:
         t.join(60)
-    assert sorted(answers) == list(range(6))
+    assert sorted(answers) == list(range(8))
     for i, text in enumerate(texts):
         assert answers[i] == alone(server, chat(text), max_new=24)
 
@@ -129,6 +129,9 @@ BAD = [  # (body or raw bytes, status, words the message must hold)
     ({"model": "tiny", "messages": [{"role": "user", "content": ""}]}, 400, "empty prompt"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "z" * (2 * WINDOW)}]}, 400, "context window"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "boolean"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3}, 400,
+     "not supported"),
+    ([1, 2], 400, "JSON object"),
 ]
 
 

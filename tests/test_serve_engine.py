@@ -133,3 +133,18 @@ def test_a_cancelled_request_leaves_the_batch_at_the_next_step(target):
         assert len(long_.tokens) < 400 and engine.session.rows == []
     finally:
         engine.stop()
+
+
+def test_a_request_stops_at_its_eos_as_generate_does(target):
+    prompt = _prompts(1)[0]
+    free = SpecDecoder(target, None).generate(torch.tensor(prompt), max_new_tokens=12).generated(0).tolist()
+    eos = free[5]
+    expected = free[: free.index(eos) + 1]
+    engine = Engine(SpecDecoder(target, PromptLookupDrafter()), eos={eos})
+    engine.start()
+    try:
+        c = _Client(engine, prompt, 12)
+        assert c.done.wait(30)
+    finally:
+        engine.stop()
+    assert c.tokens == expected and c.finish == "stop"

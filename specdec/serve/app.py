@@ -49,7 +49,9 @@ class Service:
     def __init__(self, decoder, tokenizer, config: ServeConfig = ServeConfig(),
                  cache: ServedCache | None = None) -> None:
         self.tokenizer, self.config, self.cache = tokenizer, config, cache
-        self.window = context_window(decoder.target)
+        # positions a request may reach: the context window, or a sliding window the store does not implement
+        windows = [w for w in (context_window(decoder.target), decoder.sliding_window) if w is not None]
+        self.window = min(windows) if windows else None
         on_finished = cache.remember if cache is not None and cache.active else None
         self.engine = Engine(decoder, set(eos_ids(decoder.target, tokenizer)), config.engine, on_finished)
         self.models = (config.model_name,)

@@ -17,6 +17,7 @@ from specdec.sampling import SamplingParams
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "suffix")
 
 
 class ApiError(Exception):
@@ -113,6 +114,10 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
     if model is not None and model not in models:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves {', '.join(models)}",
                        "model", "model_not_found")
+    for name in UNSUPPORTED:  # asked for (truthy; best_of above 1): refused rather than ignored
+        v = body.get(name)
+        if v and not (name == "best_of" and v == 1):
+            raise ApiError(400, f"'{name}' is not supported by this server", name)
     n = _integer(body, "n", 1, 1)
     if n != 1:
         raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", "n")
