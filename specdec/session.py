@@ -168,8 +168,9 @@ class DecodeSession:
     """The live batch of one ``SpecDecoder`` (its target, drafter, controller and config); run it
     inside ``decoder.running()``. Sequence ids count up from 0 over the session's life."""
 
-    def __init__(self, decoder, eos: set[int]) -> None:
+    def __init__(self, decoder, eos: set[int], record_steps: bool = True) -> None:
         self.decoder = decoder
+        self.record_steps = record_steps  # keep every StepStats in ``steps`` (a server's would grow forever)
         self.batch = _Batch(eos)
         self.cache: BMCCache | None = None  # None while no row is live
         self.pending: torch.Tensor | None = None  # [B, 1] each live row's pending token
@@ -277,7 +278,7 @@ class DecodeSession:
         t0 = time.perf_counter()
         ver, commit = self._prefill(cache, prompts, judge, begin=False)
         stats = StepStats([0] * len(ids), [0] * len(ids), 0.0, time.perf_counter() - t0, list(ids))
-        self.steps.append(stats)
+        self._record(stats)
         events, keep = batch.extend(ids, commit, stats)
         if keep:  # the ones that did not finish with their first token join
             if len(keep) < len(ids):
@@ -385,7 +386,7 @@ class DecodeSession:
 
     def _finish(self, commit: Commit, next_token: torch.Tensor, stats: StepStats) -> list[StepEvent]:
         """Record the step, let the drafter learn, drop finished rows; the step's events."""
-        self.steps.append(stats)
+        self._record(stats)
         events, keep = self.batch.extend(self.rows, commit, stats)
         chooser = self.decoder.chooser
         if chooser is not None:  # also after the last step: a drafter's state ends in step
@@ -393,6 +394,10 @@ class DecodeSession:
         self.pending = next_token[:, None].to(self.decoder.target.device)
         self._keep(keep)
         return events
+
+    def _record(self, stats: StepStats) -> None:
+        if self.record_steps:
+            self.steps.append(stats)
 
     def _keep(self, keep: list[int]) -> None:
         """Compaction: keep live rows ``keep`` (ascending), one gather per buffer, in the store, the

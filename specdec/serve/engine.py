@@ -81,6 +81,7 @@ class Counters:
     tokens: int = 0  # tokens generated, all requests
     sequence_steps: int = 0  # target forwards summed over rows (tau = tokens / sequence_steps)
     steps: int = 0  # batched steps (one target forward each)
+    joins: int = 0  # admissions into a batch with live rows (continuous batching at work)
     finished: dict = field(default_factory=dict)  # finish reason -> requests
     drafted: dict = field(default_factory=dict)  # source -> drafted nodes verified
     accepted: dict = field(default_factory=dict)  # source -> drafted tokens kept
@@ -98,7 +99,7 @@ class Engine:
                  on_finished: Callable[[list[int], list[int]], None] | None = None) -> None:
         self.decoder, self.eos, self.config = decoder, set(eos), config
         self.on_finished = on_finished  # (prompt, answer) of each finished request, on the engine thread
-        self.session = DecodeSession(decoder, self.eos)
+        self.session = DecodeSession(decoder, self.eos, record_steps=False)
         self.counters = Counters()
         self._cv = threading.Condition()
         self._queue: deque[Request] = deque()
@@ -163,9 +164,16 @@ class Engine:
     # -- the engine thread
 
     def _run(self) -> None:
-        with self.decoder.running():
-            while self._turn():
-                pass
+        try:
+            with self.decoder.running():
+                while self._turn():
+                    pass
+        except Exception:  # noqa: BLE001 -- the runtime itself failed: refuse from now on, end every request
+            log.exception("the decode loop stopped")
+            with self._cv:
+                self._stopping = True
+                waiting, self._queue = list(self._queue), deque()
+            self._fail_all("the decode loop stopped", waiting)
         for fn in self._calls:  # a last save requested while stopping
             fn()
 
@@ -227,7 +235,14 @@ class Engine:
     def _admit(self, requests: list[Request]) -> None:
         prompts = [torch.tensor(r.prompt, dtype=torch.long) for r in requests]
         judge = RowAcceptance([RowRule.make(r.sampling, r.seed) for r in requests])
-        ids, events = self.session.add(prompts, [r.max_new for r in requests], judge)
+        self.counters.joins += bool(self.session.rows)
+        try:
+            ids, events = self.session.add(prompts, [r.max_new for r in requests], judge)
+        except Exception as e:  # their prefill failed: they end with the error, and so does the batch
+            for r in requests:
+                r.emit(Update([], "error", error=f"{type(e).__name__}: {e}"))
+                self._count_finish("error")
+            raise
         self._live.update(zip(ids, requests))
         self._dispatch(events)
 
@@ -249,6 +264,7 @@ class Engine:
                 self._end(e.sequence, Update(e.tokens, finish, e.from_draft))
         c.tokens += new
         c.recent.append((now, new))
+        c.tokens_per_second(now)  # drops what fell out of the window (bounded between scrapes)
 
     def _count_drafts(self, stats) -> None:
         if stats.key is None:
@@ -269,10 +285,10 @@ class Engine:
     def _count_finish(self, reason: str) -> None:
         self.counters.finished[reason] = self.counters.finished.get(reason, 0) + 1
 
-    def _fail_all(self, message: str) -> None:
-        """A step raised: every live request ends with the error; a fresh session carries on."""
-        for s, req in list(self._live.items()):
+    def _fail_all(self, message: str, waiting: list[Request] = ()) -> None:
+        """A step raised: every live request (and ``waiting``) ends with the error; a fresh session carries on."""
+        for req in list(self._live.values()) + list(waiting):
             req.emit(Update([], "error", error=message))
             self._count_finish("error")
         self._live.clear()
-        self.session = DecodeSession(self.decoder, self.eos)
+        self.session = DecodeSession(self.decoder, self.eos, record_steps=False)
