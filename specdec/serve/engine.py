@@ -18,6 +18,7 @@ raises ``Busy``. Drafters that read hidden states (EAGLE) cannot restart mid-bat
 from __future__ import annotations
 
 import contextvars
+import itertools
 import logging
 import threading
 import time
@@ -71,6 +72,7 @@ class Request:
     seed: int | None  # sampled rows: the noise stream's seed (None: a random one)
     emit: Callable[[Update], None]  # called on the engine thread
     answer: list[int] = field(default_factory=list)  # what was emitted so far
+    handle: int = -1  # set by submit: unique for the engine's life (an id() could be reused)
     enqueued: float = field(default_factory=time.perf_counter)
 
 
@@ -109,6 +111,7 @@ class Engine:
         self._stopping = False
         self._deadline = float("inf")
         self._thread: threading.Thread | None = None
+        self._handles = itertools.count()
 
     # -- the HTTP side's verbs (any thread)
 
@@ -120,9 +123,10 @@ class Engine:
             if len(self._queue) >= self.config.max_queue:
                 raise Busy(f"{len(self._queue)} requests are waiting (the most this server queues): "
                            "try again shortly", self.config.retry_after)
+            request.handle = next(self._handles)
             self._queue.append(request)
             self._cv.notify()
-        return id(request)
+        return request.handle
 
     def cancel(self, handle: int) -> None:
         """The request leaves: from the queue now, from the batch at the next step boundary."""
@@ -156,7 +160,7 @@ class Engine:
         with self._cv:
             self._stopping = True
             self._deadline = time.monotonic() + deadline
-            self._cancel.update(id(r) for r in self._queue)
+            self._cancel.update(r.handle for r in self._queue)
             self._cv.notify()
         if self._thread is not None:
             self._thread.join()
@@ -184,7 +188,7 @@ class Engine:
             while not (self._stopping or self._queue or self._cancel or self._calls or session.rows):
                 self._cv.wait()
             if self._stopping and time.monotonic() > self._deadline:
-                self._cancel.update(id(r) for r in self._live.values())
+                self._cancel.update(r.handle for r in self._live.values())
             cancel, self._cancel = self._cancel, set()
             calls, self._calls = self._calls, []
             self._drop_queued(cancel)
@@ -204,8 +208,8 @@ class Engine:
         except Exception as e:  # noqa: BLE001 -- a failed step fails its requests, not the server
             log.exception("decode step failed")
             self._fail_all(f"{type(e).__name__}: {e}")
-        self.counters.batch_size = len(session.rows)
-        return not done or bool(session.rows)
+        self.counters.batch_size = len(self.session.rows)  # (a fresh session after a failure)
+        return not done or bool(self.session.rows)
 
     def _admissible(self) -> list[Request]:
         """Waiting requests that fit the batch now (call under the lock)."""
@@ -218,7 +222,7 @@ class Engine:
     def _drop_queued(self, cancel: set[int]) -> None:
         kept = deque()
         for r in self._queue:
-            if id(r) in cancel:
+            if r.handle in cancel:
                 r.emit(Update([], "cancelled"))
                 self._count_finish("cancelled")
             else:
@@ -226,7 +230,7 @@ class Engine:
         self._queue = kept
 
     def _drop_live(self, cancel: set[int]) -> None:
-        gone = [s for s, r in self._live.items() if id(r) in cancel]
+        gone = [s for s, r in self._live.items() if r.handle in cancel]
         if gone:
             self.session.remove(gone)
             for s in gone:
