@@ -9,7 +9,8 @@ questions taken in turn from a question file (default: the shipped set; ``--ques
 file); then the same N x M requests are sent one at a time. Reported per mode: errors, p50 / p99 time
 to first token and per request, total tokens/s (usage counts over the wall time); the concurrent /
 sequential tokens/s ratio; and, greedy (``--temperature 0``), whether every answer is the same in
-both modes. ``--max-seconds`` bounds each mode (requests not started by then are skipped and counted).
+both modes. Any OpenAI-compatible server can be measured (e.g. llama.cpp's ``llama-server`` on a GGUF
+of the same weights); without usage counts its content chunks are counted as tokens. ``--max-seconds`` bounds each mode (requests not started by then are skipped and counted).
 """
 
 from __future__ import annotations
@@ -77,6 +78,8 @@ async def _one(client, url: str, body: dict, index: int) -> Sample:
                     parts.append(text)
     except Exception as e:  # noqa: BLE001 -- a failed request is a data point
         return Sample(index, None, None, 0, "", f"{type(e).__name__}: {e}")
+    # a server that sends no usage (another implementation): its content chunks, about one token each
+    tokens = tokens or sum(1 for p in parts if p)
     return Sample(index, ttft, time.perf_counter() - t0, tokens, "".join(parts))
 
 
