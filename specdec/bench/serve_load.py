@@ -21,7 +21,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
-from specdec.arguments import non_negative_float, positive_int
+from specdec.arguments import name_list, non_negative_float, positive_int
 from specdec.bench.questions import load_questions
 
 
@@ -34,7 +34,10 @@ def add_arguments(p) -> None:
     p.add_argument("--temperature", type=non_negative_float, default=0.0)
     p.add_argument("--questions", default=None, help="a question JSONL (default: the shipped set)")
     p.add_argument("--max-seconds", type=non_negative_float, default=1800.0, help="time bound per mode")
-    p.add_argument("--no-sequential", action="store_true", help="the concurrent load only")
+    p.add_argument("--modes", type=name_list, default=["concurrent", "sequential"],
+                   help="concurrent, sequential or both (in that order). The server remembers what it served "
+                        "(suffix cache): compare the modes on servers started with --no-suffix-cache, or one "
+                        "mode per fresh server")
     p.add_argument("--out", default="serve_load.json", help="where the JSON results go")
 
 
@@ -137,13 +140,18 @@ def run(args) -> int:
     bodies = [{"model": args.model, "messages": [{"role": "user", "content": q.turns[0]}], "stream": True,
                "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens,
                "temperature": args.temperature, "seed": 0} for q in questions]
+    unknown = set(args.modes) - {"concurrent", "sequential"}
+    if unknown:
+        raise ValueError(f"--modes takes concurrent and sequential, got {', '.join(sorted(unknown))}")
     total = args.clients * args.requests
-    print(f"concurrent: {args.clients} clients x {args.requests} requests against {args.url} ...")
-    result = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))},
-              "concurrent": asyncio.run(run_load(args.url, bodies, args.clients, args.requests, args.max_seconds))}
-    if not args.no_sequential:
+    result = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))}}
+    if "concurrent" in args.modes:
+        print(f"concurrent: {args.clients} clients x {args.requests} requests against {args.url} ...")
+        result["concurrent"] = asyncio.run(run_load(args.url, bodies, args.clients, args.requests, args.max_seconds))
+    if "sequential" in args.modes:
         print(f"sequential: the same {total} requests one at a time ...")
         result["sequential"] = asyncio.run(run_load(args.url, bodies, 1, total, args.max_seconds))
+    if "concurrent" in result and "sequential" in result:
         seq = result["sequential"]["tokens_per_s"]
         result["throughput_ratio"] = result["concurrent"]["tokens_per_s"] / seq if seq else None
         if args.temperature == 0:
@@ -161,4 +169,4 @@ def run(args) -> int:
         print(f"concurrent / sequential tokens/s: {result['throughput_ratio']:.2f}x; answers identical: "
               f"{result.get('answers_identical', 'n/a (sampling)')}")
     print(f"written to {args.out}")
-    return 0 if result["concurrent"]["errors"] == 0 else 1
+    return 0 if all(result[m]["errors"] == 0 for m in args.modes) else 1

@@ -26,7 +26,7 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-dir", default=None,
                    help="folder of the persisted suffix cache (default: specdec's cache folder /serve)")
     p.add_argument("--no-suffix-cache", action="store_true",
-                   help="do not load or save served text (the suffix drafter still remembers it in memory)")
+                   help="served text is not remembered (nor loaded or saved): each answer drafts as if first asked")
     p.add_argument("--cache-max-tokens", type=positive_int, default=1_000_000,
                    help="served tokens the suffix cache keeps; the oldest answers are evicted beyond it")
     p.add_argument("--save-every", type=positive_int, default=300, help="seconds between cache saves")
@@ -58,11 +58,13 @@ def run(args) -> int:
     kernels.prepare()
     decoder.warm_up()
     folder = Path(args.cache_dir) if args.cache_dir else Path(args.runtime.cache_dir) / "serve"
-    path = None if args.no_suffix_cache else folder / CACHE_FILE
-    cache = ServedCache(suffix_drafters(decoder.drafter), vocab_fingerprint(loaded.tokenizer),
-                        CacheConfig(path, args.cache_max_tokens, float(args.save_every)))
-    if path is not None and cache.active:
-        log.info("suffix cache %s: %d answers loaded", path, cache.load())
+    cache = None
+    if not args.no_suffix_cache:
+        path = folder / CACHE_FILE
+        cache = ServedCache(suffix_drafters(decoder.drafter), vocab_fingerprint(loaded.tokenizer),
+                            CacheConfig(path, args.cache_max_tokens, float(args.save_every)))
+        if cache.active:
+            log.info("suffix cache %s: %d answers loaded", path, cache.load())
     config = ServeConfig(args.model_name or args.model, args.default_max_tokens,
                          EngineConfig(args.max_batch, args.max_queue), float(args.shutdown_timeout))
     app = create_app(Service(decoder, loaded.tokenizer, config, cache))
