@@ -156,3 +156,30 @@ def test_a_request_stops_at_its_eos_as_generate_does(target):
     finally:
         engine.stop()
     assert c.tokens == expected and c.finish == "stop"
+
+
+class _HiddenReader(PromptLookupDrafter):
+    """Declares that it reads hidden states (as EAGLE does): it cannot restart from text alone."""
+
+    from specdec.drafters.base import Capabilities
+
+    capabilities = Capabilities(reads_hidden_states=True, free_drafts=True, batches=True, samples=True)
+
+
+def test_a_drafter_reading_hidden_states_takes_requests_in_waves(target):
+    prompts, max_new = _prompts(3), [12, 6, 8]
+    engine = Engine(SpecDecoder(target, _HiddenReader()), eos=set(), config=EngineConfig(max_batch=4))
+    engine.start()
+    try:
+        hold = threading.Event()
+        first = _Client(engine, prompts[0], max_new[0], hold=hold)
+        assert first.first.wait(30)
+        later = [_Client(engine, p, m) for p, m in zip(prompts[1:], max_new[1:])]
+        hold.set()
+        for c in [first] + later:
+            assert c.done.wait(60)
+    finally:
+        engine.stop()
+    assert engine.counters.joins == 0  # the later ones waited for the batch to empty
+    for p, m, c in zip(prompts, max_new, [first] + later):
+        assert c.tokens == SpecDecoder(target, None).generate(torch.tensor(p), max_new_tokens=m).generated(0).tolist()
