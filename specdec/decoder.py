@@ -177,7 +177,7 @@ class SpecDecoder:
         sampling = SamplingParams.resolve(self.target, temperature, top_k, top_p) if do_sample else None
         if sampling is not None and generator is None:
             seed = int(torch.randint(2**62, ())) if seed is None else seed
-            generator = torch.Generator().manual_seed(seed)  # CPU: the verifier samples on the CPU
+            generator = torch.Generator().manual_seed(seed)  # CPU: uniforms drawn here, on any device
         judge = Acceptance(sampling, generator)
         if self.context_window is not None:
             max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
@@ -221,9 +221,10 @@ class SpecDecoder:
         runtime = self.config.runtime or current_runtime()
         paths = [p for p in (fastpath.get(m, runtime) for m in modules) if p is not None]
         replaced = [m for p in paths for m in p.replaced()]
-        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows, skip=replaced,
-                                                            runtime=runtime):
-            kernels.prepack([w for p in paths for w in p.fused_weights()], self.config.skinny_rows)
+        # the CPU kernels serve CPU targets only: elsewhere no self-check, no build, no patched linears
+        rows = self.config.skinny_rows if self.target.device.type == "cpu" else 0
+        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime):
+            kernels.prepack([w for p in paths for w in p.fused_weights()], rows)
             yield
 
     def _check_input(self, input_ids, attention_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -76,10 +76,14 @@ class Acceptance:
 
     def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
         """logits [B, 1 + N, V] at the pending row and every node."""
-        logits, tree = logits.float().cpu(), to_cpu(tree)
-        if self.sampling is None:
-            return verify_greedy(logits, tree)
-        return verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
+        # judged where the logits are (a draft is small, logits [B, Q, V] are not); the verdict comes
+        # to the host, where the loop reads it
+        tree = tree.to(logits.device)
+        if self.sampling is None:  # argmax over float32 scores, as HF's greedy search takes it
+            ver = verify_greedy(logits.float(), tree)
+        else:
+            ver = verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
+        return ver.cpu()
 
     @property
     def greedy(self) -> bool:
@@ -419,11 +423,6 @@ class DecodeSession:
 def is_chain(tree: DraftTree) -> bool:
     N = tree.width
     return bool((tree.parents == torch.arange(-1, N - 1, device=tree.parents.device)).all())
-
-
-def to_cpu(tree: DraftTree) -> DraftTree:
-    probs = None if tree.probs is None else tree.probs.cpu()
-    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.cpu(), probs)
 
 
 def make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None) -> Commit:

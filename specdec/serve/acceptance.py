@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 
 from specdec.sampling import SamplingParams, target_probs
-from specdec.session import to_cpu
 from specdec.tree import DraftTree, node_depths
 from specdec.verifiers.tree import Verification, verify_greedy
 
@@ -87,7 +86,8 @@ class RowAcceptance:
 
     def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
         """logits [B, 1 + N, V] at the pending row and every node."""
-        logits, tree = logits.float().cpu(), to_cpu(tree)
+        # on the host: the noise streams are CPU generators, a verdict is read there anyway
+        logits, tree = logits.float().cpu(), tree.to(torch.device("cpu"))
         B, Q, V = logits.shape
         assert B == len(self.rules), f"{B} rows of logits, {len(self.rules)} rules"
         scores = logits
