@@ -217,3 +217,21 @@ def test_the_load_script_measures_both_modes_on_a_small_load(server):
     for r in (together, alone_):
         assert r["requests"] == 4 and r["errors"] == 0 and r["tokens"] > 0 and r["ttft_p50_s"] is not None
     assert _same_answers(together, alone_)
+
+
+def test_a_client_gone_before_its_whole_answer_frees_its_row(server):
+    engine = server.service.engine
+    before = engine.counters.finished.get("cancelled", 0)
+    held, release = threading.Event(), threading.Event()
+    engine.call(lambda: (held.set(), release.wait(30)))  # the request waits in the queue meanwhile
+    try:
+        assert held.wait(10)
+        body = {"model": "tiny", "prompt": "a long one", "max_tokens": 200, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while engine.counters.finished.get("cancelled", 0) == before or _batch_size(server) != 0:
+        assert time.monotonic() < deadline, "the row of the departed client was not freed"
+        time.sleep(0.02)
