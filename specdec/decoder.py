@@ -12,16 +12,14 @@ padding, or a list of 1-D prompts). Each sequence accepts its own number of draf
 ``max_new_tokens``; a finished sequence leaves the batch (its rows are dropped from the store and
 the drafter: compaction, so no later forward computes it).
 
-Invariant between steps: the target's BMC store holds every committed token of each live sequence
-but the last one, the *pending* token, which opens the next verify block (row 0), followed by the
-draft tree's nodes. The prefill runs the prompts on the causal fast path, as HF does (prompts of one
-length together, in forwards of at most PREFILL_TOKENS tokens), and gives the first token.
+The loop itself is ``specdec.session.DecodeSession``: one ``add`` of the prompts, then ``step``
+until no row is live (a server adds and removes rows between steps).
 """
 
 from __future__ import annotations
 
 import operator
-import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -30,21 +28,17 @@ from specdec.config import RuntimeConfig
 from specdec.config import current as current_runtime
 from specdec.runtime import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
-from specdec.drafters.base import Commit, Corpus, Drafter, Prompt
-from specdec.drafters.chooser import Chooser, Shadow, as_chooser, draft_step
+from specdec.drafters.base import Corpus, Drafter
+from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F401 (bench.replay)
 from specdec.drafters.model import vocab_size_of
-from specdec.forward import forward_block, prefill
-from specdec.controller import period
-from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.models import attention_shape, sliding_window, text_config
+from specdec.kv.bmc import BMCConfig
+from specdec.models import sliding_window, text_config
 from specdec.prompting import eos_ids
-from specdec.sampling import SamplingParams, target_probs
-from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
-from specdec.verifiers.sampling import verify_sampling
-from specdec.verifiers.tree import Verification, verify_greedy
+from specdec.sampling import SamplingParams
+# the step core; its names stay importable from here
+from specdec.session import PREFILL_TOKENS, Acceptance, DecodeSession, StepEvent, StepStats, learn_step  # noqa: F401
 
 ATTENTION = ("pad", "split", "auto")
-PREFILL_TOKENS = 4096  # prompt tokens per prefill forward (prompts of one length go together up to this)
 
 
 @dataclass(frozen=True)
@@ -77,26 +71,6 @@ class SpecDecoderConfig:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
 
 
-@dataclass(frozen=True)
-class StepStats:
-    num_drafted: list[int]  # per live sequence: real draft nodes verified this step
-    num_accepted: list[int]  # per live sequence: drafted tokens kept (the step yields this + 1)
-    draft_time: float  # seconds in drafter.propose
-    verify_time: float  # seconds in the target forward, verification and commit
-    sequences: list[int] = field(default_factory=lambda: [0])  # which sequence each entry is
-    split: bool = False  # the step's attention ran per sequence (SPLIT) rather than padded (PAD)
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """What one step appended to one sequence, for streaming UIs."""
-
-    tokens: list[int]  # the new tokens, after max_new_tokens / EOS truncation
-    from_draft: int  # how many of the leading tokens were accepted drafts (the rest: the target's)
-    stats: StepStats
-    sequence: int = 0  # index of the sequence in the batch given to generate
-
-
 @dataclass
 class GenerateOutput:
     sequences: torch.Tensor  # [B, P + new] the input rows as given, then new tokens padded with pad_token_id
@@ -127,78 +101,6 @@ class GenerateOutput:
     def generated(self, b: int) -> torch.Tensor:
         """Sequence b's new tokens [num_new[b]] (no padding)."""
         return self.sequences[b, self.prompt_length : self.prompt_length + self.num_new[b]]
-
-
-@dataclass(frozen=True)
-class _Acceptance:
-    """How the target judges a draft: the greedy walk, or rejection sampling against its processed
-    distribution (``sampling`` set), with the run's one generator."""
-
-    sampling: SamplingParams | None = None
-    generator: torch.Generator | None = None
-
-    def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
-        """logits [B, 1 + N, V] at the pending row and every node."""
-        # judged where the logits are (a draft is small, logits [B, Q, V] are not); the verdict comes
-        # to the host, where the loop reads it
-        tree = tree.to(logits.device)
-        if self.sampling is None:  # argmax over float32 scores, as HF's greedy search takes it
-            ver = verify_greedy(logits.float(), tree)
-        else:
-            ver = verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
-        return ver.cpu()
-
-
-class _Batch:
-    """The live sequences: which input row each is, and what each has generated so far."""
-
-    def __init__(self, B: int, max_new_tokens: int, eos: set[int]) -> None:
-        self.rows = list(range(B))  # live row -> sequence index
-        self.new: list[list[int]] = [[] for _ in range(B)]  # per sequence
-        self.steps = [0] * B
-        self.accepted = [0] * B
-        self.max_new, self.eos = max_new_tokens, eos
-
-    def wanted(self) -> int:
-        """Draft tokens still useful to some live sequence (after its bonus token)."""
-        return max(self.max_new - len(self.new[s]) - 1 for s in self.rows)
-
-    def extend(self, commit: Commit, stats: StepStats, callback) -> list[int]:
-        """Append each live sequence's new tokens (truncated at max_new_tokens and EOS); returns the
-        live rows that go on."""
-        keep = []
-        for row, s in enumerate(self.rows):
-            toks = commit.new_tokens(row)[: self.max_new - len(self.new[s])]
-            stop = next((i for i, t in enumerate(toks) if t in self.eos), None)
-            if stop is not None:
-                toks = toks[: stop + 1]
-            self.new[s].extend(toks)
-            self.steps[s] += 1
-            self.accepted[s] += min(len(toks), int(commit.num_accepted[row]))
-            if callback is not None:
-                callback(StepEvent(toks, min(len(toks), int(commit.num_accepted[row])), stats, s))
-            if stop is None and len(self.new[s]) < self.max_new:
-                keep.append(row)
-        return keep
-
-
-def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted: list[list[int]],
-               verify_time: float | None, draft_time: float | None, shadows: list[Shadow] = (),
-               texts: list[list[int]] = (), grew: bool = False, resume: float = 0.0,
-               catch_up: float = 0.0) -> None:
-    """What the controller learns from a verified step (the decoder's step 5, shared with the
-    replays): the drafted and accepted counts with the step's seconds, the verified tree's accepted
-    path per row (``accepted``: node indices, -1 padded), and each shadow draft scored against
-    ``texts``, the tokens each row committed. ``grew``, ``resume``, ``catch_up``: see
-    ``DraftLengthController.update``."""
-    drafted = tree.num_nodes.tolist()
-    controller.update(drafted, [sum(a >= 0 for a in acc) for acc in accepted], verify_time, draft_time, key,
-                      grew=grew, resume=resume, catch_up=catch_up)
-    if any(drafted):
-        controller.observe_tree(tree.real_nodes()[0], accepted, key)
-    for sh in shadows:
-        paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, texts)]
-        controller.observe_shadow(sh.parents, paths, [len(x) for x in texts], sh.seconds, sh.key)
 
 
 class SpecDecoder:
@@ -276,8 +178,46 @@ class SpecDecoder:
         if sampling is not None and generator is None:
             seed = int(torch.randint(2**62, ())) if seed is None else seed
             generator = torch.Generator().manual_seed(seed)  # CPU: uniforms drawn here, on any device
+        judge = Acceptance(sampling, generator)
+        if self.context_window is not None:
+            max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
+        session = DecodeSession(self, _eos_set(eos_token_id, self.target))
+        if streamer is not None:
+            streamer.put(prompts[0][None].cpu())
+        with self.running():
+            ids_, events = session.add(prompts, [max_new_tokens] * len(prompts), judge)
+            while True:
+                for e in events:
+                    if streamer is not None:  # batch size 1: the one sequence's tokens of this step
+                        streamer.put(torch.tensor(e.tokens))
+                    if callback is not None:
+                        callback(e)
+                if not session.rows:
+                    break
+                events = session.step()
+        if streamer is not None:
+            streamer.end()
+        batch = session.batch
+        new = [batch.new[s] for s in range(len(prompts))]
+        width = max(len(n) for n in new)
+        tail = torch.full((len(prompts), width), pad, dtype=torch.long)
+        for s, n in enumerate(new):
+            tail[s, : len(n)] = torch.tensor(n, dtype=torch.long)
+        return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], session.steps, [len(n) for n in new],
+                              [batch.steps[s] for s in range(len(prompts))],
+                              [batch.accepted[s] for s in range(len(prompts))])
+
+    @property
+    def reads_hidden(self) -> bool:
+        """The drafter reads the target's hidden states: the prefill and verify keep them."""
+        return self.chooser is not None and self.chooser.capabilities.reads_hidden_states
+
+    @contextmanager
+    def running(self):
+        """What a session's steps run under: inference mode, and on CPU the lean forward of Llama-shaped
+        models (``specdec.runtime.fastpath``, built and checked here, not in step 1) and the linear
+        layers' kernel routes, weights packed."""
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
-        # Llama-shaped models run the lean forward (specdec.runtime.fastpath), built and checked here, not in step 1
         runtime = self.config.runtime or current_runtime()
         paths = [p for p in (fastpath.get(m, runtime) for m in modules) if p is not None]
         replaced = [m for p in paths for m in p.replaced()]
@@ -285,165 +225,7 @@ class SpecDecoder:
         rows = self.config.skinny_rows if self.target.device.type == "cpu" else 0
         with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime):
             kernels.prepack([w for p in paths for w in p.fused_weights()], rows)
-            batch, steps = self._generate(prompts, max_new_tokens, _eos_set(eos_token_id, self.target),
-                                          streamer, callback, _Acceptance(sampling, generator))
-        new = [batch.new[s] for s in range(len(prompts))]
-        width = max(len(n) for n in new)
-        tail = torch.full((len(prompts), width), pad, dtype=torch.long)
-        for s, n in enumerate(new):
-            tail[s, : len(n)] = torch.tensor(n, dtype=torch.long)
-        return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], steps, [len(n) for n in new],
-                              batch.steps, batch.accepted)
-
-    def _generate(self, prompts: list[torch.Tensor], max_new_tokens, eos, streamer, callback,
-                  judge: _Acceptance):
-        B, device = len(prompts), self.target.device
-        if self.context_window is not None:
-            max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
-        batch = _Batch(B, max_new_tokens, eos)
-        controller = self.controller
-        controller.new_run(B)
-        cache = BMCCache.for_model(self.target, B, self.config.bmc)
-        if self.config.adaptive_period:
-            model = _period_model(self.target)
-            cache.period_policy = lambda held: model.period(held + batch.wanted(), held)
-            cache.set_period(cache.period_policy(max(len(p) for p in prompts)))
-        if streamer is not None:
-            streamer.put(prompts[0][None].cpu())
-        steps: list[StepStats] = []
-        # 0. prefill on the causal fast path (prompts of one length together), K/V copied into store rows
-        t0 = time.perf_counter()
-        ver, commit = self._prefill(cache, prompts, judge)
-        stats = StepStats([0] * B, [0] * B, 0.0, time.perf_counter() - t0, list(range(B)))
-        live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
-        pending = ver.next_token[live, None].to(device)  # [B', 1]
-        while batch.rows:
-            # 1. draft: never more than the tokens some sequence still wants after its bonus token
-            t0 = time.perf_counter()
-            # shadow drafts are scored against the committed text: greedy only (a sampled token
-            # that differs from a draft does not mean the draft would have been rejected)
-            shadow = self.config.shadow_drafts and judge.sampling is None
-            key, tree, shadows = draft_step(self.chooser, controller, len(batch.rows), batch.wanted(), shadow)
-            t1 = time.perf_counter()
-            # 2.-4. one target forward over [pending, nodes] per row, greedy walk, commit the kept rows
-            allocations = cache.num_allocations
-            ver, hidden, split = self._verify(cache, pending, tree, judge)
-            commit = _make_commit(tree, ver, hidden)
-            t2 = time.perf_counter()
-            stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
-                              list(batch.rows), split)
-            # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
-            # a drafter's catch-up (EAGLE's head fed a whole prompt) is not the price of this draft's size;
-            # the part after a pause is a price of drafting again (the step's gain)
-            catch_up, resume = (self.chooser.catch_up_seconds(), self.chooser.resume_seconds()) \
-                if self.chooser is not None else (0.0, 0.0)
-            texts = [commit.new_tokens(b) for b in range(len(batch.rows))] if shadows else []
-            learn_step(controller, key, tree, ver.accepted.tolist(), stats.verify_time,
-                       max(0.0, stats.draft_time - catch_up), shadows, texts,
-                       grew=cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
-            live = self._finish_step(batch, cache, commit, stats, steps, streamer, callback)
-            controller.set_batch(len(live))
-            pending = ver.next_token[live, None].to(device)
-        if streamer is not None:
-            streamer.end()
-        return batch, steps
-
-    # -- stages
-
-    @property
-    def _reads_hidden(self) -> bool:
-        """The drafter reads the target's hidden states: the prefill and verify keep them."""
-        return self.chooser is not None and self.chooser.capabilities.reads_hidden_states
-
-    def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor],
-                 judge: _Acceptance) -> tuple[Verification, Commit]:
-        """Prompts of one length together (no padding: HF's unpadded prefill), each length alone,
-        through ``forward.prefill`` into their rows; the first token of each."""
-        want_hidden = self._reads_hidden
-        B, P = len(prompts), max(len(p) for p in prompts)
-        groups: dict[int, list[int]] = {}
-        for b, p in enumerate(prompts):
-            groups.setdefault(len(p), []).append(b)
-        logits: list[torch.Tensor | None] = [None] * B
-        hidden: list[torch.Tensor | None] = [None] * B
-        # at most PREFILL_TOKENS per forward: its DynamicCache is a transient second copy of those rows'
-        # K/V (why: docs/decisions/011-prefill-chunks.md)
-        chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
-                  for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
-        for rows in chunks:
-            pre = prefill(self.target, torch.stack([prompts[b] for b in rows]), want_hidden)
-            for g, b in enumerate(rows):
-                cache.load_prefill(b, [(k[g], v[g]) for k, v in pre.layers], capacity=P)
-                logits[b] = pre.logits[g]
-                hidden[b] = pre.hidden[g] if want_hidden else None
-        ver = judge(torch.stack(logits)[:, None], DraftTree.empty(B))  # the first token: nothing drafted
-        last = torch.stack([h[-1:] for h in hidden]) if want_hidden else None  # [B, 1, D]
-        if self.chooser is not None:
-            ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
-            prefix = torch.zeros(B, max(P - 1, 0), hidden[0].shape[-1], dtype=hidden[0].dtype) if want_hidden else None
-            for b, p in enumerate(prompts):
-                ids[b, : len(p)] = p
-                if want_hidden:
-                    prefix[b, : len(p) - 1] = hidden[b][:-1]
-            lengths = torch.tensor([len(p) for p in prompts])
-            self.chooser.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
-        return ver, _make_commit(DraftTree.empty(B), ver, last)
-
-    def _verify(self, cache: BMCCache, pending: torch.Tensor, tree: DraftTree, judge: _Acceptance):
-        """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path
-        (the greedy walk, or rejection sampling against the processed distribution).
-
-        Returns the verification, the target's last hidden states at the kept rows [B, 1 + A, D] if
-        the drafter reads them (row j produced new token j), and whether attention ran SPLIT.
-        """
-        want_hidden = self._reads_hidden
-        B, N = tree.tokens.shape
-        block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, 1 + N]
-        if _is_chain(tree):
-            mask = depth = None  # causal block: the store's fast path (ragged chains are causal too)
-        else:
-            mask = ancestor_mask(tree.parents, tree.num_nodes)
-            depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
-        split = self._split(cache, 1 + N)
-        res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden, split)
-        ver = judge(res.logits, tree)
-        kept = ver.kept_rows()
-        cache.commit(kept)
-        hidden = None
-        if want_hidden:
-            width = max(len(k) for k in kept)
-            idx = torch.tensor([k + [k[-1]] * (width - len(k)) for k in kept], device=res.hidden.device)
-            hidden = res.hidden.gather(1, idx[:, :, None].expand(-1, -1, res.hidden.shape[-1]))
-        return ver, hidden, split
-
-    def _split(self, cache: BMCCache, q: int) -> bool:
-        """SPLIT attention this step? auto: when PAD's padded columns would be over split_waste of them.
-        Example: lengths [200, 4000], q 4: PAD 8008 columns, 4208 needed -> waste 0.47 -> SPLIT."""
-        mode = self.config.attention
-        if cache.batch_size == 1 or mode == "pad":
-            return False
-        if mode == "split":
-            return True
-        padded = cache.batch_size * (cache.max_length + q)
-        return 1 - sum(n + q for n in cache.lengths) / padded > self.config.split_waste
-
-    def _finish_step(self, batch: _Batch, cache: BMCCache, commit: Commit, stats: StepStats,
-                     steps: list[StepStats], streamer, callback) -> list[int]:
-        """Record the step, stream it, let the drafter learn, drop finished rows; the live rows."""
-        steps.append(stats)
-        before = len(batch.new[batch.rows[0]])
-        keep = batch.extend(commit, stats, callback)
-        if streamer is not None:  # batch size 1: the one sequence's tokens of this step
-            streamer.put(torch.tensor(batch.new[0][before:]))
-        if self.chooser is not None:  # also after the last step: a drafter's state ends in step
-            self.chooser.accept(commit)
-        if len(keep) < len(batch.rows):  # compaction: one gather per buffer, in the store and the drafter
-            if keep:
-                cache.select(keep)
-                if self.chooser is not None:
-                    self.chooser.select(keep)
-            batch.rows = [batch.rows[r] for r in keep]
-        return keep
+            yield
 
     def _check_input(self, input_ids, attention_mask) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The input as laid out for the output [B, P], and each sequence's real tokens."""
@@ -486,23 +268,6 @@ class SpecDecoder:
         return ids, prompts
 
 
-def _is_chain(tree: DraftTree) -> bool:
-    N = tree.width
-    return bool((tree.parents == torch.arange(-1, N - 1, device=tree.parents.device)).all())
-
-
-def _make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None) -> Commit:
-    """Accepted drafted tokens then the target's token, per row: tokens [B, A + 1]."""
-    B = tree.batch_size
-    A = ver.accepted.shape[1]
-    tokens = torch.zeros(B, A + 1, dtype=torch.long)
-    if A:
-        path_tokens = tree.tokens.cpu().gather(1, ver.accepted.clamp(min=0))
-        tokens[:, :A] = torch.where(ver.accepted >= 0, path_tokens, 0)
-    tokens[torch.arange(B), ver.num_accepted] = ver.next_token.cpu()
-    return Commit(tokens, ver.num_accepted + 1, ver.num_accepted, hidden)
-
-
 def _eos_set(eos_token_id, target) -> set[int]:
     """eos_token_id (an int or a list), else the target's generation config's (``prompting.eos_ids``)."""
     if eos_token_id is None:
@@ -519,9 +284,3 @@ def _pad_id(pad_token_id, eos_token_id, target) -> int:
         return int(gen.pad_token_id)
     eos = sorted(_eos_set(eos_token_id, target))
     return eos[0] if eos else 0
-
-
-def _period_model(target):
-    """The BMC period model for the target's attention shape (calibrated once per process)."""
-    _, kv_heads, head_dim = attention_shape(target)
-    return period.machine_model(kv_heads, head_dim, target.dtype)

@@ -196,12 +196,18 @@ class SuffixDrafter(Drafter, Corpus):
             raise FileNotFoundError(f"{path} not found: suffix-corpus needs the repository's data/ directory")
         return cls.from_file(path, config=config)
 
-    def remember(self, sequence: Sequence[int], prompt_len: int = 0) -> None:
+    def remember(self, sequence: Sequence[int], prompt_len: int = 0) -> CorpusDoc:
         """Add a finished conversation (prompt + answer ids) to the corpus: later questions, and the
-        same question asked again, draft from it. Rows re-match the corpus at their next draft."""
+        same question asked again, draft from it. Rows re-match the corpus at their next draft.
+        Returns the document (for ``forget``)."""
         if self.corpus is None:
             self.corpus = SuffixCorpus()
-        self.corpus.add(sequence, prompt_len)
+        return self.corpus.add(sequence, prompt_len)
+
+    def forget(self, docs: Iterable[CorpusDoc]) -> None:
+        """Drop documents ``remember`` returned (a bounded cache evicts its oldest)."""
+        if self.corpus is not None:
+            self.corpus.drop(docs)
 
     def add_documents(self, docs: Iterable[CorpusDoc]) -> None:
         """Add documents (``read_token_jsonl`` / ``read_text_corpus``) to the corpus, e.g. `--corpus FILE`."""

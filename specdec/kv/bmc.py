@@ -81,6 +81,14 @@ def _causal_bias(q: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.full((q, q), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
 
 
+def _pad_capacity(x: torch.Tensor, capacity: int) -> torch.Tensor:
+    """x [B, H, C, D] with zero rows up to ``capacity`` (padding must be finite: see ``_grow``)."""
+    B, H, C, D = x.shape
+    if C >= capacity:
+        return x
+    return torch.cat([x, torch.zeros(B, H, capacity - C, D, dtype=x.dtype, device=x.device)], dim=2)
+
+
 class BMCLayer(CacheLayerMixin):
     """One layer's K/V buffers. All bookkeeping lives in the owning ``BMCCache``."""
 
@@ -162,6 +170,13 @@ class BMCLayer(CacheLayerMixin):
         if self.keys is not None:
             with torch.inference_mode():
                 self.keys, self.values = self.keys[rows], self.values[rows]
+
+    def append(self, other: "BMCLayer") -> None:
+        """Add ``other``'s batch rows after this layer's, in buffers of the larger capacity."""
+        with torch.inference_mode():
+            C = max(self.capacity, other.capacity)
+            self.keys = torch.cat([_pad_capacity(self.keys, C), _pad_capacity(other.keys, C)])
+            self.values = torch.cat([_pad_capacity(self.values, C), _pad_capacity(other.values, C)])
 
     def gather_rows(self, src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
         """Move rows ``src`` to rows ``dst`` of batch rows ``batch`` (all [M]); reads happen first."""
@@ -333,6 +348,16 @@ class BMCCache(Cache):
         for layer in self.layers:
             layer.select(idx)
         self.lengths = [self.lengths[b] for b in rows]
+
+    def append(self, other: "BMCCache") -> None:
+        """Add ``other``'s batch rows after this store's (sequences joining a running batch, prefilled
+        in a store of their own); one copy of both stores' buffers. Example: lengths [5, 9] + [7]
+        -> [5, 9, 7]; capacities 64 and 128 -> 128 for every row."""
+        assert self._plan is None and other._plan is None, "append() between forwards only"
+        assert len(other.layers) == len(self.layers), "stores of different models"
+        for layer, theirs in zip(self.layers, other.layers):
+            layer.append(theirs)
+        self.lengths = self.lengths + other.lengths
 
     def rollback(self, lengths: list[int]) -> None:
         """Shorten each row to ``lengths[b]`` committed rows; the rows after become padding."""

@@ -1,0 +1,79 @@
+"""`specdec serve`: an OpenAI-compatible HTTP server (chat and completions, streaming or not) over
+one continuously batched decode loop; the suffix drafter's memory of served text persists across
+restarts (``--no-suffix-cache`` opts out)."""
+
+from __future__ import annotations
+
+import logging
+
+from specdec.arguments import non_negative_int, positive_int
+from specdec.registry import DRAFTERS, make_drafter
+from specdec.models import WEIGHTS
+
+
+def add_arguments(p) -> None:
+    p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
+    p.add_argument("--weights", default="fp32", choices=WEIGHTS, help="as for `specdec generate`")
+    p.add_argument("--drafter", default="auto", choices=sorted(DRAFTERS))
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=positive_int, default=8000)
+    p.add_argument("--model-name", default=None, help="the model id clients name (default: --model)")
+    p.add_argument("--max-batch", type=positive_int, default=8, help="live requests decoded together at most")
+    p.add_argument("--max-queue", type=non_negative_int, default=64,
+                   help="requests waiting for a batch row at most; beyond it: 429 with Retry-After")
+    p.add_argument("--default-max-tokens", type=positive_int, default=512,
+                   help="answer length for requests naming no max_tokens (clipped to the context window)")
+    p.add_argument("--cache-dir", default=None,
+                   help="folder of the persisted suffix cache (default: specdec's cache folder /serve)")
+    p.add_argument("--no-suffix-cache", action="store_true",
+                   help="served text is not remembered (nor loaded or saved): each answer drafts as if first asked")
+    p.add_argument("--cache-max-tokens", type=positive_int, default=1_000_000,
+                   help="served tokens the suffix cache keeps; the oldest answers are evicted beyond it")
+    p.add_argument("--save-every", type=positive_int, default=300, help="seconds between cache saves")
+    p.add_argument("--shutdown-timeout", type=positive_int, default=10,
+                   help="seconds in-flight answers get to finish on SIGTERM/SIGINT before they are cancelled")
+
+
+def run(args) -> int:
+    from pathlib import Path
+
+    try:
+        import uvicorn
+    except ModuleNotFoundError:
+        raise ValueError("specdec serve needs its HTTP stack: pip install 'specdec[serve]'") from None
+
+    from specdec.decoder import SpecDecoder, SpecDecoderConfig
+    from specdec.drafters.corpus import vocab_fingerprint
+    from specdec.models import load_model
+    from specdec.runtime import kernels
+    from specdec.serve.app import ServeConfig, Service, create_app
+    from specdec.serve.cache import CACHE_FILE, CacheConfig, ServedCache, suffix_drafters
+    from specdec.serve.engine import EngineConfig
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("specdec.serve")
+    loaded = load_model(args.model, weights=args.weights)
+    decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model), SpecDecoderConfig(runtime=args.runtime))
+    log.info("preparing the CPU kernels and packed weights ...")
+    kernels.prepare()
+    decoder.warm_up()
+    folder = Path(args.cache_dir) if args.cache_dir else Path(args.runtime.cache_dir) / "serve"
+    cache = None
+    if not args.no_suffix_cache:
+        path = folder / CACHE_FILE
+        cache = ServedCache(suffix_drafters(decoder.drafter), vocab_fingerprint(loaded.tokenizer),
+                            CacheConfig(path, args.cache_max_tokens, float(args.save_every)))
+        if cache.active:
+            log.info("suffix cache %s: %d answers loaded", path, cache.load())
+    config = ServeConfig(args.model_name or args.model, args.default_max_tokens,
+                         EngineConfig(args.max_batch, args.max_queue), float(args.shutdown_timeout))
+    app = create_app(Service(decoder, loaded.tokenizer, config, cache))
+    log.info("serving %s (drafter %s) on http://%s:%d/v1", config.model_name, args.drafter, args.host, args.port)
+    # uvicorn handles SIGTERM / SIGINT: stop accepting, let open requests finish (up to the timeout),
+    # then the app's lifespan stops the engine and saves the cache
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
+                    timeout_graceful_shutdown=args.shutdown_timeout)
+    except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down gracefully
+        pass
+    return 0

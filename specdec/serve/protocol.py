@@ -1,0 +1,235 @@
+"""OpenAI's request and response shapes: pure functions, so every rule is tested without a server.
+
+``parse_request`` checks a request body (chat or completions) and returns a ``Generation``, or raises
+``ApiError`` with the status, message, type, param and code OpenAI's clients expect:
+``{"error": {"message": ..., "type": "invalid_request_error", "param": "temperature", "code": null}}``.
+``TextStream`` turns the tokens of an answer into text deltas: whole characters only, held back while
+they could still be the start of a stop string, and cut at the first stop string.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+
+from specdec.sampling import SamplingParams
+
+MAX_STOP = 4  # stop strings per request, as OpenAI allows
+ROLES = ("system", "user", "assistant", "tool", "developer")
+UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "suffix")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type_: str = "invalid_request_error", headers: dict | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Generation:
+    """A checked request."""
+
+    chat: bool  # /v1/chat/completions (messages) or /v1/completions (prompt)
+    messages: list | None  # chat: [{"role", "content": str}]
+    prompt: str | None  # completions
+    max_tokens: int | None  # None: as many as the default and the context allow
+    sampling: SamplingParams | None  # None: greedy (temperature 0)
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+
+
+def _number(body: dict, name: str, lo: float, hi: float, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number, got {type(v).__name__}", name)
+    if not lo <= v <= hi:
+        raise ApiError(400, f"'{name}' must be between {lo} and {hi}, got {v}", name)
+    return v
+
+
+def _integer(body: dict, name: str, lo: int, default):
+    v = body.get(name)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {type(v).__name__}", name)
+    if v < lo:
+        raise ApiError(400, f"'{name}' must be >= {lo}, got {v}", name)
+    return v
+
+
+def _flag(body: dict, name: str) -> bool:
+    v = body.get(name, False)
+    if v is None:
+        return False
+    if not isinstance(v, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {type(v).__name__}", name)
+    return v
+
+
+def _content(message, i: int) -> str:
+    if not isinstance(message, dict):
+        raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
+    if isinstance(content, list):  # content parts: text only
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise ApiError(400, f"messages[{i}].content must be a string, got {type(content).__name__}", "messages")
+    return content
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    stop = body.get("stop")
+    if stop is None:
+        return ()
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+        raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
+    if len(stops) > MAX_STOP:
+        raise ApiError(400, f"'stop' takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
+    return tuple(stops)
+
+
+def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
+    """Check a request body for /v1/chat/completions (``chat``) or /v1/completions; ``models``: the
+    names this server answers to."""
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and model not in models:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves {', '.join(models)}",
+                       "model", "model_not_found")
+    for name in UNSUPPORTED:  # asked for (truthy; best_of above 1): refused rather than ignored
+        v = body.get(name)
+        if v and not (name == "best_of" and v == 1):
+            raise ApiError(400, f"'{name}' is not supported by this server", name)
+    n = _integer(body, "n", 1, 1)
+    if n != 1:
+        raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", "n")
+    if chat:
+        messages = body.get("messages")
+        if messages is None:
+            raise ApiError(400, "'messages' is required", "messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "'messages' must be a non-empty list", "messages")
+        messages = [{"role": m["role"], "content": _content(m, i)} for i, m in enumerate(messages)]
+        prompt = None
+    else:
+        prompt = body.get("prompt")
+        if prompt is None:
+            raise ApiError(400, "'prompt' is required", "prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str):
+            raise ApiError(400, "'prompt' must be a string (one prompt per request)", "prompt")
+        if not prompt:
+            raise ApiError(400, "'prompt' is empty", "prompt")
+        messages = None
+    name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    max_tokens = _integer(body, name, 1, None)
+    temperature = _number(body, "temperature", 0.0, 2.0, 1.0)  # OpenAI's range and default
+    top_p = _number(body, "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0:
+        raise ApiError(400, "'top_p' must be > 0", "top_p")
+    top_k = _integer(body, "top_k", 0, 0)  # an extension (llama.cpp and vLLM take it too); 0 = off
+    seed = body.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ApiError(400, f"'seed' must be an integer, got {type(seed).__name__}", "seed")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    sampling = None if temperature == 0 else SamplingParams(float(temperature), int(top_k), float(top_p))
+    return Generation(chat, messages, prompt, max_tokens, sampling, seed, _stop(body), _flag(body, "stream"),
+                      bool(options.get("include_usage", False)))
+
+
+# -- responses
+
+
+def new_id(chat: bool) -> str:
+    return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def completion(g: Generation, rid: str, model: str, text: str, finish: str, use: dict) -> dict:
+    """The whole answer, non-streaming."""
+    if g.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish}
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+    return {"id": rid, "object": "chat.completion" if g.chat else "text_completion", "created": int(time.time()),
+            "model": model, "choices": [choice], "usage": use}
+
+
+def chunk(g: Generation, rid: str, model: str, text: str | None, finish: str | None = None,
+          use: dict | None = None, first: bool = False) -> dict:
+    """One streamed chunk: a text delta (``text`` None: the usage chunk, no choices)."""
+    if text is None:
+        choices = []
+    elif g.chat:
+        delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
+        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+    else:
+        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+    out = {"id": rid, "object": "chat.completion.chunk" if g.chat else "text_completion",
+           "created": int(time.time()), "model": model, "choices": choices}
+    if use is not None:
+        out["usage"] = use
+    return out
+
+
+class TextStream:
+    """The answer's text so far, released in safe pieces.
+
+    ``feed(tokens)`` returns the new text that is final: decoded from all tokens so far (so a
+    character split over tokens comes out whole: a trailing U+FFFD is held back), minus a tail that
+    could still begin a stop string. On a stop string the text is cut before it and ``stopped`` is set.
+    Example, stop ["END"]: tokens decode to "abcE" -> "abc" released, "E" held; then "abcEND!" -> stopped,
+    nothing more released (text "abc").
+    """
+
+    def __init__(self, decode, stop: tuple[str, ...]) -> None:
+        self.decode, self.stop = decode, stop
+        self.tokens: list[int] = []
+        self.sent = 0  # characters released
+        self.text = ""  # released text
+        self.stopped = False
+
+    def feed(self, tokens: list[int], final: bool = False) -> str:
+        if self.stopped:
+            return ""
+        self.tokens += tokens
+        full = self.decode(self.tokens)
+        cut = min((i for i in (full.find(s, max(0, self.sent - len(s))) for s in self.stop) if i >= 0),
+                  default=-1)
+        if cut >= 0:
+            self.stopped, full = True, full[:cut]
+        elif not final:
+            if full.endswith("\ufffd"):  # an incomplete UTF-8 character: wait for its other bytes
+                full = full.rstrip("\ufffd")
+            hold = max((k for s in self.stop for k in range(1, len(s)) if full.endswith(s[:k])), default=0)
+            full = full[: len(full) - hold]
+        new = full[self.sent:] if len(full) > self.sent else ""
+        self.sent += len(new)
+        self.text += new
+        return new

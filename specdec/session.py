@@ -1,0 +1,443 @@
+"""A live batch advanced one step at a time: the core of ``SpecDecoder.generate`` and of the server.
+
+    session = DecodeSession(decoder, eos={2})
+    ids = session.add([prompt_a, prompt_b], max_new=[64, 64], judge=Acceptance())  # prefill, first tokens
+    while session.rows:
+        events = session.step()          # draft -> verify -> accept -> commit, every live row
+        session.remove([ids[0]])         # a cancelled sequence leaves at the step boundary
+
+``add`` prefills new prompts in their own store, then joins their rows to the running batch (one copy
+of both stores' buffers, ``BMCCache.append``) and restarts the drafters from every live row's
+committed text (``begin`` + ``accept`` of the pending tokens: the state a text-matching or
+self-speculating drafter would hold anyway). A drafter that reads the target's hidden states (EAGLE)
+cannot restart so: ``joins`` is False for it and a caller adds only to an empty session. Sequences
+stop on their own EOS or max_new and leave (compaction: one gather per buffer); ``remove`` drops rows
+the same way. Each row is judged by ``judge``'s rule for it: one rule for a ``generate`` run
+(``Acceptance``), or one per row for a server (``specdec.serve.acceptance``).
+
+Invariant between steps: the target's BMC store holds every committed token of each live sequence
+but the last one, the *pending* token, which opens the next verify block (row 0), followed by the
+draft tree's nodes. The prefill runs the prompts on the causal fast path, as HF does (prompts of one
+length together, in forwards of at most PREFILL_TOKENS tokens), and gives the first token.
+
+Dimensions: B live rows, P prompt columns, N draft nodes, A accepted drafts, D hidden size, V vocab.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.controller import DraftLengthController, period
+from specdec.drafters.base import Commit, Prompt
+from specdec.drafters.chooser import Shadow, draft_step
+from specdec.forward import forward_block, prefill
+from specdec.kv.bmc import BMCCache
+from specdec.models import attention_shape
+from specdec.sampling import SamplingParams, target_probs
+from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
+from specdec.verifiers.sampling import verify_sampling
+from specdec.verifiers.tree import Verification, verify_greedy
+
+PREFILL_TOKENS = 4096  # prompt tokens per prefill forward (prompts of one length go together up to this)
+
+
+@dataclass(frozen=True)
+class StepStats:
+    num_drafted: list[int]  # per live sequence: real draft nodes verified this step
+    num_accepted: list[int]  # per live sequence: drafted tokens kept (the step yields this + 1)
+    draft_time: float  # seconds in drafter.propose
+    verify_time: float  # seconds in the target forward, verification and commit
+    sequences: list[int] = field(default_factory=lambda: [0])  # which sequence each entry is
+    split: bool = False  # the step's attention ran per sequence (SPLIT) rather than padded (PAD)
+    key: object = None  # the draft class verified this step (None: nothing drafted)
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """What one step appended to one sequence, for streaming UIs."""
+
+    tokens: list[int]  # the new tokens, after max_new_tokens / EOS truncation
+    from_draft: int  # how many of the leading tokens were accepted drafts (the rest: the target's)
+    stats: StepStats
+    sequence: int = 0  # the sequence's id (``generate``: its index in the batch given)
+    finished: bool = False  # the sequence stopped this step (EOS or max_new) and left the batch
+
+
+@dataclass(frozen=True)
+class Acceptance:
+    """One rule for every row of a run: the greedy walk, or rejection sampling against the target's
+    processed distribution (``sampling`` set), with the run's one generator."""
+
+    sampling: SamplingParams | None = None
+    generator: torch.Generator | None = None
+
+    def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
+        """logits [B, 1 + N, V] at the pending row and every node."""
+        # judged where the logits are (a draft is small, logits [B, Q, V] are not); the verdict comes
+        # to the host, where the loop reads it
+        tree = tree.to(logits.device)
+        if self.sampling is None:  # argmax over float32 scores, as HF's greedy search takes it
+            ver = verify_greedy(logits.float(), tree)
+        else:
+            ver = verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
+        return ver.cpu()
+
+    @property
+    def greedy(self) -> bool:
+        """Every row greedy (shadow drafts are scored only then)."""
+        return self.sampling is None
+
+    def select(self, rows: list[int]) -> None:
+        """One rule for every row: nothing per row to drop."""
+
+    def joined(self, other: "Acceptance") -> "Acceptance":
+        """The rule once ``other``'s rows joined: rows of one run share one rule."""
+        if other is not self:
+            raise ValueError("rows judged by another acceptance rule cannot join this batch")
+        return self
+
+
+class _Batch:
+    """The live sequences: which sequence each live row is, and what each has generated so far
+    (keyed by sequence id: a session's sequences come and go)."""
+
+    def __init__(self, eos: set[int]) -> None:
+        self.rows: list[int] = []  # live row -> sequence id
+        self.prompt: dict[int, list[int]] = {}
+        self.new: dict[int, list[int]] = {}
+        self.max_new: dict[int, int] = {}
+        self.steps: dict[int, int] = {}  # target forwards per sequence
+        self.accepted: dict[int, int] = {}  # drafted tokens kept per sequence
+        self.eos = eos
+
+    def add(self, s: int, prompt: list[int], max_new: int) -> None:
+        self.prompt[s], self.new[s], self.max_new[s] = prompt, [], max_new
+        self.steps[s] = self.accepted[s] = 0
+
+    def forget(self, s: int) -> None:
+        for d in (self.prompt, self.new, self.max_new, self.steps, self.accepted):
+            d.pop(s, None)
+
+    def wanted(self) -> int:
+        """Draft tokens still useful to some live sequence (after its bonus token)."""
+        return max(self.max_new[s] - len(self.new[s]) - 1 for s in self.rows)
+
+    def extend(self, seqs: list[int], commit: Commit, stats: StepStats) -> tuple[list[StepEvent], list[int]]:
+        """Append each sequence's new tokens (commit row i is sequence ``seqs[i]``; truncated at its
+        max_new and EOS): one event per sequence, and the rows that go on."""
+        events, keep = [], []
+        for row, s in enumerate(seqs):
+            toks = commit.new_tokens(row)[: self.max_new[s] - len(self.new[s])]
+            stop = next((i for i, t in enumerate(toks) if t in self.eos), None)
+            if stop is not None:
+                toks = toks[: stop + 1]
+            self.new[s].extend(toks)
+            self.steps[s] += 1
+            drafted = min(len(toks), int(commit.num_accepted[row]))
+            self.accepted[s] += drafted
+            goes_on = stop is None and len(self.new[s]) < self.max_new[s]
+            events.append(StepEvent(toks, drafted, stats, s, finished=not goes_on))
+            if goes_on:
+                keep.append(row)
+        return events, keep
+
+    def text(self, s: int) -> list[int]:
+        """Sequence s's committed tokens: its prompt, then what it generated."""
+        return self.prompt[s] + self.new[s]
+
+
+def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted: list[list[int]],
+               verify_time: float | None, draft_time: float | None, shadows: list[Shadow] = (),
+               texts: list[list[int]] = (), grew: bool = False, resume: float = 0.0,
+               catch_up: float = 0.0) -> None:
+    """What the controller learns from a verified step (the decoder's step 5, shared with the
+    replays): the drafted and accepted counts with the step's seconds, the verified tree's accepted
+    path per row (``accepted``: node indices, -1 padded), and each shadow draft scored against
+    ``texts``, the tokens each row committed. ``grew``, ``resume``, ``catch_up``: see
+    ``DraftLengthController.update``."""
+    drafted = tree.num_nodes.tolist()
+    controller.update(drafted, [sum(a >= 0 for a in acc) for acc in accepted], verify_time, draft_time, key,
+                      grew=grew, resume=resume, catch_up=catch_up)
+    if any(drafted):
+        controller.observe_tree(tree.real_nodes()[0], accepted, key)
+    for sh in shadows:
+        paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, texts)]
+        controller.observe_shadow(sh.parents, paths, [len(x) for x in texts], sh.seconds, sh.key)
+
+
+class DecodeSession:
+    """The live batch of one ``SpecDecoder`` (its target, drafter, controller and config); run it
+    inside ``decoder.running()``. Sequence ids count up from 0 over the session's life."""
+
+    def __init__(self, decoder, eos: set[int], record_steps: bool = True) -> None:
+        self.decoder = decoder
+        self.record_steps = record_steps  # keep every StepStats in ``steps`` (a server's would grow forever)
+        self.batch = _Batch(eos)
+        self.cache: BMCCache | None = None  # None while no row is live
+        self.pending: torch.Tensor | None = None  # [B, 1] each live row's pending token
+        self.judge = None  # the acceptance rule of the live rows
+        self.steps: list[StepStats] = []  # every step so far, prefills included
+        self._next_id = 0
+
+    @property
+    def rows(self) -> list[int]:
+        """The live sequences' ids, in batch-row order."""
+        return self.batch.rows
+
+    @property
+    def joins(self) -> bool:
+        """Whether prompts can join while rows are live (the drafters restart from text alone)."""
+        return not self.decoder.reads_hidden
+
+    # -- the three verbs
+
+    def add(self, prompts: list[torch.Tensor], max_new: list[int], judge) -> tuple[list[int], list[StepEvent]]:
+        """Prefill ``prompts`` (1-D int64 each; ``max_new`` tokens each at most, already within the
+        context window) and join them to the batch; ``judge`` holds their acceptance rule. Returns
+        their sequence ids and the events of their first tokens."""
+        B = len(prompts)
+        ids = list(range(self._next_id, self._next_id + B))
+        self._next_id += B
+        for s, p, m in zip(ids, prompts, max_new):
+            self.batch.add(s, p.tolist(), m)
+        if not self.rows:
+            return ids, self._start(ids, prompts, judge)
+        if not self.joins:
+            raise ValueError(f"drafter {type(self.decoder.drafter).__name__} reads the target's hidden states: "
+                             "new sequences cannot join a running batch (add them when it is empty)")
+        return ids, self._join(ids, prompts, judge)
+
+    def step(self) -> list[StepEvent]:
+        """One step for every live row: 1. draft, 2.-4. verify and commit, 5. learn, finished rows leave."""
+        d, batch, judge = self.decoder, self.batch, self.judge
+        controller = d.controller
+        t0 = time.perf_counter()
+        # 1. draft: never more than the tokens some sequence still wants after its bonus token; shadow
+        # drafts are scored against the committed text: greedy only (a sampled token that differs
+        # from a draft does not mean the draft would have been rejected)
+        shadow = d.config.shadow_drafts and judge.greedy
+        key, tree, shadows = draft_step(d.chooser, controller, len(batch.rows), batch.wanted(), shadow)
+        t1 = time.perf_counter()
+        # 2.-4. one target forward over [pending, nodes] per row, the acceptance rule, commit the kept rows
+        allocations = self.cache.num_allocations
+        ver, hidden, split = self._verify(tree)
+        commit = make_commit(tree, ver, hidden)
+        t2 = time.perf_counter()
+        stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
+                          list(batch.rows), split, key if tree.width else None)
+        # 5. the controller adapts; outputs grow; the drafter learns; finished rows leave
+        # a drafter's catch-up (EAGLE's head fed a whole prompt) is not the price of this draft's size;
+        # the part after a pause is a price of drafting again (the step's gain)
+        catch_up, resume = (d.chooser.catch_up_seconds(), d.chooser.resume_seconds()) \
+            if d.chooser is not None else (0.0, 0.0)
+        texts = [commit.new_tokens(b) for b in range(len(batch.rows))] if shadows else []
+        learn_step(controller, key, tree, ver.accepted.tolist(), stats.verify_time,
+                   max(0.0, stats.draft_time - catch_up), shadows, texts,
+                   grew=self.cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
+        events = self._finish(commit, ver.next_token, stats)
+        controller.set_batch(len(self.rows))
+        return events
+
+    def remove(self, seqs) -> None:
+        """Drop the live rows of sequences ``seqs`` (cancelled) between steps; others are ignored."""
+        gone = set(seqs)
+        self._keep([r for r, s in enumerate(self.rows) if s not in gone])
+
+    def forget(self, s: int) -> None:
+        """Drop what is kept of finished sequence s (a server's sequences never end)."""
+        assert s not in self.rows, f"sequence {s} is live: remove it first"
+        self.batch.forget(s)
+
+    # -- joining
+
+    def _new_store(self, B: int, longest: int) -> BMCCache:
+        d = self.decoder
+        cache = BMCCache.for_model(d.target, B, d.config.bmc)
+        if d.config.adaptive_period:
+            model = _period_model(d.target)
+            cache.period_policy = lambda held: model.period(held + self.batch.wanted(), held)
+            cache.set_period(cache.period_policy(longest) if self.cache is None else self.cache.period)
+        return cache
+
+    def _start(self, ids: list[int], prompts: list[torch.Tensor], judge) -> list[StepEvent]:
+        """The first prompts of an empty session: the drafters begin on them (with the prompt's hidden
+        states if they read them), as one ``generate`` call."""
+        self.judge = judge
+        self.batch.rows = list(ids)
+        self.decoder.controller.new_run(len(ids))
+        self.cache = self._new_store(len(ids), max(len(p) for p in prompts))
+        t0 = time.perf_counter()
+        ver, commit = self._prefill(self.cache, prompts, judge, begin=True)
+        stats = StepStats([0] * len(ids), [0] * len(ids), 0.0, time.perf_counter() - t0, list(ids))
+        return self._finish(commit, ver.next_token, stats)
+
+    def _join(self, ids: list[int], prompts: list[torch.Tensor], judge) -> list[StepEvent]:
+        """Prompts joining live rows: prefilled in their own store, appended at the step boundary; the
+        drafters restart from every live row's committed text."""
+        d, batch = self.decoder, self.batch
+        cache = self._new_store(len(ids), max(len(p) for p in prompts))
+        t0 = time.perf_counter()
+        ver, commit = self._prefill(cache, prompts, judge, begin=False)
+        stats = StepStats([0] * len(ids), [0] * len(ids), 0.0, time.perf_counter() - t0, list(ids))
+        self._record(stats)
+        events, keep = batch.extend(ids, commit, stats)
+        if keep:  # the ones that did not finish with their first token join
+            if len(keep) < len(ids):
+                cache.select(keep)
+                judge.select(keep)
+            self.cache.append(cache)
+            self.judge = self.judge.joined(judge)
+            batch.rows += [ids[k] for k in keep]
+            self.pending = torch.cat([self.pending, ver.next_token[keep, None].to(self.pending.device)])
+            self._restart_drafters()
+            d.controller.set_batch(len(batch.rows))
+        return events
+
+    def _restart_drafters(self) -> None:
+        """begin() on every live row's committed text but the pending token (what the store holds),
+        then accept() of the pending tokens: the state the drafters reach in a run of their own."""
+        chooser = self.decoder.chooser
+        if chooser is None:
+            return
+        texts = [self.batch.text(s) for s in self.rows]
+        B, P = len(texts), max(len(t) for t in texts) - 1
+        ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
+        for b, t in enumerate(texts):
+            ids[b, : len(t) - 1] = torch.tensor(t[:-1], dtype=torch.long)
+        lengths = torch.tensor([len(t) - 1 for t in texts], dtype=torch.long)
+        chooser.begin(Prompt(ids, lengths, None, self.cache, self.judge.sampling, self.judge.generator))
+        pending = self.pending.cpu()
+        ones = torch.ones(B, dtype=torch.long)
+        chooser.accept(Commit(pending, ones, torch.zeros(B, dtype=torch.long)))
+
+    # -- stages
+
+    def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor], judge,
+                 begin: bool) -> tuple[Verification, Commit]:
+        """Prompts of one length together (no padding: HF's unpadded prefill), each length alone,
+        through ``forward.prefill`` into their rows; the first token of each. ``begin``: the drafters
+        begin on these prompts."""
+        d = self.decoder
+        want_hidden = d.reads_hidden
+        B, P = len(prompts), max(len(p) for p in prompts)
+        groups: dict[int, list[int]] = {}
+        for b, p in enumerate(prompts):
+            groups.setdefault(len(p), []).append(b)
+        logits: list[torch.Tensor | None] = [None] * B
+        hidden: list[torch.Tensor | None] = [None] * B
+        # at most PREFILL_TOKENS per forward: its DynamicCache is a transient second copy of those rows'
+        # K/V (why: docs/decisions/011-prefill-chunks.md)
+        chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
+                  for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
+        for rows in chunks:
+            pre = prefill(d.target, torch.stack([prompts[b] for b in rows]), want_hidden)
+            for g, b in enumerate(rows):
+                cache.load_prefill(b, [(k[g], v[g]) for k, v in pre.layers], capacity=P)
+                logits[b] = pre.logits[g]
+                hidden[b] = pre.hidden[g] if want_hidden else None
+        ver = judge(torch.stack(logits)[:, None], DraftTree.empty(B))  # the first token: nothing drafted
+        last = torch.stack([h[-1:] for h in hidden]) if want_hidden else None  # [B, 1, D]
+        if begin and d.chooser is not None:
+            ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
+            prefix = torch.zeros(B, max(P - 1, 0), hidden[0].shape[-1], dtype=hidden[0].dtype) if want_hidden else None
+            for b, p in enumerate(prompts):
+                ids[b, : len(p)] = p
+                if want_hidden:
+                    prefix[b, : len(p) - 1] = hidden[b][:-1]
+            lengths = torch.tensor([len(p) for p in prompts])
+            d.chooser.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
+        return ver, make_commit(DraftTree.empty(B), ver, last)
+
+    def _verify(self, tree: DraftTree) -> tuple[Verification, torch.Tensor | None, bool]:
+        """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path
+        (the rule of each row). Returns the verification, the target's last hidden states at the kept
+        rows [B, 1 + A, D] if the drafter reads them (row j produced new token j), and whether
+        attention ran SPLIT."""
+        d, cache, pending = self.decoder, self.cache, self.pending
+        want_hidden = d.reads_hidden
+        B, N = tree.tokens.shape
+        block_ids = torch.cat([pending, tree.tokens.to(pending.device)], dim=1)  # [B, 1 + N]
+        if is_chain(tree):
+            mask = depth = None  # causal block: the store's fast path (ragged chains are causal too)
+        else:
+            mask = ancestor_mask(tree.parents, tree.num_nodes)
+            depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
+        split = self._split(1 + N)
+        res = forward_block(d.target, cache, block_ids, mask, depth, want_hidden, split)
+        ver = self.judge(res.logits, tree)
+        kept = ver.kept_rows()
+        cache.commit(kept)
+        hidden = None
+        if want_hidden:
+            width = max(len(k) for k in kept)
+            idx = torch.tensor([k + [k[-1]] * (width - len(k)) for k in kept], device=res.hidden.device)
+            hidden = res.hidden.gather(1, idx[:, :, None].expand(-1, -1, res.hidden.shape[-1]))
+        return ver, hidden, split
+
+    def _split(self, q: int) -> bool:
+        """SPLIT attention this step? auto: when PAD's padded columns would be over split_waste of them.
+        Example: lengths [200, 4000], q 4: PAD 8008 columns, 4208 needed -> waste 0.47 -> SPLIT."""
+        config, cache = self.decoder.config, self.cache
+        if cache.batch_size == 1 or config.attention == "pad":
+            return False
+        if config.attention == "split":
+            return True
+        padded = cache.batch_size * (cache.max_length + q)
+        return 1 - sum(n + q for n in cache.lengths) / padded > config.split_waste
+
+    def _finish(self, commit: Commit, next_token: torch.Tensor, stats: StepStats) -> list[StepEvent]:
+        """Record the step, let the drafter learn, drop finished rows; the step's events."""
+        self._record(stats)
+        events, keep = self.batch.extend(self.rows, commit, stats)
+        chooser = self.decoder.chooser
+        if chooser is not None:  # also after the last step: a drafter's state ends in step
+            chooser.accept(commit)
+        self.pending = next_token[:, None].to(self.decoder.target.device)
+        self._keep(keep)
+        return events
+
+    def _record(self, stats: StepStats) -> None:
+        if self.record_steps:
+            self.steps.append(stats)
+
+    def _keep(self, keep: list[int]) -> None:
+        """Compaction: keep live rows ``keep`` (ascending), one gather per buffer, in the store, the
+        drafter and the rule; with none left the session is empty (the next add starts afresh)."""
+        if len(keep) == len(self.rows):
+            return
+        self.batch.rows = [self.rows[r] for r in keep]
+        if not keep:
+            self.cache = self.pending = self.judge = None
+            return
+        self.cache.select(keep)
+        chooser = self.decoder.chooser
+        if chooser is not None:
+            chooser.select(keep)
+        self.judge.select(keep)
+        self.pending = self.pending[keep]
+
+
+def is_chain(tree: DraftTree) -> bool:
+    N = tree.width
+    return bool((tree.parents == torch.arange(-1, N - 1, device=tree.parents.device)).all())
+
+
+def make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None) -> Commit:
+    """Accepted drafted tokens then the target's token, per row: tokens [B, A + 1]."""
+    B = tree.batch_size
+    A = ver.accepted.shape[1]
+    tokens = torch.zeros(B, A + 1, dtype=torch.long)
+    if A:
+        path_tokens = tree.tokens.cpu().gather(1, ver.accepted.clamp(min=0))
+        tokens[:, :A] = torch.where(ver.accepted >= 0, path_tokens, 0)
+    tokens[torch.arange(B), ver.num_accepted] = ver.next_token.cpu()
+    return Commit(tokens, ver.num_accepted + 1, ver.num_accepted, hidden)
+
+
+def _period_model(target):
+    """The BMC period model for the target's attention shape (calibrated once per process)."""
+    _, kv_heads, head_dim = attention_shape(target)
+    return period.machine_model(kv_heads, head_dim, target.dtype)

@@ -1,0 +1,237 @@
+"""`specdec serve` through the official openai client and raw HTTP: answers, errors, limits."""
+
+import json
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+
+from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.prompting import chat_ids
+from specdec.serve.app import ServeConfig
+from specdec.serve.engine import EngineConfig
+
+from serve_helpers import WINDOW, LiveServer, tiny_decoder
+
+openai = pytest.importorskip("openai")
+EOS = 256  # the tiny tokenizer's <|im_end|>
+
+
+@pytest.fixture(scope="module")
+def server():
+    live = LiveServer(tiny_decoder(PromptLookupDrafter()),
+                      ServeConfig(model_name="tiny", default_max_tokens=24, engine=EngineConfig(max_batch=4)))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def alone(server, messages=None, prompt=None, max_new=24) -> str:
+    """What SpecDecoder.generate answers for this prompt alone (a fresh decoder of the same target)."""
+    tok = server.tokenizer
+    ids = chat_ids(tok, messages)[0] if messages is not None else torch.tensor(tok(prompt)["input_ids"])
+    decoder = tiny_decoder(PromptLookupDrafter())
+    out = decoder.generate(ids, max_new_tokens=max_new, eos_token_id=EOS)
+    assert torch.equal(out.sequences, decoder.target.generate(ids[None], max_new_tokens=max_new, do_sample=False,
+                                                              eos_token_id=EOS, pad_token_id=0,
+                                                              attention_mask=torch.ones_like(ids[None]))[:, : out.sequences.shape[1]])
+    return tok.decode(out.generated(0), skip_special_tokens=True)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def test_openai_chat_answers_as_generate_alone(server, client):
+    r = client.chat.completions.create(model="tiny", messages=chat("abc abc abc"), temperature=0, max_tokens=20)
+    assert r.choices[0].message.content == alone(server, chat("abc abc abc"), max_new=20)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    assert r.usage.completion_tokens <= 20 and r.usage.prompt_tokens > 0
+    assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+
+
+def test_openai_chat_stream_concatenates_to_the_same_answer(server, client):
+    stream = client.chat.completions.create(model="tiny", messages=chat("hello hello"), temperature=0,
+                                            max_tokens=20, stream=True, stream_options={"include_usage": True})
+    parts, finish, use = [], None, None
+    for c in stream:
+        if c.usage is not None:
+            use = c.usage
+        for ch in c.choices:
+            parts.append(ch.delta.content or "")
+            finish = ch.finish_reason or finish
+    assert "".join(parts) == alone(server, chat("hello hello"), max_new=20)
+    assert finish in ("stop", "length") and use is not None and use.completion_tokens >= 1
+
+
+def test_openai_completions_stream_and_not(server, client):
+    r = client.completions.create(model="tiny", prompt="once upon a time", temperature=0, max_tokens=16)
+    expected = alone(server, prompt="once upon a time", max_new=16)
+    assert r.choices[0].text == expected
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt="once upon a time", temperature=0, max_tokens=16, stream=True) if c.choices)
+    assert streamed == expected
+
+
+def test_concurrent_clients_arriving_mid_batch_get_their_alone_answers(server, client):
+    texts = [f"question {i}: " + "xy" * (i + 1) for i in range(8)]
+    answers: dict[int, str] = {}
+
+    def ask(i: int) -> None:
+        time.sleep(0.05 * i)  # staggered: later ones join a running batch
+        r = client.chat.completions.create(model="tiny", messages=chat(texts[i]), temperature=0, max_tokens=24)
+        answers[i] = r.choices[0].message.content
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]  # 8 at once, 4 rows: some wait
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert sorted(answers) == list(range(8))
+    for i, text in enumerate(texts):
+        assert answers[i] == alone(server, chat(text), max_new=24)
+
+
+def test_a_seeded_sampled_answer_repeats(client):
+    ask = lambda seed: client.chat.completions.create(  # noqa: E731
+        model="tiny", messages=chat("tell me"), temperature=0.9, top_p=0.95, seed=seed, max_tokens=20,
+        extra_body={"top_k": 40}).choices[0].message.content
+    first = ask(7)
+    assert ask(7) == first
+    assert any(ask(s) != first for s in (8, 9, 10))
+
+
+def test_a_stop_string_ends_the_answer_before_it(server, client):
+    full = client.completions.create(model="tiny", prompt="stop test", temperature=0, max_tokens=16).choices[0].text
+    assert len(full) >= 4
+    stop = full[2:4]
+    r = client.completions.create(model="tiny", prompt="stop test", temperature=0, max_tokens=16, stop=[stop])
+    assert r.choices[0].text == full[: full.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+BAD = [  # (body or raw bytes, status, words the message must hold)
+    (b"{not json", 400, "not valid JSON"),
+    ({"model": "tiny"}, 400, "'messages' is required"),
+    ({"model": "tiny", "messages": "hi"}, 400, "non-empty list"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": 5}]}, 400, "content must be a string"),
+    ({"model": "tiny", "messages": [{"role": "wizard", "content": "x"}]}, 400, "role"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": WINDOW}, 400, "context window"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": "5"}, 400, "integer"),
+    ({"model": "gpt-9", "messages": [{"role": "user", "content": "hi"}]}, 404, "does not exist"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400, "temperature"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "n": 2}, 400, "'n' must be 1"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": ""}]}, 400, "empty prompt"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "z" * (2 * WINDOW)}]}, 400, "context window"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "boolean"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3}, 400,
+     "not supported"),
+    ([1, 2], 400, "JSON object"),
+]
+
+
+@pytest.mark.parametrize("body,status,words", BAD, ids=[f"bad{i}" for i in range(len(BAD))])
+def test_bad_input_gets_an_openai_error_and_the_server_keeps_serving(server, body, status, words):
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    r = httpx.post(server.url + "/v1/chat/completions", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == status
+    err = r.json()["error"]
+    assert words in err["message"] and set(err) == {"message", "type", "param", "code"}
+    ok = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                          "temperature": 0}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_an_empty_completion_prompt_is_refused(server):
+    r = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": ""})
+    assert r.status_code == 400 and "empty" in r.json()["error"]["message"]
+
+
+def _batch_size(server) -> int:
+    return httpx.get(server.url + "/health").json()["batch_size"]
+
+
+def test_a_client_leaving_mid_stream_frees_its_row(server):
+    body = {"model": "tiny", "prompt": "go on and on", "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(3)]
+        assert any(line.startswith("data: ") for line in got)
+        assert _batch_size(server) == 1
+    deadline = time.monotonic() + 10
+    while _batch_size(server) != 0:
+        assert time.monotonic() < deadline, "the row was not freed"
+        time.sleep(0.02)
+    metrics = httpx.get(server.url + "/metrics").text
+    assert 'specdec_requests_total{outcome="cancelled"}' in metrics
+
+
+def test_models_health_and_metrics(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(server.url + "/health").json()["status"] == "ok"
+    metrics = httpx.get(server.url + "/metrics").text
+    for name in ("specdec_queue_length", "specdec_batch_size", "specdec_generated_tokens_total",
+                 "specdec_tokens_per_second", "specdec_tau", "specdec_http_requests_total",
+                 'specdec_drafted_tokens_total{drafter="PromptLookupDrafter"}'):
+        assert name in metrics
+
+
+def test_a_full_queue_answers_429_with_retry_after():
+    live = LiveServer(tiny_decoder(), ServeConfig(model_name="tiny", engine=EngineConfig(max_batch=1, max_queue=1)))
+    held, release = threading.Event(), threading.Event()
+    live.service.engine.call(lambda: (held.set(), release.wait(30)))  # the engine thread waits between steps
+    try:
+        assert held.wait(10)
+        body = {"model": "tiny", "prompt": "long", "max_tokens": 4, "temperature": 0}
+        waiting = threading.Thread(target=lambda: httpx.post(live.url + "/v1/completions", json=body, timeout=30))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while httpx.get(live.url + "/health").json()["queue_length"] != 1:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        r = httpx.post(live.url + "/v1/completions", json=body)
+        assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
+        assert r.json()["error"]["type"] == "rate_limit_error"
+        release.set()
+        waiting.join(30)
+    finally:
+        release.set()
+        live.stop()
+
+
+def test_the_load_script_measures_both_modes_on_a_small_load(server):
+    import asyncio
+
+    from specdec.bench.serve_load import _same_answers, percentile, run_load
+
+    assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4 and percentile([], 50) is None
+    bodies = [{"model": "tiny", "messages": chat(f"load {i}"), "stream": True, "max_tokens": 8, "temperature": 0,
+               "stream_options": {"include_usage": True}} for i in range(3)]
+    together = asyncio.run(run_load(server.url, bodies, 2, 2, 60))
+    alone_ = asyncio.run(run_load(server.url, bodies, 1, 4, 60))
+    for r in (together, alone_):
+        assert r["requests"] == 4 and r["errors"] == 0 and r["tokens"] > 0 and r["ttft_p50_s"] is not None
+    assert _same_answers(together, alone_)
+
+
+def test_a_client_gone_before_its_whole_answer_frees_its_row(server):
+    engine = server.service.engine
+    before = engine.counters.finished.get("cancelled", 0)
+    held, release = threading.Event(), threading.Event()
+    engine.call(lambda: (held.set(), release.wait(30)))  # the request waits in the queue meanwhile
+    try:
+        assert held.wait(10)
+        body = {"model": "tiny", "prompt": "a long one", "max_tokens": 200, "temperature": 0}
+        with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes its connection
+            httpx.post(server.url + "/v1/completions", json=body, timeout=0.5)
+    finally:
+        release.set()
+    deadline = time.monotonic() + 10
+    while engine.counters.finished.get("cancelled", 0) == before or _batch_size(server) != 0:
+        assert time.monotonic() < deadline, "the row of the departed client was not freed"
+        time.sleep(0.02)

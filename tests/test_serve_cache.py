@@ -1,0 +1,94 @@
+"""The suffix cache of served text: round trip, bounded, and never trusted when torn or foreign."""
+
+import logging
+
+import pytest
+
+from specdec.drafters.corpus import (CorpusDoc, CorpusFileError, load_corpus_file, save_corpus_file,
+                                     vocab_fingerprint)
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.serve.cache import CacheConfig, ServedCache, suffix_drafters
+
+from tiny_chat import tiny_tokenizer
+
+DOCS = [CorpusDoc((1, 2, 3, 4, 5), 2), CorpusDoc((7, 8, 9), 0)]
+
+
+def test_a_corpus_file_round_trips(tmp_path):
+    save_corpus_file(tmp_path / "c.json", DOCS, "fp")
+    assert load_corpus_file(tmp_path / "c.json", "fp") == DOCS
+    assert [p.name for p in tmp_path.iterdir()] == ["c.json"]  # no temporary file left behind
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "header", "empty"])
+def test_a_torn_or_altered_file_is_refused(tmp_path, damage):
+    path = tmp_path / "c.json"
+    save_corpus_file(path, DOCS, "fp")
+    raw = path.read_bytes()
+    raw = {"truncate": raw[:-7], "flip": raw.replace(b"[7,8,9]", b"[7,8,8]"), "header": b"garbage\n" + raw,
+           "empty": b""}[damage]
+    path.write_bytes(raw)
+    with pytest.raises(CorpusFileError):
+        load_corpus_file(path, "fp")
+
+
+def test_a_file_of_another_tokenizer_is_refused(tmp_path):
+    save_corpus_file(tmp_path / "c.json", DOCS, "fp-a")
+    with pytest.raises(CorpusFileError, match="another tokenizer"):
+        load_corpus_file(tmp_path / "c.json", "fp-b")
+
+
+def test_the_fingerprint_follows_the_vocabulary():
+    a, b = tiny_tokenizer(), tiny_tokenizer()
+    assert vocab_fingerprint(a) == vocab_fingerprint(b)
+    b.add_tokens(["<extra>"])
+    assert vocab_fingerprint(a) != vocab_fingerprint(b)
+
+
+def _cache(path, max_tokens=1000):
+    drafter = SuffixDrafter()
+    return drafter, ServedCache([drafter], "fp", CacheConfig(path, max_tokens=max_tokens))
+
+
+def test_served_text_survives_a_restart(tmp_path):
+    drafter, cache = _cache(tmp_path / "s.json")
+    cache.remember([1, 2, 3], [4, 5, 6, 7])
+    assert cache.save() and not cache.save()  # nothing new: no second write
+    again, loaded = _cache(tmp_path / "s.json")
+    assert loaded.load() == 1
+    assert again.corpus.docs == [CorpusDoc((1, 2, 3, 4, 5, 6, 7), 3)]
+
+
+@pytest.mark.parametrize("foreign", [False, True])
+def test_an_untrusted_cache_file_is_rebuilt_with_a_warning(tmp_path, caplog, foreign):
+    path = tmp_path / "s.json"
+    if foreign:
+        save_corpus_file(path, DOCS, "another tokenizer")
+    else:
+        path.write_bytes(b'{"format": "specdec-suffix-cache", "version": 1}\n[[1, 2')
+    drafter, cache = _cache(path)
+    with caplog.at_level(logging.WARNING, logger="specdec.serve"):
+        assert cache.load() == 0
+    assert "not trusted" in caplog.text and drafter.corpus is None
+    assert (tmp_path / "s.json.corrupt").exists() and not path.exists()
+    cache.remember([1], [2, 3])
+    cache.save()
+    assert len(load_corpus_file(path, "fp")) == 1  # rebuilt from what was served next
+
+
+def test_the_cache_evicts_the_oldest_answers_beyond_its_bound(tmp_path):
+    drafter, cache = _cache(tmp_path / "s.json", max_tokens=20)
+    for i in range(6):
+        cache.remember([100 + i], [i] * 4)  # 5 tokens each
+    assert cache.tokens <= 20
+    kept = [doc.ids[0] for doc in drafter.corpus.docs]
+    assert kept == [doc.ids[0] for doc, _ in cache.docs] and kept[-1] == 105 and 100 not in kept
+
+
+def test_suffix_drafters_are_found_among_sources():
+    from specdec.drafters.chooser import Sources
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+
+    s = SuffixDrafter()
+    assert suffix_drafters(Sources({"lookup": PromptLookupDrafter(), "suffix": s})) == [s]
+    assert suffix_drafters(s) == [s] and suffix_drafters(None) == []

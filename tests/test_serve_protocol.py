@@ -1,0 +1,56 @@
+"""OpenAI request checks and the streamed text: pure functions, no server."""
+
+import pytest
+
+from specdec.serve.protocol import ApiError, TextStream, parse_request
+
+MODELS = ("tiny",)
+
+
+def _chat(**kw):
+    return parse_request({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **kw}, True, MODELS)
+
+
+def test_temperature_zero_is_greedy_and_openai_defaults_apply():
+    assert _chat(temperature=0).sampling is None
+    g = _chat()
+    assert g.sampling is not None and g.sampling.temperature == 1.0 and g.sampling.top_k == 0
+    g = _chat(temperature=0.5, top_p=0.9, top_k=7, seed=3, stop="x", stream=True, stream_options={"include_usage": True})
+    assert (g.sampling.temperature, g.sampling.top_p, g.sampling.top_k, g.seed) == (0.5, 0.9, 7, 3)
+    assert g.stop == ("x",) and g.stream and g.include_usage
+
+
+def test_text_parts_are_joined_and_a_missing_model_means_the_served_one():
+    g = parse_request({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                   {"type": "text", "text": "b"}]}]}, True, MODELS)
+    assert g.messages == [{"role": "user", "content": "ab"}]
+
+
+@pytest.mark.parametrize("kw,param", [({"temperature": True}, "temperature"), ({"top_p": 0}, "top_p"),
+                                      ({"top_k": -1}, "top_k"), ({"seed": 1.5}, "seed"), ({"stop": ["a"] * 5}, "stop"),
+                                      ({"stop": [""]}, "stop"), ({"max_tokens": 0}, "max_tokens"),
+                                      ({"echo": True}, "echo"), ({"best_of": 3}, "best_of")])
+def test_each_bad_field_is_named(kw, param):
+    with pytest.raises(ApiError) as e:
+        _chat(**kw)
+    assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+def _decode(tokens):
+    return bytes(tokens).decode("utf-8", errors="replace")
+
+
+def test_a_character_split_over_tokens_comes_out_whole():
+    s = TextStream(_decode, ())
+    e_acute = "é".encode()
+    assert s.feed([ord("a"), e_acute[0]]) == "a"  # half of é is held back
+    assert s.feed([e_acute[1]]) == "é"
+
+
+def test_a_stop_string_across_chunks_is_cut_and_never_sent():
+    s = TextStream(_decode, ("END",))
+    out = s.feed(list(b"abcE")) + s.feed(list(b"N")) + s.feed(list(b"D and more"))
+    assert out == "abc" and s.stopped and s.text == "abc"
+    s = TextStream(_decode, ("END",))
+    assert s.feed(list(b"abE")) == "ab" and s.feed(list(b"x"), final=False) == "Ex"  # not a stop after all
+    assert s.feed([], final=True) == "" and not s.stopped
