@@ -350,6 +350,11 @@ class SpecDecoder:
         """The drafter reads the target's hidden states: the prefill and verify keep them."""
         return self.chooser is not None and self.chooser.capabilities.reads_hidden_states
 
+    @property
+    def _hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the drafter reads instead of the last hidden state (EAGLE-3)."""
+        return self.chooser.capabilities.hidden_layers if self.chooser is not None else ()
+
     def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor],
                  judge: _Acceptance) -> tuple[Verification, Commit]:
         """Prompts of one length together (no padding: HF's unpadded prefill), each length alone,
@@ -366,7 +371,7 @@ class SpecDecoder:
         chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
                   for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
         for rows in chunks:
-            pre = prefill(self.target, torch.stack([prompts[b] for b in rows]), want_hidden)
+            pre = prefill(self.target, torch.stack([prompts[b] for b in rows]), want_hidden, self._hidden_layers)
             for g, b in enumerate(rows):
                 cache.load_prefill(b, [(k[g], v[g]) for k, v in pre.layers], capacity=P)
                 logits[b] = pre.logits[g]
@@ -400,7 +405,7 @@ class SpecDecoder:
             mask = ancestor_mask(tree.parents, tree.num_nodes)
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         split = self._split(cache, 1 + N)
-        res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden, split)
+        res = forward_block(self.target, cache, block_ids, mask, depth, want_hidden, split, self._hidden_layers)
         ver = judge(res.logits, tree)
         kept = ver.kept_rows()
         cache.commit(kept)

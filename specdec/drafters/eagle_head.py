@@ -107,6 +107,15 @@ class EagleHead(nn.Module):
     def hidden_size(self) -> int:
         return self.fc.out_features
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features a committed position carries (the last hidden state's)."""
+        return self.fc.out_features
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features -> the head's feature input: the same (EAGLE-3's head fuses three layers)."""
+        return features
+
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """features [B, S, D], tokens [B, S] (token t follows feature t), position_ids [B, S],
