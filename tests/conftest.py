@@ -102,6 +102,42 @@ def agreeing_eagle3_head(target, draft_vocab: torch.Tensor | None = None):
     return head.eval()
 
 
+def train_eagle_run(target, data_dir, tmp_path):
+    """For ``specdec train-eagle`` tests: (the target saved as a HF dir, a run dir whose data/ is
+    ``data_dir``, the command's argument parser)."""
+    import argparse
+
+    from specdec.cli.train_eagle import add_arguments
+
+    model_dir = tmp_path / "model"
+    target.to(torch.float32).save_pretrained(model_dir)
+    target.to(torch.float64)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "data").symlink_to(data_dir, target_is_directory=True)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return model_dir, out, parser
+
+
+class Interrupt(Exception):
+    """What ``KillAt`` raises: a training run killed mid-way."""
+
+
+class KillAt:
+    """A progress object that interrupts training when it reaches a step (a killed run)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def add_task(self, *a, **kw):
+        return 0
+
+    def update(self, task, completed, **kw):
+        if completed == self.step:
+            raise Interrupt
+
+
 def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
     return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                           pad_token_id=0, attention_mask=torch.ones_like(ids))

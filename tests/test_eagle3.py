@@ -145,7 +145,10 @@ def _drafts(target, head) -> torch.Tensor:
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_each_layout_round_trips_tensors_and_drafts(target, tmp_path, layout):
-    head = _random_head(target, draft_vocab=EVEN[:40] + 1, config=Eagle3HeadConfig(aux_layers=(2, 1, 1)))
+    """Its own layer shaped apart from the target's (a narrower MLP, 2 query heads, 1 K/V head), other
+    fused layers, a draft vocabulary of odd ids: save, load, the same tensors and the same drafts."""
+    head = _random_head(target, draft_vocab=EVEN[:40] + 1, config=Eagle3HeadConfig(aux_layers=(2, 1, 1)),
+                        layer={"intermediate_size": 96, "num_attention_heads": 2, "num_key_value_heads": 1})
     save_eagle3(head, tmp_path, layout)
     cfg = json.loads((tmp_path / "config.json").read_text())
     back = load_eagle3(tmp_path, target)

@@ -2,16 +2,15 @@
 masks, a few steps lowering the loss, a killed run resuming to the uninterrupted run's weights, the
 trained head drafting exactly, and the command (`train-eagle --arch eagle3`)."""
 
-import argparse
 import dataclasses
 import json
 
 import pytest
 import torch
 
-from conftest import hf_greedy, tiny_llama
+from conftest import Interrupt, KillAt, hf_greedy, tiny_llama, train_eagle_run
 from specdec import SpecDecoder
-from specdec.cli.train_eagle import add_arguments, run
+from specdec.cli.train_eagle import run
 from specdec.drafters.eagle import EagleConfig
 from specdec.drafters.eagle3 import Eagle3Drafter
 from specdec.drafters.eagle3_head import Eagle3Head, default_aux_layers
@@ -40,24 +39,6 @@ def data_dir(target, tmp_path_factory):
     prompts = [torch.randint(1, 128, (int(n),), generator=g).tolist() for n in torch.randint(3, 10, (8,), generator=g)]
     assert generate_data(target, prompts, d, DataConfig(max_new_tokens=24, aux_layers=LAYERS)) == 8
     return d
-
-
-class _Interrupt(Exception):
-    pass
-
-
-class _KillAt:
-    """A progress object that interrupts training when it reaches a step (a killed run)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def add_task(self, *a, **kw):
-        return 0
-
-    def update(self, task, completed, **kw):
-        if completed == self.step:
-            raise _Interrupt
 
 
 def test_data_holds_the_inputs_of_the_aux_layers(target, data_dir):
@@ -100,8 +81,8 @@ def test_a_few_steps_lower_the_loss_and_a_killed_run_resumes_to_the_same_head(ta
         before, after = (ttt_losses(h, batch, 3, 0.8).loss.item() for h in (fresh, head))
     assert after < 0.9 * before, (before, after)
 
-    with pytest.raises(_Interrupt):  # killed at step 8: the checkpoint of step 7 survives
-        train_head3(target, data_dir, tmp_path / "b", CFG, progress=_KillAt(8), log=lambda *a: None)
+    with pytest.raises(Interrupt):  # killed at step 8: the checkpoint of step 7 survives
+        train_head3(target, data_dir, tmp_path / "b", CFG, progress=KillAt(8), log=lambda *a: None)
     assert json.loads((tmp_path / "b" / "checkpoint" / "train_state.json").read_text())["step"] == 7
     logs = []
     train_head3(target, data_dir, tmp_path / "b", CFG, log=logs.append)
@@ -125,14 +106,7 @@ def test_training_refuses_data_without_the_heads_features(target, tmp_path):
 
 
 def test_cli_trains_an_eagle3_head_and_exports_it(target, data_dir, tmp_path):
-    model_dir = tmp_path / "model"
-    target.to(torch.float32).save_pretrained(model_dir)
-    target.to(torch.float64)
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "data").symlink_to(data_dir, target_is_directory=True)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    model_dir, out, parser = train_eagle_run(target, data_dir, tmp_path)
     args = parser.parse_args(["--model", str(model_dir), "--out", str(out), "--arch", "eagle3", "--stage", "train",
                               "--steps", "2", "--batch-size", "2", "--draft-vocab", "32", "--quiet",
                               "--export-layout", "speculators"])

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdec.drafters.eagle_head import _decoder, _TargetParts, causal_bias
+from specdec.drafters.eagle_head import _decoder, _TargetParts
 from specdec.forward import cache_arg
 from specdec.models import text_config
 
@@ -91,12 +91,19 @@ class _MidLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+# what a head's own layer may set apart from its target (a file's config): its width and the rotary
+# table's head size stay the target's, since the embedding and the rotary table are the target's
+LAYER_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "attention_bias",
+              "mlp_bias")
+
+
 class Eagle3Head(nn.Module):
     """The head for ``target`` (Llama-shaped: decoder layers with self_attn.{q,k,v,o}_proj, mlp, RMS norms).
-    ``draft_vocab``: the target ids it drafts from, ascending (None: the whole vocabulary)."""
+    ``draft_vocab``: the target ids it drafts from, ascending (None: the whole vocabulary). ``layer``:
+    the head's layer config where it differs from the target's (LAYER_KEYS; a file's config.json)."""
 
     def __init__(self, target, config: Eagle3HeadConfig = Eagle3HeadConfig(),
-                 draft_vocab: torch.Tensor | None = None) -> None:
+                 draft_vocab: torch.Tensor | None = None, layer: dict | None = None) -> None:
         super().__init__()
         tcfg = text_config(target)
         D, N = tcfg.hidden_size, tcfg.num_hidden_layers
@@ -116,6 +123,15 @@ class Eagle3Head(nn.Module):
         layer_cfg.num_hidden_layers = 1
         if getattr(layer_cfg, "layer_types", None) is not None:
             layer_cfg.layer_types = layer_cfg.layer_types[:1]
+        head_dim = getattr(tcfg, "head_dim", None) or D // tcfg.num_attention_heads
+        layer_cfg.head_dim = head_dim  # the target's rotary table: fixed whatever the head's head count
+        for key, value in (layer or {}).items():
+            if key in LAYER_KEYS and value is not None:
+                setattr(layer_cfg, key, value)
+        if (layer or {}).get("head_dim") not in (None, head_dim):
+            raise ValueError(f"EAGLE-3 head of head size {layer['head_dim']} cannot use the target's rotary "
+                             f"table (head size {head_dim})")
+        self.layer_config = layer_cfg  # the head's own layer, for its files
         self.fc = nn.Linear(3 * D, D, bias=config.fc_bias)
         self.midlayer = _MidLayer(layer0, layer_cfg, config.norm_before_residual)
         self.norm = type(layer0.input_layernorm)(D, eps=tcfg.rms_norm_eps)
@@ -150,14 +166,7 @@ class Eagle3Head(nn.Module):
         """hidden [B, S, D] (fused features, or the head's own outputs), tokens [B, S] (token t follows
         position t), position_ids [B, S], attention_mask [B, 1, S, L] additive (None: causal over the S
         rows) -> the residual stream after the layer [B, S, D] (before ``norm``: what is fed back)."""
-        B, S, D = hidden.shape
-        assert tokens.shape == (B, S) and position_ids.shape == (B, S), \
-            f"tokens {tuple(tokens.shape)}, positions {tuple(position_ids.shape)} vs hidden {(B, S)}"
-        with torch.no_grad():  # the target's embedding is frozen
-            emb = self._target.embed(tokens).to(hidden.dtype)
-        if attention_mask is None:
-            attention_mask = causal_bias(B, S, hidden.dtype, hidden.device)
-        rope = self._target.rotary(hidden, position_ids)
+        emb, attention_mask, rope = self._target.inputs(hidden, tokens, position_ids, attention_mask)
         return self.midlayer(emb, hidden, attention_mask, position_ids, rope, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

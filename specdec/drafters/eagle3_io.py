@@ -44,7 +44,7 @@ _AUX_SHIFT = {"vllm": 0, "sglang": -1, "speculators": 0}  # written id = our id 
 
 def _layer_config(head: Eagle3Head) -> dict:
     """The Llama config of the head's one layer, as the engines build it."""
-    cfg = head.target_config.to_dict()
+    cfg = head.layer_config.to_dict()
     for key in ("layer_types", "architectures", "_name_or_path", "transformers_version", "dtype", "torch_dtype"):
         cfg.pop(key, None)
     cfg.update(model_type="llama", num_hidden_layers=1, tie_word_embeddings=False,
@@ -156,7 +156,7 @@ def load_eagle3(path: str | os.PathLike, target, layout: str | None = None) -> E
     prefix = _LAYER_PREFIX[layout]
     state = {("midlayer." + k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
     embed = state.pop("embed_tokens.weight", None)
-    if embed is not None and not torch.equal(embed.to(target.dtype), target.get_input_embeddings().weight.detach().cpu()):
+    if embed is not None and not torch.equal(embed, target.get_input_embeddings().weight.detach().cpu().to(embed.dtype)):
         raise ValueError(f"EAGLE-3 head in {d} carries its own embed_tokens, unlike the target's: "
                          "specdec shares the target's frozen embedding")
     missing = [k for k in ("fc.weight", "lm_head.weight", "norm.weight") if k not in state]
@@ -168,7 +168,7 @@ def load_eagle3(path: str | os.PathLike, target, layout: str | None = None) -> E
         raise ValueError(f"EAGLE-3 head in {d}: d2t has {d2t.numel()} entries, lm_head {M} rows")
     config = Eagle3HeadConfig(aux_layers=aux, norm_before_residual=bool(cfg.get("norm_before_residual", False)),
                               fc_bias="fc.bias" in state)
-    head = Eagle3Head(target, config, torch.arange(M, dtype=torch.long) + d2t)
+    head = Eagle3Head(target, config, torch.arange(M, dtype=torch.long) + d2t, layer)
     if "t2d" in state and not torch.equal(state["t2d"].bool(), head.t2d.cpu()):
         raise ValueError(f"EAGLE-3 head in {d}: t2d does not mark the target ids d2t maps to")
     state["d2t"], state["t2d"] = head.d2t, head.t2d
