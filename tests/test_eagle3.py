@@ -17,6 +17,7 @@ from specdec.drafters.eagle3 import Eagle3Drafter, make_eagle3
 from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig, default_aux_layers, vocab_maps
 from specdec.drafters.eagle3_io import LAYOUTS, load_eagle3, save_eagle3
 from specdec.forward import prefill
+from specdec.registry import make_drafter
 
 CONFIG = EagleConfig(total_tokens=6, depth=3, top_k=2)
 EVEN = torch.arange(0, 128, 2)  # a reduced draft vocabulary: draft id i is target id 2i
@@ -133,6 +134,18 @@ def test_an_eagle1_head_is_not_an_eagle3_head(target):
 def test_registry_eagle3_names_how_to_get_a_head(target):
     with pytest.raises(ValueError, match="train-eagle --arch eagle3"):
         make_eagle3(target)
+
+
+def test_a_configured_head_drafts_by_name_and_takes_eagles_place_in_auto(target, tmp_path):
+    save_eagle3(_random_head(target, draft_vocab=EVEN), tmp_path, "sglang")
+    with use(RuntimeConfig(eagle3_head=tmp_path)):
+        named, auto = make_drafter("eagle3", target), make_drafter("auto", target)
+    assert isinstance(named, Eagle3Drafter) and named.capabilities.hidden_layers == (2, 1, 0)
+    assert "eagle3" in auto.sources and "eagle" not in auto.sources
+    assert auto.capabilities.hidden_layers == (2, 1, 0)
+    ids = _prompts()[1][None]
+    out = SpecDecoder(target, auto).generate(ids, max_new_tokens=10, eos_token_id=None)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 10))
 
 
 # ------------------------------------------------------------------------------- files
