@@ -139,10 +139,14 @@ class _Acceptance:
 
     def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
         """logits [B, 1 + N, V] at the pending row and every node."""
-        logits, tree = logits.float().cpu(), _to_cpu(tree)
-        if self.sampling is None:
-            return verify_greedy(logits, tree)
-        return verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
+        # judged where the logits are (a draft is small, logits [B, Q, V] are not); the verdict comes
+        # to the host, where the loop reads it
+        tree = tree.to(logits.device)
+        if self.sampling is None:  # argmax over float32 scores, as HF's greedy search takes it
+            ver = verify_greedy(logits.float(), tree)
+        else:
+            ver = verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
+        return ver.cpu()
 
 
 class _Batch:
@@ -271,15 +275,16 @@ class SpecDecoder:
         sampling = SamplingParams.resolve(self.target, temperature, top_k, top_p) if do_sample else None
         if sampling is not None and generator is None:
             seed = int(torch.randint(2**62, ())) if seed is None else seed
-            generator = torch.Generator().manual_seed(seed)  # CPU: the verifier samples on the CPU
+            generator = torch.Generator().manual_seed(seed)  # CPU: uniforms drawn here, on any device
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
         # Llama-shaped models run the lean forward (specdec.runtime.fastpath), built and checked here, not in step 1
         runtime = self.config.runtime or current_runtime()
         paths = [p for p in (fastpath.get(m, runtime) for m in modules) if p is not None]
         replaced = [m for p in paths for m in p.replaced()]
-        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=self.config.skinny_rows, skip=replaced,
-                                                            runtime=runtime):
-            kernels.prepack([w for p in paths for w in p.fused_weights()], self.config.skinny_rows)
+        # the CPU kernels serve CPU targets only: elsewhere no self-check, no build, no patched linears
+        rows = self.config.skinny_rows if self.target.device.type == "cpu" else 0
+        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime):
+            kernels.prepack([w for p in paths for w in p.fused_weights()], rows)
             batch, steps = self._generate(prompts, max_new_tokens, _eos_set(eos_token_id, self.target),
                                           streamer, callback, _Acceptance(sampling, generator))
         new = [batch.new[s] for s in range(len(prompts))]
@@ -489,11 +494,6 @@ class SpecDecoder:
 def _is_chain(tree: DraftTree) -> bool:
     N = tree.width
     return bool((tree.parents == torch.arange(-1, N - 1, device=tree.parents.device)).all())
-
-
-def _to_cpu(tree: DraftTree) -> DraftTree:
-    probs = None if tree.probs is None else tree.probs.cpu()
-    return DraftTree(tree.tokens.cpu(), tree.parents.cpu(), tree.num_nodes.cpu(), probs)
 
 
 def _make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None) -> Commit:

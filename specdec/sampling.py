@@ -79,6 +79,25 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:
     return logits.max(-1).indices
 
 
+def uniforms(shape: tuple[int, ...], generator: torch.Generator | None, device: torch.device | str) -> torch.Tensor:
+    """Float64 uniforms in [0, 1) drawn from ``generator`` (a CPU generator, or torch's default one)
+    and placed on ``device``: the same seed gives the same draws on every device, and a CUDA run
+    needs no CUDA generator."""
+    return torch.rand(shape, dtype=torch.float64, generator=generator).to(device)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One sample per row of probs [B, V] (rows need not be normalised) -> [B] int64, by the
+    inverse CDF of one uniform per row (``uniforms``), on probs' device. A token of probability 0
+    is never drawn: its slice of the CDF is empty. Example: probs [[0, .5, .5]], u 0.7 -> [2]."""
+    cdf = probs.to(torch.float64).cumsum(-1)  # [B, V]
+    u = uniforms((probs.shape[0], 1), generator, probs.device) * cdf[:, -1:]
+    idx = torch.searchsorted(cdf, u, right=True)[:, 0].clamp(max=probs.shape[-1] - 1)
+    # u * total rounds up to total only with probability ~2^-53; then take the last token with mass
+    last = (probs > 0).to(torch.long).cumsum(-1).argmax(-1)
+    return torch.where(probs.gather(1, idx[:, None])[:, 0] > 0, idx, last)
+
+
 def sampling_kwargs(model, temperature: float) -> dict:
     """``generate()`` arguments shared by HF and SpecDecoder (the benches' ``--temperature``): greedy
     at 0, else do_sample with every argument resolved as HF resolves it, so both sample one p."""

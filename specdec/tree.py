@@ -63,6 +63,13 @@ class DraftTree:
         n = self.num_nodes.tolist()
         return ([p[:k] for p, k in zip(self.parents.tolist(), n)], [t[:k] for t, k in zip(self.tokens.tolist(), n)])
 
+    def to(self, device: torch.device | str) -> "DraftTree":
+        """The same tree on ``device`` (itself if it is there already)."""
+        if self.tokens.device == torch.device(device):
+            return self
+        probs = None if self.probs is None else self.probs.to(device)
+        return DraftTree(self.tokens.to(device), self.parents.to(device), self.num_nodes.to(device), probs)
+
     @staticmethod
     def empty(batch_size: int, device: torch.device | str = "cpu") -> "DraftTree":
         """No draft: the step decodes one token, as plain autoregressive decoding does."""

@@ -5,7 +5,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+from specdec.bench.device.tiny import hf_greedy, perturbed, tiny_llama  # noqa: E402,F401  (the tests import them from here)
+from transformers import LlamaForCausalLM  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -16,28 +17,6 @@ def shared_file(rel: str):
 
     beside = Path(__file__).resolve().parents[2] / "shared" / rel
     return beside if beside.exists() else Path("/work/shared") / rel
-
-
-def tiny_llama(seed: int = 0, vocab: int = 128, layers: int = 2, max_pos: int = 512,
-               dtype=torch.float64, kv_heads: int = 2) -> LlamaForCausalLM:
-    """A randomly initialised Llama-style model; float64 so greedy argmax has no float ties."""
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
-                      bos_token_id=0, eos_token_id=None, pad_token_id=0)
-    return LlamaForCausalLM(cfg).to(dtype).eval()
-
-
-def perturbed(model: LlamaForCausalLM, scale: float, seed: int = 1) -> LlamaForCausalLM:
-    """A copy of ``model`` with noise on every weight: a drafter that agrees only partly."""
-    import copy
-
-    g = torch.Generator().manual_seed(seed)
-    other = copy.deepcopy(model)
-    with torch.no_grad():
-        for p in other.parameters():
-            p.add_(torch.randn(p.shape, generator=g, dtype=p.dtype) * scale * p.std())
-    return other
 
 
 def ragged_blocks(model, layers: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -136,11 +115,6 @@ class KillAt:
     def update(self, task, completed, **kw):
         if completed == self.step:
             raise Interrupt
-
-
-def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) -> torch.Tensor:
-    return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
-                          pad_token_id=0, attention_mask=torch.ones_like(ids))
 
 
 @pytest.fixture

@@ -13,7 +13,6 @@ noise alone). A deliberately wrong rule fails the same test (``test_wrong_rule_f
 
 from __future__ import annotations
 
-import math
 from types import SimpleNamespace
 
 import pytest
@@ -21,7 +20,9 @@ import torch
 from transformers import GenerationConfig
 
 import specdec.verifiers.sampling as vs
-from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, perturbed, tiny_llama
+from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, perturbed
+from specdec.bench.device.tiny import peaked
+from specdec.bench.distribution import pair_mismatch
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
@@ -36,8 +37,6 @@ V = 32  # vocabulary of the distribution tests: 32 * 32 joint bins
 N_PURE = 40_000  # samples per pure-function distribution test (one batched call)
 N_E2E = 20_000  # samples per end-to-end test: whole generations
 E2E_BATCH = 2_000  # rows per generate call
-ALPHA = 1e-3  # chi-square significance: a correct rule fails a given seed with probability 1e-3
-TV_FACTOR = 3.0  # TV bound = this x the TV that sampling noise alone gives (normal approximation)
 PROMPT = torch.tensor([[1, 5, 7, 5, 7, 9]])
 PARAMS = {"temperature": SamplingParams(temperature=0.7), "top_k": SamplingParams(top_k=5),
           "top_p": SamplingParams(top_p=0.8)}
@@ -50,15 +49,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(old)
-
-
-def peaked(seed: int) -> torch.nn.Module:
-    """A tiny random Llama whose logits are spread enough (entropy ~1.5 nats) to have structure: a
-    fresh init gives near-uniform distributions, under which every rule looks right."""
-    m = tiny_llama(seed, vocab=V)
-    with torch.no_grad():
-        m.lm_head.weight.mul_(20)
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -78,40 +68,10 @@ def tables(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
 
 # ----------------------------------------------------------------------------------- statistics
 
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson's test of counts [M] against probs [M]; bins expecting < 5 are merged into one.
-    A count in a bin of probability 0 gives p-value 0."""
-    counts, probs = counts.double(), probs.double()
-    n = counts.sum()
-    expected = n * probs
-    if bool((counts[probs == 0] > 0).any()):
-        return 0.0
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    stat = ((obs - exp) ** 2 / exp).sum()
-    df = torch.tensor(float(len(obs) - 1), dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
-
-
-def tv_distance(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    return 0.5 * float((counts.double() / counts.sum() - probs).abs().sum())
-
-
-def tv_noise(probs: torch.Tensor, n: int) -> float:
-    """TV expected from n exact samples: 0.5 * sum E|freq - p| ~ 0.5 * sum sqrt(2 p (1 - p) / (pi n))."""
-    return 0.5 * float((2 * probs * (1 - probs) / (math.pi * n)).sqrt().sum())
-
-
 def assert_matches(pairs: torch.Tensor, joint: torch.Tensor) -> None:
     """pairs [n, 2] sampled token pairs vs the exact joint [V, V]."""
-    counts = torch.bincount(pairs[:, 0] * V + pairs[:, 1], minlength=V * V)
-    probs = joint.reshape(-1)
-    pval, tv = chi_square_pvalue(counts, probs), tv_distance(counts, probs)
-    bound = TV_FACTOR * tv_noise(probs, len(pairs))
-    assert pval > ALPHA and tv < bound, f"chi-square p-value {pval:.2e} (needs > {ALPHA}), TV {tv:.4f} (bound {bound:.4f})"
+    mismatch = pair_mismatch(pairs, joint)
+    assert mismatch is None, mismatch
 
 
 # ------------------------------------------------------------------ drafts for the pure-level tests

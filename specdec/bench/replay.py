@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -75,13 +76,14 @@ def step_cost(curve: dict[int, float], rows: int) -> float:
 
 
 def replay(drafter: Drafter | Chooser, prompt: list[int], answer: list[int], budget: int = 10,
-           curve: dict[int, float] | None = None, controller: DraftLengthController | None = None) -> ReplayStats:
+           curve: dict[int, float] | None = None, controller: DraftLengthController | None = None,
+           on_step: Callable[[int, int], None] | None = None) -> ReplayStats:
     """One generation of ``answer`` after ``prompt``, batch 1; ``curve``: verify cost per rows
     (``step_cost``), to price each step. Drafts are sized by ``controller`` as the decoder sizes them
     (``decoder.draft_step``; it learns from each step, ``decoder.learn_step``, priced by the curve in
     plain steps, drafts free): pass the same controller for a session's answers, as a decoder keeps
     its own. Without one, every draft is verified: ``budget`` caps a chain drafter's, a self-sized
-    tree drafter gets the tokens still wanted."""
+    tree drafter gets the tokens still wanted. ``on_step(nodes, accepted)`` hears every decode step."""
     if not answer:
         return ReplayStats(0, 0, 0)
     if controller is None:
@@ -104,6 +106,8 @@ def replay(drafter: Drafter | Chooser, prompt: list[int], answer: list[int], bud
         seconds = step_cost(curve, 1 + n) if curve else None
         learn_step(controller, key, tree, [path], seconds, 0.0 if curve else None, shadows, [new])
         drafter.accept(Commit(torch.tensor([new]), torch.tensor([len(new)]), torch.tensor([len(path)])))
+        if on_step is not None:
+            on_step(n, len(path))
         pos, steps, nodes = pos + len(new), steps + 1, nodes + n
         cost += seconds or 0.0
     return ReplayStats(len(answer), steps, nodes, cost)

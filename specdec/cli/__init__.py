@@ -17,6 +17,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "bench-verify": ("specdec.bench.verify_cost", "target forward time over 1..32 tokens (verify-cost curve)"),
     "bench-longctx": ("specdec.bench.longctx", "long-context self-speculation (MagicDec) vs HF generate"),
     "bench-controller": ("specdec.bench.policy", "the draft-length controller vs every fixed length, on replayed steps"),
+    "bench-device": ("specdec.bench.device.command", "exactness, verify costs and priced traces on an accelerator"),
     "chat": ("specdec.cli.chat", "terminal chat with speculative decoding"),
     "specbench": ("specdec.cli.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),
     "train-eagle": ("specdec.cli.train_eagle", "train an EAGLE head for a target, offline"),

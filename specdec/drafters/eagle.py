@@ -162,7 +162,7 @@ class EagleDrafter(Drafter):
         toks = torch.zeros(B, Q, dtype=torch.long, device=dev)
         for b, (f, t) in enumerate(zip(self._feats, self._toks)):
             if t:
-                feats[b, : len(t)] = torch.cat(f).to(device=dev, dtype=dtype)
+                feats[b, : len(t)] = torch.cat([x.to(device=dev, dtype=dtype) for x in f])  # prompt rows: host
                 toks[b, : len(t)] = torch.tensor(t, device=dev)
         inputs = self.cache.prepare(chain_mask(B, Q, dev), torch.arange(Q, device=dev).expand(B, Q))
         h = self.head(self.head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, self.cache)  # [B, Q, D]

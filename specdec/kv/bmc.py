@@ -239,6 +239,7 @@ class BMCCache(Cache):
         B, Q, _ = block_mask.shape
         assert B == self.batch_size, f"block batch {B} != cache batch {self.batch_size}"
         assert depth.shape == (B, Q), f"depth {tuple(depth.shape)} != {(B, Q)}"
+        block_mask = block_mask.to(self.device)  # drafters build trees where they like (the host, mostly)
         self._plan = plan = _WritePlan(self.lengths, Q, self.device)
         L = plan.end
         starts = torch.tensor(self.lengths, device=self.device)  # [B]

@@ -93,12 +93,12 @@ def snapkv_keep(votes: torch.Tensor, length: int, budget: int, window: int, kern
     queries and its GQA group). All rows when ``length <= budget``. Example: length 8, budget 4,
     window 2, head 0 votes peak at position 1 -> head 0 keeps [0, 1, 6, 7] or [1, 2, 6, 7].
     """
-    H = votes.shape[0]
+    H, dev = votes.shape[0], votes.device
     if length <= budget:
-        return torch.arange(length).expand(H, length)
+        return torch.arange(length, device=dev).expand(H, length)
     w = min(window, budget)
     candidates = length - w  # positions before the window compete for the other slots
-    recent = torch.arange(candidates, length).expand(H, w)
+    recent = torch.arange(candidates, length, device=dev).expand(H, w)
     k = budget - w
     if k == 0:
         return recent

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.sampling import draw, uniforms
 from specdec.tree import DraftTree, node_depths
 from specdec.verifiers.tree import Verification
 
@@ -74,23 +75,26 @@ def verify_sampling(probs: torch.Tensor, tree: DraftTree, generator: torch.Gener
     assert Q == N + 1, f"probs for {Q} rows, tree has {N} nodes"
     if tree.probs is not None:
         assert tree.probs.shape == (B, N, V), f"draft probs {tuple(tree.probs.shape)} != {(B, N, V)}"
+    dev = probs.device  # the tree comes to the target's probabilities; uniforms come from the CPU generator
     probs = probs.to(torch.float64)
-    rows = torch.arange(B)
-    cur = torch.full((B,), -1, dtype=torch.long)  # [B] the accepted node we stand on (-1 = pending)
+    tokens, parents, num_nodes = tree.tokens.to(dev), tree.parents.to(dev), tree.num_nodes.to(dev)
+    rows = torch.arange(B, device=dev)
+    cur = torch.full((B,), -1, dtype=torch.long, device=dev)  # [B] the accepted node we stand on (-1 = pending)
     p_res = probs[:, 0].clone()  # [B, V] target distribution at cur, minus the rejected siblings
-    removed = torch.zeros(B, V, dtype=torch.bool)  # [B, V] siblings of cur's children already rejected
-    depth = node_depths(tree.parents) if N else torch.zeros(B, 0, dtype=torch.long)  # [B, N]
-    path = torch.full((B, max(N, 1)), -1, dtype=torch.long)  # [B, N] accepted node at each depth
-    u = torch.rand(B, N, dtype=torch.float64, generator=generator)  # [B, N] one uniform per node slot
+    removed = torch.zeros(B, V, dtype=torch.bool, device=dev)  # [B, V] siblings of cur's children already rejected
+    depth = node_depths(parents) if N else torch.zeros(B, 0, dtype=torch.long, device=dev)  # [B, N]
+    path = torch.full((B, max(N, 1)), -1, dtype=torch.long, device=dev)  # [B, N] accepted node at each depth
+    u = uniforms((B, N), generator, dev)  # [B, N] one uniform per node slot
     for i in range(N):
-        x = tree.tokens[:, i]  # [B]
-        tried = (tree.parents[:, i] == cur) & (i < tree.num_nodes)  # [B] node i is a child of cur
-        if not bool(tried.any()):  # host sync: skips slots no row stands above (cheap either way)
+        x = tokens[:, i]  # [B]
+        tried = (parents[:, i] == cur) & (i < num_nodes)  # [B] node i is a child of cur
+        # on the CPU skip slots no row stands above (a host sync elsewhere costs more than the slot)
+        if dev.type == "cpu" and not bool(tried.any()):
             continue
         if tree.probs is None:  # deterministic draft: q is one-hot at x
             q = torch.nn.functional.one_hot(x, V).to(torch.float64)
         else:
-            q = tree.probs[:, i].to(torch.float64)
+            q = tree.probs[:, i].to(device=dev, dtype=torch.float64)
         q = _renormalise(q.masked_fill(removed, 0.0))  # [B, V] without the siblings already tried
         a = acceptance_probability(p_res[rows, x], q[rows, x])  # [B]
         acc = tried & (u[:, i] < a)
@@ -104,11 +108,11 @@ def verify_sampling(probs: torch.Tensor, tree: DraftTree, generator: torch.Gener
         cur = torch.where(acc, i, cur)
         d = depth[:, i] - 1
         path[rows[acc], d[acc]] = i
-    next_token = torch.multinomial(p_res, 1, generator=generator)[:, 0]  # [B]
-    num_accepted = torch.zeros(B, dtype=torch.long)  # [B] = depth of cur (0 at the pending token)
+    next_token = draw(p_res, generator)  # [B]
+    num_accepted = torch.zeros(B, dtype=torch.long, device=dev)  # [B] = depth of cur (0 at the pending token)
     if N:
         num_accepted = torch.where(cur >= 0, depth.gather(1, cur.clamp(min=0)[:, None])[:, 0], 0)
     K = int(num_accepted.max()) if B else 0  # host sync: the path length decides the output width
     accepted = path[:, :K]
-    accepted = torch.where(torch.arange(K)[None, :] < num_accepted[:, None], accepted, -1)
+    accepted = torch.where(torch.arange(K, device=dev)[None, :] < num_accepted[:, None], accepted, -1)
     return Verification(accepted, num_accepted, next_token)

@@ -22,6 +22,10 @@ class Verification:
     num_accepted: torch.Tensor  # [B] int64
     next_token: torch.Tensor  # [B] int64 the target's bonus/correction token
 
+    def cpu(self) -> "Verification":
+        """The verdict on the host (one copy each of three small tensors), where the loop reads it."""
+        return Verification(self.accepted.cpu(), self.num_accepted.cpu(), self.next_token.cpu())
+
     def kept_rows(self) -> list[list[int]]:
         """Block rows to keep in the KV store: the pending token (row 0) and the accepted nodes."""
         acc = self.accepted.tolist()
@@ -58,7 +62,7 @@ def verify_greedy(target_logits: torch.Tensor, tree: DraftTree) -> Verification:
     target_next = greedy(target_logits)  # [B, Q] argmax
     if N == 0:
         empty = torch.zeros(B, 0, dtype=torch.long, device=target_next.device)
-        return Verification(empty, torch.zeros(B, dtype=torch.long), target_next[:, 0])
+        return Verification(empty, torch.zeros(B, dtype=torch.long, device=target_next.device), target_next[:, 0])
     ok = accepted_mask(target_next, tree)
     depth = node_depths(tree.parents)
     # deepest agreeing node per row (sibling tokens are distinct, so at most one per depth)
