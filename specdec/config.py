@@ -73,6 +73,8 @@ class RuntimeConfig:
     cache_dir: Path = field(default_factory=default_cache_dir)
     # the EAGLE head a bare "eagle" drafter loads; None: the head packaged for the default model
     eagle_head: Path | None = None
+    # the EAGLE-3 head (a vLLM / SGLang / speculators directory) an "eagle3" drafter loads; None: none
+    eagle3_head: Path | None = None
     # torch threads of a benchmark's child process (bench-longctx's peak-memory runs)
     bench_threads: int = 2
 
@@ -106,7 +108,7 @@ class RuntimeConfig:
         threads = env.get("SPECDEC_BENCH_THREADS", "") or "2"
         if not threads.isdigit() or int(threads) < 1:
             raise ValueError(f"SPECDEC_BENCH_THREADS={threads!r}: expected a whole number of threads >= 1")
-        head = env.get("SPECDEC_EAGLE_HEAD", "")
+        head, head3 = env.get("SPECDEC_EAGLE_HEAD", ""), env.get("SPECDEC_EAGLE3_HEAD", "")
         return cls(kernel=pick("SPECDEC_KERNEL", {k: k for k in KERNELS}, "native"),
                    calibrate=pick("SPECDEC_KERNEL_CALIBRATE", _CALIBRATE, True),
                    attention=pick("SPECDEC_ATTENTION", {a: a for a in ATTENTIONS}, "auto"),
@@ -116,6 +118,7 @@ class RuntimeConfig:
                    hugepages=pick("SPECDEC_HUGEPAGES", _SWITCH, True),
                    cache_dir=default_cache_dir(env),
                    eagle_head=Path(head).expanduser() if head else None,
+                   eagle3_head=Path(head3).expanduser() if head3 else None,
                    bench_threads=int(threads))
 
 

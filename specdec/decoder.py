@@ -212,6 +212,11 @@ class SpecDecoder:
         """The drafter reads the target's hidden states: the prefill and verify keep them."""
         return self.chooser is not None and self.chooser.capabilities.reads_hidden_states
 
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        """The target layers whose inputs the drafter reads instead of the last hidden state (EAGLE-3)."""
+        return self.chooser.capabilities.hidden_layers if self.chooser is not None else ()
+
     @contextmanager
     def running(self):
         """What a session's steps run under: inference mode, and on CPU the lean forward of Llama-shaped

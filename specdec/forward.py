@@ -56,16 +56,26 @@ _CACHE_ARG: dict[type, str] = {}
 @dataclass(frozen=True)
 class BlockOutput:
     logits: torch.Tensor  # [B, Q, V]
-    hidden: torch.Tensor | None  # [B, Q, D] last hidden state (after the final norm), if asked
+    # [B, Q, D] last hidden state (after the final norm), if asked; [B, Q, D * len(layers)] with layers
+    hidden: torch.Tensor | None
+
+
+def hidden_of(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) -> torch.Tensor:
+    """HF's ``output_hidden_states`` -> the last one (after the final norm), or with ``layers`` the
+    residual stream entering each named layer (``hidden_states[j]``), concatenated: [B, Q, D * len(layers)]."""
+    return torch.cat([hidden_states[j] for j in layers], dim=-1) if layers else hidden_states[-1]
 
 
 @torch.inference_mode()
 def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: torch.Tensor | None,
-                  depth: torch.Tensor | None, want_hidden: bool = False, split: bool = False) -> BlockOutput:
+                  depth: torch.Tensor | None, want_hidden: bool = False, split: bool = False,
+                  layers: tuple[int, ...] = ()) -> BlockOutput:
     """input_ids [B, Q]; block_mask [B, Q, Q] bool; depth [B, Q] position offsets within the block.
 
     block_mask = depth = None means a causal block (chain, plain decode): the store's fast path.
     split: SPLIT attention (per row over its own length) instead of PAD.
+    layers: with want_hidden, the layers whose inputs to return instead of the last hidden state
+    (``hidden_of``; EAGLE-3).
     """
     if block_mask is None:
         inputs = cache.prepare_chain(input_ids.shape[1])
@@ -76,22 +86,24 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     saved = config._attn_implementation
     split = split and cache.batch_size > 1
     ours = split or saved == "sdpa"  # other implementations (flash, flex) are left as the user chose
+    keep = layers if want_hidden else ()
     if not ours:  # flash, flex: HF's forward as the user set it up
-        return _hf_block(model, cache, input_ids, inputs, want_hidden)
+        return _hf_block(model, cache, input_ids, inputs, want_hidden, keep)
     path = fastpath.get(model, check=False)  # under the runtime the decoder's block pinned
     with block_scope([n + input_ids.shape[1] for n in cache.lengths] if split else None):
         if path is not None:  # a Llama-shaped target: the same ops without HF's per-module Python
             logits, hidden = path(cache, input_ids.to(model.device), inputs.position_ids, inputs.attention_mask,
-                                  split_attention if split else grouped_attention)
+                                  split_attention if split else grouped_attention, keep=keep)
             return BlockOutput(logits, hidden if want_hidden else None)
         config._attn_implementation = SPLIT if split else PAD  # HF's layers look the function up
         try:
-            return _hf_block(model, cache, input_ids, inputs, want_hidden)
+            return _hf_block(model, cache, input_ids, inputs, want_hidden, keep)
         finally:
             config._attn_implementation = saved
 
 
-def _hf_block(model, cache: BMCCache, input_ids: torch.Tensor, inputs, want_hidden: bool) -> BlockOutput:
+def _hf_block(model, cache: BMCCache, input_ids: torch.Tensor, inputs, want_hidden: bool,
+              layers: tuple[int, ...] = ()) -> BlockOutput:
     """``forward_block`` through HF's forward."""
     out = model(
         input_ids=input_ids.to(model.device),
@@ -101,19 +113,19 @@ def _hf_block(model, cache: BMCCache, input_ids: torch.Tensor, inputs, want_hidd
         **{cache_arg(model): cache},
         output_hidden_states=want_hidden,
     )
-    hidden = out.hidden_states[-1] if want_hidden else None  # HF applies the final norm already
+    hidden = hidden_of(out.hidden_states, layers) if want_hidden else None  # HF applies the final norm already
     return BlockOutput(out.logits, hidden)
 
 
 @dataclass(frozen=True)
 class Prefill:
     logits: torch.Tensor  # [G, V] the target's logits after each prompt's last token
-    hidden: torch.Tensor | None  # [G, P, D] last hidden states at every prompt position, if asked
+    hidden: torch.Tensor | None  # [G, P, D] last hidden states at every prompt position, if asked (as BlockOutput's)
     layers: list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values) [G, H, P, D]
 
 
 @torch.inference_mode()
-def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False) -> Prefill:
+def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False, layers: tuple[int, ...] = ()) -> Prefill:
     """G prompts of one length [G, P], exactly as HF ``generate`` prefills an unpadded batch: a
     DynamicCache, no explicit mask (SDPA's causal fast path: a 4D bias at 7k tokens took attention's
     masked path, ~2x HF's time), logits for the last position only (the lm_head over 49k tokens x P
@@ -123,12 +135,12 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False) -> Prefil
         cache = DynamicCache(config=model.config)
         G, P = input_ids.shape
         logits, hidden = path(cache, input_ids.to(model.device), torch.arange(P, dtype=torch.long, device=model.device).expand(G, P),
-                              None, grouped_attention, logits_rows=1)
+                              None, grouped_attention, logits_rows=1, keep=layers if want_hidden else ())
         return Prefill(logits[:, -1], hidden if want_hidden else None,
                        [(layer.keys, layer.values) for layer in cache.layers])
     cache = DynamicCache()
     out = model(input_ids=input_ids.to(model.device), use_cache=True, output_hidden_states=want_hidden,
                 logits_to_keep=1, **{cache_arg(model): cache})
-    layers = [(layer.keys, layer.values) for layer in cache.layers]
-    hidden = out.hidden_states[-1] if want_hidden else None
-    return Prefill(out.logits[:, -1], hidden, layers)
+    kv = [(layer.keys, layer.values) for layer in cache.layers]
+    hidden = hidden_of(out.hidden_states, layers) if want_hidden else None
+    return Prefill(out.logits[:, -1], hidden, kv)

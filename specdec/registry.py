@@ -19,7 +19,9 @@ from typing import Callable
 
 from specdec.drafters.base import Drafter
 from specdec.drafters.chooser import Chooser, Sources
+from specdec.config import current as current_runtime
 from specdec.drafters.eagle import make_eagle
+from specdec.drafters.eagle3 import make_eagle3
 from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
@@ -46,19 +48,24 @@ def make_auto(target) -> Sources:
     SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size); the controller picks
     per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
     them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head learned from those same
-    answers and added only its draft time beside them (docs/decisions/008-auto-sources.md)."""
+    answers and added only its draft time beside them (docs/decisions/008-auto-sources.md). An EAGLE-3
+    head, where the runtime names one ($SPECDEC_EAGLE3_HEAD), is a source in EAGLE's place (the decoder
+    keeps one kind of target features)."""
     corpus = stored_answers_fit(text_config(target).vocab_size)
     suffix = SuffixDrafter.from_stored_answers() if corpus else SuffixDrafter()
     sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": suffix}
-    if not corpus:
+    if current_runtime().eagle3_head is not None:
+        sources["eagle3"] = make_eagle3(target)  # named explicitly: a head that does not fit is an error
+    elif not corpus:
         try:
             sources["eagle"] = make_eagle(target)
         except ValueError:
             pass  # no head for this target: the model-free sources only
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
     streaming_from = partial(streaming.pays_from, SELF_SPEC_MAX_READ_RATIO)  # prompt tokens, given the batch size
-    return Sources(sources, min_prompt={"streaming": streaming_from}, max_prompt={"eagle": EAGLE_MAX_PROMPT},
-                   by_match=("eagle",) if "eagle" in sources else ())
+    learned = [n for n in ("eagle", "eagle3") if n in sources]
+    return Sources(sources, min_prompt={"streaming": streaming_from}, max_prompt=dict.fromkeys(learned, EAGLE_MAX_PROMPT),
+                   by_match=tuple(learned))
 
 
 DRAFTERS: dict[str, DrafterFactory] = {
@@ -69,6 +76,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
         early_exit_model(target, max(1, target.config.num_hidden_layers // 3))),
     # a trained head: $SPECDEC_EAGLE_HEAD, else the packaged one; a clear error says how to train it
     "eagle": lambda target: make_eagle(target),
+    # an EAGLE-3 head ($SPECDEC_EAGLE3_HEAD: vLLM / SGLang / speculators layout, or trained here)
+    "eagle3": lambda target: make_eagle3(target),
     # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
     "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),
     # the target drafts for itself over 512 KV rows (MagicDec): 4 sinks + the recent window

@@ -333,7 +333,7 @@ class DecodeSession:
         chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
                   for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
         for rows in chunks:
-            pre = prefill(d.target, torch.stack([prompts[b] for b in rows]), want_hidden)
+            pre = prefill(d.target, torch.stack([prompts[b] for b in rows]), want_hidden, d.hidden_layers)
             for g, b in enumerate(rows):
                 cache.load_prefill(b, [(k[g], v[g]) for k, v in pre.layers], capacity=P)
                 logits[b] = pre.logits[g]
@@ -366,7 +366,7 @@ class DecodeSession:
             mask = ancestor_mask(tree.parents, tree.num_nodes)
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         split = self._split(1 + N)
-        res = forward_block(d.target, cache, block_ids, mask, depth, want_hidden, split)
+        res = forward_block(d.target, cache, block_ids, mask, depth, want_hidden, split, d.hidden_layers)
         ver = self.judge(res.logits, tree)
         kept = ver.kept_rows()
         cache.commit(kept)

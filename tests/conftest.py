@@ -6,6 +6,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from specdec.bench.device.tiny import hf_greedy, perturbed, tiny_llama  # noqa: E402,F401  (the tests import them from here)
+from transformers import LlamaForCausalLM  # noqa: E402
 
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
@@ -18,9 +19,10 @@ def shared_file(rel: str):
     return beside if beside.exists() else Path("/work/shared") / rel
 
 
-def ragged_blocks(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def ragged_blocks(model, layers: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, hidden states) of three blocks of a ragged batch of two through ``forward_block``: a
-    prefill-sized chain, a tree block (row 0 forks under node 0, row 1 has two roots), a SPLIT chain."""
+    prefill-sized chain, a tree block (row 0 forks under node 0, row 1 has two roots), a SPLIT chain.
+    layers: the inputs of these layers as the hidden states (EAGLE-3's features)."""
     from specdec.forward import forward_block
     from specdec.kv.bmc import BMCCache, BMCConfig
     from specdec.tree import ancestor_mask
@@ -29,15 +31,90 @@ def ragged_blocks(model) -> list[tuple[torch.Tensor, torch.Tensor]]:
     V = model.config.vocab_size
     cache = BMCCache.for_model(model, 2, BMCConfig(8))
     ids = torch.randint(1, V, (2, 9), generator=g)
-    out = [forward_block(model, cache, ids, None, None, want_hidden=True)]
+    out = [forward_block(model, cache, ids, None, None, want_hidden=True, layers=layers)]
     cache.commit([list(range(9)), list(range(5))])  # row 1 keeps 5 of its 9: ragged from here
     mask = ancestor_mask(torch.tensor([[-1, 0, 0], [-1, -1, 1]]))
     depth = torch.tensor([[0, 1, 2, 2], [0, 1, 1, 2]])
-    out.append(forward_block(model, cache, torch.randint(1, V, (2, 4), generator=g), mask, depth, want_hidden=True))
+    out.append(forward_block(model, cache, torch.randint(1, V, (2, 4), generator=g), mask, depth, want_hidden=True,
+                             layers=layers))
     cache.commit([[0, 1, 3], [0, 2]])
     out.append(forward_block(model, cache, torch.randint(1, V, (2, 3), generator=g), None, None, want_hidden=True,
-                             split=True))
+                             split=True, layers=layers))
     return [(o.logits, o.hidden) for o in out]
+
+
+def bigram_llama(seed: int = 0, vocab: int = 128, peak: float = 1.0) -> LlamaForCausalLM:
+    """A tiny Llama whose layers add nothing (o and down projections zero): its logits after a token
+    are lm_head(norm(embed(token))), whatever came before (a bigram model). ``peak`` scales lm_head.
+    Four K/V heads: the agreeing EAGLE-3 head below copies a whole embedding through attention."""
+    model = tiny_llama(seed, vocab=vocab, kv_heads=4)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        model.lm_head.weight.mul_(peak)
+        model.model.embed_tokens.weight[0].normal_(0, 0.02)  # no zero padding row: every token leads somewhere
+    return model
+
+
+def agreeing_eagle3_head(target, draft_vocab: torch.Tensor | None = None):
+    """An EAGLE-3 head that drafts what a ``bigram_llama`` target says next within the draft vocabulary,
+    at every depth: attention copies the input token's normed embedding from its own row (q = k = 4x
+    the embedding: its own key outscores every other by far; v and o the identity; the hidden input
+    and the MLP add nothing), and its norm and lm_head are the target's (the draft vocabulary's rows).
+    Drafts are accepted where the target's next token is in the draft vocabulary: partly."""
+    from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig
+
+    head = Eagle3Head(target, Eagle3HeadConfig(norm_before_residual=True), draft_vocab)
+    D = head.hidden_size
+    eye = torch.eye(D, dtype=head.fc.weight.dtype)
+    a = head.midlayer.self_attn
+    with torch.no_grad():
+        head.midlayer.hidden_norm.weight.zero_()  # the residual and the attention's hidden half: 0
+        for proj, scale in ((a.q_proj, 4.0), (a.k_proj, 4.0), (a.v_proj, 1.0)):
+            proj.weight.zero_()
+            proj.weight[:, :D] = scale * eye
+        a.o_proj.weight.copy_(eye)
+        head.midlayer.mlp.down_proj.weight.zero_()
+        head.norm.weight.copy_(target.model.norm.weight)
+        head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab])
+    return head.eval()
+
+
+def train_eagle_run(target, data_dir, tmp_path):
+    """For ``specdec train-eagle`` tests: (the target saved as a HF dir, a run dir whose data/ is
+    ``data_dir``, the command's argument parser)."""
+    import argparse
+
+    from specdec.cli.train_eagle import add_arguments
+
+    model_dir = tmp_path / "model"
+    target.to(torch.float32).save_pretrained(model_dir)
+    target.to(torch.float64)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "data").symlink_to(data_dir, target_is_directory=True)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return model_dir, out, parser
+
+
+class Interrupt(Exception):
+    """What ``KillAt`` raises: a training run killed mid-way."""
+
+
+class KillAt:
+    """A progress object that interrupts training when it reaches a step (a killed run)."""
+
+    def __init__(self, step):
+        self.step = step
+
+    def add_task(self, *a, **kw):
+        return 0
+
+    def update(self, task, completed, **kw):
+        if completed == self.step:
+            raise Interrupt
 
 
 @pytest.fixture

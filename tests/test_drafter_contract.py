@@ -16,6 +16,8 @@ from specdec.drafters import (Capabilities, Drafter, LookupHybridDrafter, ModelD
                               SuffixDrafter)
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from specdec.drafters.eagle3 import Eagle3Drafter
+from specdec.drafters.eagle3_head import Eagle3Head
 from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.self_spec import StreamingDrafter
 from specdec.registry import DRAFTERS, drafter_names, make_drafter, register_drafter
@@ -44,6 +46,12 @@ def _eagle(target) -> EagleDrafter:
     return EagleDrafter(target, EagleHead(target), EagleConfig(total_tokens=6, depth=3, top_k=2))
 
 
+def _eagle3(target) -> Eagle3Drafter:
+    torch.manual_seed(1)  # a random head over a reduced vocabulary (even ids)
+    return Eagle3Drafter(target, Eagle3Head(target, draft_vocab=torch.arange(0, 128, 2)),
+                         EagleConfig(total_tokens=6, depth=3, top_k=2))
+
+
 def _corpus() -> list[list[int]]:
     return [hf_greedy(TARGET, _ids()[:, 5:], 20)[0].tolist(), list(range(40))]
 
@@ -53,6 +61,7 @@ def _corpus() -> list[list[int]]:
 STAND_INS = {
     "eagle": _eagle,
     "eagle+lookup": lambda t: LookupHybridDrafter(_eagle(t)),
+    "eagle3": _eagle3,
     "suffix-corpus": lambda t: SuffixDrafter.from_corpus(_corpus()),
     "auto": lambda t: Sources({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter(), "eagle": _eagle(t),
                                "streaming": StreamingDrafter(t, budget=16, sink=2)}, by_match=("eagle",)),

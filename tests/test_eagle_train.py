@@ -2,18 +2,17 @@
 (checkpointed, resumable to the same weights), held-out accuracy, and the trained head drafting
 losslessly with partial acceptance."""
 
-import argparse
 import json
 
 import pytest
 import torch
 
-from conftest import hf_greedy, tiny_llama
+from conftest import Interrupt, KillAt, hf_greedy, tiny_llama, train_eagle_run
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, load_head
 from specdec.kv.bmc import BMCConfig
-from specdec.cli.train_eagle import add_arguments, run
+from specdec.cli.train_eagle import run
 from specdec.training import (PROMPTS_FILE, Conversation, DataConfig, TrainConfig, batch_indices, generate_data,
                               load_data, lr_at, read_answers, read_prompts, restore_answers, save_answers,
                               split_held_out, train_head)
@@ -36,24 +35,6 @@ def data_dir(target, tmp_path_factory):
     assert generate_data(target, prompts[:6], d, DataConfig(max_new_tokens=48)) == 6
     assert generate_data(target, prompts, d, DataConfig(max_new_tokens=48)) == 4  # resumes
     return d
-
-
-class _Interrupt(Exception):
-    pass
-
-
-class _KillAt:
-    """A progress object that interrupts training when it reaches a step (a killed run)."""
-
-    def __init__(self, step):
-        self.step = step
-
-    def add_task(self, *a, **kw):
-        return 0
-
-    def update(self, task, completed, **kw):
-        if completed == self.step:
-            raise _Interrupt
 
 
 def test_data_files_hold_ids_and_features(target, data_dir):
@@ -93,8 +74,8 @@ def test_train_resume_and_draft_losslessly(target, data_dir, tmp_path):
     assert straight.step == STEPS and 0.0 <= straight.held_out_accuracy <= 1.0
     assert [h["step"] for h in straight.history] == [20, 40, 60]
 
-    with pytest.raises(_Interrupt):  # killed at step 13: the last checkpoint is step 10
-        train_head(target, data_dir, tmp_path / "b", CFG, progress=_KillAt(13), log=lambda *a: None)
+    with pytest.raises(Interrupt):  # killed at step 13: the last checkpoint is step 10
+        train_head(target, data_dir, tmp_path / "b", CFG, progress=KillAt(13), log=lambda *a: None)
     state = json.loads((tmp_path / "b" / "checkpoint" / "train_state.json").read_text())
     assert state["step"] == 10
     logs = []
@@ -129,14 +110,7 @@ def test_train_resume_and_draft_losslessly(target, data_dir, tmp_path):
 
 
 def test_cli_trains_from_existing_data_and_needs_a_tokenizer_for_prompts(target, data_dir, tmp_path):
-    model_dir = tmp_path / "model"
-    target.to(torch.float32).save_pretrained(model_dir)
-    target.to(torch.float64)
-    out = tmp_path / "run"
-    out.mkdir()
-    (out / "data").symlink_to(data_dir, target_is_directory=True)
-    parser = argparse.ArgumentParser()
-    add_arguments(parser)
+    model_dir, out, parser = train_eagle_run(target, data_dir, tmp_path)
     args = parser.parse_args(["--model", str(model_dir), "--out", str(out), "--stage", "train", "--steps", "3",
                               "--batch-size", "2", "--save-every", "2", "--eval-every", "2", "--quiet",
                               "--export-eagle", str(tmp_path / "exported")])

@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 import specdec.verifiers.sampling as vs
-from conftest import hf_greedy, perturbed, tiny_llama
+from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, perturbed
 from specdec.bench.device.tiny import peaked
 from specdec.bench.distribution import pair_mismatch
 from specdec.controller import DraftLengthConfig
@@ -446,6 +446,31 @@ def test_eagle_sampling_is_seeded_and_greedy_trees_are_unchanged(models):
     assert torch.equal(runs[0], runs[1]) and not torch.equal(runs[0], runs[2])
     greedy = decoder.generate(PROMPT, max_new_tokens=12, eos_token_id=None).sequences
     assert torch.equal(greedy, hf_greedy(target, PROMPT, 12))
+
+
+@pytest.mark.parametrize("rule", ["through_d2t", "ignoring_d2t"])
+def test_eagle3_trees_over_a_reduced_vocabulary_follow_the_target_distribution(monkeypatch, rule):
+    """EAGLE-3 trees sampled over a reduced vocabulary (ids 1, 2, 3, 5, ...: draft id i is target id
+    i + d2t[i]) from a head that agrees with a bigram target where it can: q is spread onto the target's
+    vocabulary at those ids, zero elsewhere, and generations match the target's joint distribution.
+    Spreading q at the draft ids themselves (ignoring d2t) must fail the same test."""
+    from specdec.drafters.eagle import EagleConfig
+    from specdec.drafters.eagle3 import Eagle3Drafter
+    from specdec.drafters.eagle3_head import Eagle3Head
+
+    target = bigram_llama(0, vocab=V, peak=8)
+    head = agreeing_eagle3_head(target, torch.arange(V)[torch.arange(V) % 4 != 0])
+    if rule == "ignoring_d2t":
+        monkeypatch.setattr(Eagle3Head, "draft_vocab", property(lambda self: torch.arange(self.d2t.numel())))
+    drafter = Eagle3Drafter(target, head, EagleConfig(total_tokens=6, depth=3, top_k=3))
+    pairs, drafted, accepted = _eagle_pairs(target, drafter, n=N_E2E // 2)  # half: the suite's time
+    p1, p2 = tables(target, SamplingParams.resolve(target, temperature=0.8))
+    if rule == "ignoring_d2t":
+        with pytest.raises(AssertionError):
+            assert_matches(pairs, p1[:, None] * p2)
+    else:
+        assert 0 < accepted < drafted  # trees drafted, partly accepted
+        assert_matches(pairs, p1[:, None] * p2)
 
 
 def test_greedy_is_argmax_ties_included():

@@ -17,6 +17,13 @@ Stages (each resumable; rerunning the same command continues where it stopped):
 3. output   ``DIR/head`` (load with ``specdec.drafters.eagle.load_head`` or SPECDEC_EAGLE_HEAD),
             and with ``--export-eagle DIR2`` the same weights in EAGLE's checkpoint layout.
 
+``--arch eagle3`` trains an EAGLE-3 head instead (specdec.training.eagle3): the data stage also
+stores the inputs of the head's three target layers; training unrolls ``--ttt-steps`` steps of the
+training-time test against the target's soft labels over a draft vocabulary of ``--draft-vocab`` ids
+(default 8192), checkpointing every ``--save-minutes`` to ``DIR/eagle3/checkpoint``; the head goes to
+``DIR/eagle3/head`` in vLLM's layout (SPECDEC_EAGLE3_HEAD loads it), and with ``--export-layout`` also
+to ``DIR/eagle3/head-LAYOUT`` (sglang, speculators).
+
 Batches are a pure function of (seed, step), so a resumed run equals an uninterrupted one.
 Nothing here reads or writes pickles.
 """
@@ -31,12 +38,21 @@ import torch
 
 from specdec.arguments import non_negative_float, non_negative_int, positive_int
 from specdec.training.eagle import TrainConfig, train_head
+from specdec.training.eagle3 import Train3Config
 from specdec.training.eagle_data import (PROMPTS_FILE, DataConfig, encode_prompts, generate_data, read_prompts,
                                          restore_answers, save_answers)
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--model", default="default", help="target: 'default', a .gguf file or a HF dir")
+    parser.add_argument("--arch", choices=["eagle", "eagle3"], default="eagle",
+                        help="eagle: EAGLE-1/2's head (DIR/head); eagle3: EAGLE-3's (DIR/eagle3/head)")
+    parser.add_argument("--ttt-steps", type=positive_int, default=Train3Config.ttt_steps,
+                        help="eagle3: unrolled steps of the training-time test")
+    parser.add_argument("--save-minutes", type=non_negative_float, default=Train3Config.save_minutes,
+                        help="eagle3: checkpoint period in minutes (eagle: --save-every steps)")
+    parser.add_argument("--export-layout", choices=["sglang", "speculators"], default=None,
+                        help="eagle3: also write the head in this layout to DIR/eagle3/head-LAYOUT")
     parser.add_argument("--out", required=True, help="output directory (data/, checkpoint/, head/)")
     parser.add_argument("--prompts", default=str(PROMPTS_FILE), help="instructions, one per line")
     parser.add_argument("--num-prompts", type=positive_int, default=None, help="use only the first N prompts")
@@ -53,7 +69,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--save-every", type=positive_int, default=TrainConfig.save_every)
     parser.add_argument("--eval-every", type=positive_int, default=TrainConfig.eval_every)
     parser.add_argument("--draft-vocab", type=positive_int, default=None,
-                        help="draft from the M most frequent tokens of the data (default: full vocab)")
+                        help="draft from the M most frequent tokens of the data (default: full vocab; "
+                             f"eagle3: {Train3Config.draft_vocab})")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--stage", choices=["all", "data", "train"], default="all")
     parser.add_argument("--answers", default=None, metavar="FILE",
@@ -69,13 +86,11 @@ def run(args) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from specdec.drafters.eagle import export_eagle, load_head
     from specdec.models import load_model
 
     if args.threads:
         torch.set_num_threads(args.threads)
     console = Console(stderr=True, quiet=args.quiet)
-    out = Path(args.out)
     t0 = time.time()
     loaded = load_model(args.model)
     target = loaded.model.eval()
@@ -83,32 +98,72 @@ def run(args) -> int:
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[loss]:.3f} loss  {task.fields[acc]:.1%} acc", justify="right"),
                TimeRemainingColumn()]
-    data_cfg = DataConfig(args.max_new_tokens, args.temperature, args.seed, args.data_batch_size)
-    train_cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
-                            max_len=args.max_len, save_every=args.save_every, eval_every=args.eval_every,
-                            draft_vocab=args.draft_vocab, seed=args.seed)
+    progress = lambda cols: Progress(*cols, console=console, disable=args.quiet)  # noqa: E731
     if args.stage in ("all", "data"):
-        if loaded.tokenizer is None:
-            raise ValueError(f"{args.model} has no tokenizer: train-eagle needs one to encode its prompts")
-        prompts = read_prompts(args.prompts)[: args.num_prompts]
-        ids = encode_prompts(loaded.tokenizer, prompts)
-        with Progress(*columns[:3], TimeRemainingColumn(), console=console, disable=args.quiet) as prog:
-            if args.answers and Path(args.answers).exists():
-                k = restore_answers(target, args.answers, out / "data", prog)
-                console.print(f"answers: {k} conversations rebuilt from {args.answers}")
-            n = generate_data(target, ids, out / "data", data_cfg, prog)
-        console.print(f"data: {n} new conversations, {len(ids)} in {out / 'data'}")
-        if args.answers:
-            k = save_answers(out / "data", args.answers)
-            console.print(f"answers: {k} conversations written to {args.answers}")
+        _data_stage(args, loaded, target, console, progress(columns[:3] + [TimeRemainingColumn()]))
     if args.stage in ("all", "train"):
-        with Progress(*columns, console=console, disable=args.quiet) as prog:
-            res = train_head(target, out / "data", out, train_cfg, prog, log=console.print)
-        acc = "n/a" if res.held_out_accuracy is None else f"{res.held_out_accuracy:.1%}"
-        console.print(f"head after {res.step} steps in {out / 'head'}; held-out top-1 accuracy {acc}")
-        print(json.dumps({"step": res.step, "held_out_accuracy": res.held_out_accuracy,
-                          "head": str(out / "head")}))
-        if args.export_eagle:
-            export_eagle(load_head(out / "head", target), args.export_eagle)
-            console.print(f"EAGLE layout written to {args.export_eagle}")
+        with progress(columns) as prog:
+            (_train_eagle3 if args.arch == "eagle3" else _train_eagle)(args, target, console, prog)
     return 0
+
+
+def _aux_layers(args, target) -> tuple[int, ...]:
+    """The target layers an EAGLE-3 head reads (its default ones), () for EAGLE's head."""
+    from specdec.drafters.eagle3_head import default_aux_layers
+    from specdec.models import text_config
+
+    return default_aux_layers(text_config(target).num_hidden_layers) if args.arch == "eagle3" else ()
+
+
+def _data_stage(args, loaded, target, console, prog) -> None:
+    out = Path(args.out)
+    if loaded.tokenizer is None:
+        raise ValueError(f"{args.model} has no tokenizer: train-eagle needs one to encode its prompts")
+    aux = _aux_layers(args, target)
+    data_cfg = DataConfig(args.max_new_tokens, args.temperature, args.seed, args.data_batch_size, aux)
+    prompts = read_prompts(args.prompts)[: args.num_prompts]
+    ids = encode_prompts(loaded.tokenizer, prompts)
+    with prog:
+        if args.answers and Path(args.answers).exists():
+            k = restore_answers(target, args.answers, out / "data", prog, aux)
+            console.print(f"answers: {k} conversations rebuilt from {args.answers}")
+        n = generate_data(target, ids, out / "data", data_cfg, prog)
+    console.print(f"data: {n} new conversations, {len(ids)} in {out / 'data'}")
+    if args.answers:
+        k = save_answers(out / "data", args.answers)
+        console.print(f"answers: {k} conversations written to {args.answers}")
+
+
+def _train_eagle(args, target, console, prog) -> None:
+    from specdec.drafters.eagle import export_eagle, load_head
+
+    out = Path(args.out)
+    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                      max_len=args.max_len, save_every=args.save_every, eval_every=args.eval_every,
+                      draft_vocab=args.draft_vocab, seed=args.seed)
+    res = train_head(target, out / "data", out, cfg, prog, log=console.print)
+    acc = "n/a" if res.held_out_accuracy is None else f"{res.held_out_accuracy:.1%}"
+    console.print(f"head after {res.step} steps in {out / 'head'}; held-out top-1 accuracy {acc}")
+    print(json.dumps({"step": res.step, "held_out_accuracy": res.held_out_accuracy, "head": str(out / "head")}))
+    if args.export_eagle:
+        export_eagle(load_head(out / "head", target), args.export_eagle)
+        console.print(f"EAGLE layout written to {args.export_eagle}")
+
+
+def _train_eagle3(args, target, console, prog) -> None:
+    from specdec.drafters.eagle3_io import load_eagle3, save_eagle3
+    from specdec.training.eagle3 import schedule_note, train_head3
+
+    out = Path(args.out) / "eagle3"
+    cfg = Train3Config(steps=args.steps, batch_size=args.batch_size, lr=args.lr, warmup=args.warmup,
+                       max_len=args.max_len, save_minutes=args.save_minutes, eval_every=args.eval_every,
+                       draft_vocab=args.draft_vocab or Train3Config.draft_vocab, seed=args.seed,
+                       ttt_steps=args.ttt_steps)
+    console.print(schedule_note(cfg))
+    res = train_head3(target, Path(args.out) / "data", out, cfg, prog, log=console.print)
+    depth = res.history[-1].get("held_out_acc_per_depth") if res.history else None
+    console.print(f"EAGLE-3 head after {res.step} steps in {out / 'head'}; held-out top-1 per depth {depth}")
+    print(json.dumps({"step": res.step, "held_out_accuracy_per_depth": depth, "head": str(out / "head")}))
+    if args.export_layout:
+        save_eagle3(load_eagle3(out / "head", target), out / f"head-{args.export_layout}", args.export_layout)
+        console.print(f"{args.export_layout} layout written to {out / f'head-{args.export_layout}'}")

@@ -45,13 +45,19 @@ class Capabilities:
     # valid under sampling: deterministic drafts (DraftTree.probs None, a one-hot q) or drafts drawn
     # from its own distribution given as DraftTree.probs (processed as Prompt.sampling says)
     samples: bool = False
+    # with reads_hidden_states: the residual stream entering each of these target layers (HF's
+    # hidden_states[j], 0 = the embeddings), concatenated along D, instead of the last hidden state
+    # after the final norm (EAGLE-3's fused features; vLLM's meaning of eagle_aux_hidden_state_layer_ids)
+    hidden_layers: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)
 class Prompt:
     input_ids: torch.Tensor  # [B, P] int64, right-padded
     lengths: torch.Tensor  # [B] int64 real tokens per row
-    hidden: torch.Tensor | None = None  # [B, P - 1, D] target last hidden states, if the drafter reads them
+    # [B, P - 1, D] target last hidden states, if the drafter reads them ([B, P - 1, D * len(layers)]
+    # where it names Capabilities.hidden_layers)
+    hidden: torch.Tensor | None = None
     # The target's KV store (a specdec.kv.BMCCache) right after the prefill, for drafters that read
     # the target's own K/V (self-speculation copies rows of it). Read it, never write it; it stays
     # the same object for the whole generation and grows by the committed rows of every step.
@@ -71,6 +77,7 @@ class Commit:
     num_accepted: torch.Tensor  # [B] int64 drafted tokens the target agreed with
     # [B, A + 1, D] target last hidden state at the rows that produced each new token (the pending
     # token and the accepted nodes), for drafters that read features (EAGLE); None if not asked for.
+    # As Prompt.hidden: the named layers concatenated where the drafter names Capabilities.hidden_layers.
     hidden: torch.Tensor | None = None
 
     def new_tokens(self, b: int) -> list[int]:

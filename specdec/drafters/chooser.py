@@ -40,6 +40,16 @@ def draft_size(controller, key: Hashable, wanted: int, own_tree: bool) -> int:
     return controller.tree_budget(wanted, key) if own_tree else min(controller.budget(key), wanted)
 
 
+def _hidden_layers(sources: dict[str, Drafter]) -> tuple[int, ...]:
+    """The target layers the sources that read hidden states read (``Capabilities.hidden_layers``): one
+    choice for all, since the decoder keeps one kind of features; a ValueError names a disagreement."""
+    wanted = {n: d.capabilities.hidden_layers for n, d in sources.items() if d.capabilities.reads_hidden_states}
+    if len(set(wanted.values())) > 1:
+        raise ValueError(f"the sources read different target hidden states (layers {wanted}; () = the last "
+                         "one): a chooser takes one kind, e.g. an EAGLE-3 head or an EAGLE head, not both")
+    return next(iter(wanted.values()), ())
+
+
 class Chooser(ABC):
     """The decoder's side of drafting; a subclass holds the drafters in ``self.sources``."""
 
@@ -72,6 +82,7 @@ class Chooser(ABC):
         only if every source handles it."""
         caps = [d.capabilities for d in self.sources.values()]
         return Capabilities(reads_hidden_states=any(c.reads_hidden_states for c in caps),
+                            hidden_layers=_hidden_layers(self.sources),
                             sizes_own_tree=any(c.sizes_own_tree for c in caps),
                             free_drafts=all(c.free_drafts for c in caps),
                             batches=all(c.batches for c in caps), samples=all(c.samples for c in caps))
@@ -152,6 +163,7 @@ class Sources(Chooser, Corpus):
             raise ValueError(f"by_match names no source: {sorted(unknown)}")
         self.sources = dict(sources)
         self.vocab_size  # the sources agree on the vocabulary, or ValueError now
+        _hidden_layers(self.sources)  # ... and on the hidden states they read
         self.min_prompt = dict(min_prompt or {})
         self.max_prompt = dict(max_prompt or {})
         self.by_match = set(by_match)

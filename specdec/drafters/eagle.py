@@ -158,15 +158,14 @@ class EagleDrafter(Drafter):
             return
         B, Q = len(counts), max(counts)
         dev, dtype = self.head.fc.weight.device, self.head.fc.weight.dtype
-        D = self.head.hidden_size
-        feats = torch.zeros(B, Q, D, dtype=dtype, device=dev)
+        feats = torch.zeros(B, Q, self.head.feature_size, dtype=dtype, device=dev)
         toks = torch.zeros(B, Q, dtype=torch.long, device=dev)
         for b, (f, t) in enumerate(zip(self._feats, self._toks)):
             if t:
                 feats[b, : len(t)] = torch.cat([x.to(device=dev, dtype=dtype) for x in f])  # prompt rows: host
                 toks[b, : len(t)] = torch.tensor(t, device=dev)
         inputs = self.cache.prepare(chain_mask(B, Q, dev), torch.arange(Q, device=dev).expand(B, Q))
-        h = self.head(feats, toks, inputs.position_ids, inputs.attention_mask, self.cache)  # [B, Q, D]
+        h = self.head(self.head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, self.cache)  # [B, Q, D]
         self.cache.commit([list(range(n)) for n in counts])
         last = h[torch.arange(B, device=dev), (torch.tensor(counts, device=dev) - 1).clamp(min=0)]
         has = torch.tensor(counts, device=dev) > 0  # [B]

@@ -71,6 +71,19 @@ class _TargetParts:
         self.lm_head = target.get_output_embeddings()
         self.rotary = _decoder(target).rotary_emb
 
+    def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+               attention_mask: torch.Tensor | None):
+        """What a head's layer takes beside its hidden states [B, S, D]: the frozen embeddings of tokens
+        [B, S], the attention bias (None: causal over the S rows) and the rotary table at position_ids."""
+        B, S, _ = hidden.shape
+        assert tokens.shape == (B, S) and position_ids.shape == (B, S), \
+            f"tokens {tuple(tokens.shape)}, positions {tuple(position_ids.shape)} vs hidden {(B, S)}"
+        with torch.no_grad():  # the target's embedding is frozen
+            emb = self.embed(tokens).to(hidden.dtype)
+        if attention_mask is None:
+            attention_mask = causal_bias(B, S, hidden.dtype, hidden.device)
+        return emb, attention_mask, self.rotary(hidden, position_ids)
+
 
 class EagleHead(nn.Module):
     def __init__(self, target, config: EagleHeadConfig = EagleHeadConfig(),
@@ -107,20 +120,22 @@ class EagleHead(nn.Module):
     def hidden_size(self) -> int:
         return self.fc.out_features
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target features a committed position carries (the last hidden state's)."""
+        return self.fc.out_features
+
+    def fuse(self, features: torch.Tensor) -> torch.Tensor:
+        """Target features -> the head's feature input: the same (EAGLE-3's head fuses three layers)."""
+        return features
+
     def forward(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
                 attention_mask: torch.Tensor | None = None, cache=None) -> torch.Tensor:
         """features [B, S, D], tokens [B, S] (token t follows feature t), position_ids [B, S],
         attention_mask [B, 1, S, L] additive bias (None: causal over the S rows, training) ->
         head outputs [B, S, D]."""
-        B, S, D = features.shape
-        assert tokens.shape == (B, S) and position_ids.shape == (B, S), \
-            f"tokens {tuple(tokens.shape)}, positions {tuple(position_ids.shape)} vs features {(B, S)}"
-        with torch.no_grad():  # the target's embedding is frozen
-            emb = self._target.embed(tokens).to(features.dtype)
+        emb, attention_mask, rope = self._target.inputs(features, tokens, position_ids, attention_mask)
         x = self.fc(torch.cat([emb, features], dim=-1))  # [B, S, D]
-        if attention_mask is None:
-            attention_mask = causal_bias(B, S, x.dtype, x.device)
-        rope = self._target.rotary(x, position_ids)
         out = self.layer(x, attention_mask=attention_mask, position_ids=position_ids, use_cache=cache is not None,
                          position_embeddings=rope, **{cache_arg(self.layer): cache})
         return out[0] if isinstance(out, tuple) else out

@@ -39,7 +39,8 @@ class LookupHybridDrafter(Drafter):
         self.config = config
         self.vocab_size = other.vocab_size
         o = other.capabilities  # lookup batches and samples: the other drafter decides those
-        self.capabilities = Capabilities(reads_hidden_states=o.reads_hidden_states, sizes_own_tree=o.sizes_own_tree,
+        self.capabilities = Capabilities(reads_hidden_states=o.reads_hidden_states, hidden_layers=o.hidden_layers,
+                                         sizes_own_tree=o.sizes_own_tree,
                                          batches=o.batches, samples=o.samples)
         self._use_lookup: list[bool] | None = None  # per row: this step's source is lookup; None until chosen
         self.drafts = Counter()  # row proposals per source ("lookup", "other"): what a run relied on

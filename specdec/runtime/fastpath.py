@@ -210,18 +210,21 @@ class FastPath:
 
     @torch.inference_mode()
     def __call__(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
-                 attention_mask: torch.Tensor | None, attention, logits_rows: int | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 attention_mask: torch.Tensor | None, attention, logits_rows: int | None = None,
+                 keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, Q], position_ids [B, Q], attention_mask [B, 1, Q, L] additive, or None for a
         causal block over an empty cache (a prefill: SDPA's causal path, as HF runs it); attention: the HF
-        attention function to run; logits_rows: only the last this many rows' logits (a prefill's last).
-        Returns (logits [B, Q or logits_rows, V], last hidden state after the norm [B, Q, C])."""
+        attention function to run; logits_rows: only the last this many rows' logits (a prefill's last);
+        keep: layers whose inputs to return instead of the last hidden state (``forward.hidden_of``).
+        Returns (logits [B, Q or logits_rows, V], last hidden state after the norm [B, Q, C], or the
+        kept layers' inputs [B, Q, C * len(keep)])."""
         x = self.decoder.embed_tokens(input_ids)  # [B, Q, C]
         cos, sin = self.decoder.rotary_emb(x, position_ids)
         ops = self._fused_ops(x, cos)
-        hidden = self._layers(HF_OPS if ops is None else ops, cache, x, cos, sin, attention_mask, attention)
+        kept: dict[int, torch.Tensor | None] = dict.fromkeys(keep)  # filled by the loop
+        hidden = self._layers(HF_OPS if ops is None else ops, cache, x, cos, sin, attention_mask, attention, kept)
         rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
-        return _linear(rows, self.head.weight, self.head.bias), hidden
+        return _linear(rows, self.head.weight, self.head.bias), torch.cat([kept[j] for j in keep], -1) if keep else hidden
 
     def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor) -> LayerOps | None:
         """The kernels' fused layer ops if they take this forward (fp32 on CPU, the rotary table as wide
@@ -232,23 +235,28 @@ class FastPath:
         ops = state.active().ops
         return None if ops is None else fused_ops(ops)
 
-    def _layers(self, ops: LayerOps, cache, x, cos, sin, attention_mask, attention) -> torch.Tensor:
+    def _layers(self, ops: LayerOps, cache, x, cos, sin, attention_mask, attention,
+                kept: dict[int, torch.Tensor | None] | None = None) -> torch.Tensor:
         """Every layer by ``ops``, x [B, Q, C] -> the final norm's output [B, Q, C]: per layer the input
         norm (fused with the residual add before it), q/k/v, their split and rotation, the cache's
         update, attention, o, the post-attention norm (with its residual add), gate/up, SiLU x up, down.
-        With compiled ops, the one call where it takes the block."""
+        With compiled ops, the one call where it takes the block. ``kept`` (layer index -> None): the loop
+        fills in the input of each layer it names, [B, Q, C] (the loop always then: the one call keeps
+        no layer's input)."""
         B, Q, _ = x.shape
         cos, sin = cos.contiguous(), sin.contiguous()
         hq, hkv = self.q_size // self.head_dim, self.kv_size // self.head_dim
         first = self.layers[0].norm1
         h = ops.norm(x, first.weight, first.variance_epsilon)
         attend = _Attention(attention, attention_mask, Q, hq, hkv)
-        if ops.compiled is not None and self.one_call and (
+        if ops.compiled is not None and self.one_call and not kept and (
                 attend.direct or (attention is split_attention and attention_mask is not None)):
             out = self._one_call(ops.compiled, cache, x, h, cos, sin, attention_mask, split=not attend.direct)
             if out is not None:
                 return out
         for i, layer in enumerate(self.layers):
+            if kept and i in kept:
+                kept[i] = x  # the residual stream entering layer i (add_norm returns new tensors)
             q, k, v = ops.rope_split(_linear(h, layer.qkv, layer.qkv_bias), cos, sin, hq, hkv)
             k, v = cache.update(k, v, i)  # [B, Hkv, L, Dh] views of the store
             o = attend(layer, q, k, v)

@@ -171,11 +171,13 @@ def top_tokens(convs: list[Conversation], vocab: int, m: int) -> torch.Tensor:
     return torch.sort(order).values
 
 
-def _save_checkpoint(d: Path, head: EagleHead, opt: torch.optim.Optimizer, step: int,
-                     result: TrainResult, config: TrainConfig) -> None:
+def save_checkpoint(d: Path, head, opt: torch.optim.Optimizer, step: int, result: TrainResult, config,
+                    save=save_head) -> None:
+    """The head (by ``save``: EAGLE's files, or EAGLE-3's), the optimizer's state and the step, each
+    file written atomically."""
     from safetensors.torch import save_file
 
-    save_head(head, d)
+    save(head, d)
     # optimizer state without pickle: tensors to safetensors, the rest to JSON
     sd = opt.state_dict()
     tensors = {f"{i}.{k}": (v if torch.is_tensor(v) else torch.tensor(v)).detach().cpu().contiguous()
@@ -190,7 +192,8 @@ def _save_checkpoint(d: Path, head: EagleHead, opt: torch.optim.Optimizer, step:
     os.replace(tmp, d / "train_state.json")
 
 
-def _load_checkpoint(d: Path, head: EagleHead, opt: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+def load_checkpoint(d: Path, head, opt: torch.optim.Optimizer) -> tuple[int, list[dict]]:
+    """Restore the optimizer's state into ``opt`` (the head is loaded by the caller): (step, history)."""
     from safetensors.torch import load_file
 
     state = json.loads((d / "train_state.json").read_text())
@@ -238,7 +241,7 @@ def train_head(target, data_dir: str | os.PathLike, out_dir: str | os.PathLike,
     opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=0.0)
     step, history = 0, []
     if (ckpt / "train_state.json").is_file():
-        step, history = _load_checkpoint(ckpt, head, opt)
+        step, history = load_checkpoint(ckpt, head, opt)
         log(f"resuming from step {step} ({ckpt})")
     result = TrainResult(step, None, history)
     dtype, device = head.fc.weight.dtype, head.fc.weight.device
@@ -265,7 +268,7 @@ def train_head(target, data_dir: str | os.PathLike, out_dir: str | os.PathLike,
                                    "held_out_acc": acc})
             result.held_out_accuracy = acc
         if step % config.save_every == 0 or step == config.steps:
-            _save_checkpoint(ckpt, head, opt, step, result, config)
+            save_checkpoint(ckpt, head, opt, step, result, config)
     result.step = step
     if result.held_out_accuracy is None:
         result.held_out_accuracy = evaluate(head, held, config)

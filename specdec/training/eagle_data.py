@@ -5,7 +5,10 @@ target's last hidden states (the features the head learns to predict), resumably
     generate_data(target, prompts, "DIR/data", DataConfig())      # conv_00012.safetensors, ...
     save_answers("DIR/data", "answers.jsonl")                     # token ids only, ~1 KB each
     restore_answers(target, "answers.jsonl", "OTHER/data")        # features again, one forward each
-    convs = load_data("DIR/data")                                 # [Conversation(ids, hidden, prompt_len)]
+    convs = load_data("DIR/data")                                 # [Conversation(ids, hidden, prompt_len, aux)]
+
+With ``DataConfig.aux_layers`` (EAGLE-3) each file also holds the inputs of those target layers,
+concatenated (``aux``), from the same forward.
 
 Nothing here reads or writes pickles. The objective and the training loop: specdec.training.eagle.
 """
@@ -19,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.forward import hidden_of
 from specdec.jsonl import read_jsonl
 from specdec.prompting import encode_prompt, eos_ids
 
@@ -31,6 +35,9 @@ class DataConfig:
     temperature: float = 0.0  # 0: greedy answers (what greedy decoding will meet); > 0: sampled
     seed: int = 0  # sampling seed; a batch starting at conversation i uses seed + i
     batch_size: int = 8  # prompts answered together
+    # EAGLE-3: also store the inputs of these target layers (HF's hidden_states[j]) concatenated; ():
+    # the last hidden state only (EAGLE-1/2)
+    aux_layers: tuple[int, ...] = ()
 
 
 # ------------------------------------------------------------------------------------ 1. data
@@ -98,22 +105,26 @@ def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
             answer = out[row, width:].tolist()
             ends = [k for k, t in enumerate(answer) if t in eos]
             answer = answer[: ends[0] + 1] if ends else answer
-            _write_conv(target, _conv_path(d, i), prompts[i] + answer, len(prompts[i]))
+            _write_conv(target, _conv_path(d, i), prompts[i] + answer, len(prompts[i]), config.aux_layers)
             if task is not None:
                 progress.advance(task)
     return len(todo)
 
 
 @torch.no_grad()
-def _write_conv(target, path: Path, ids: list[int], prompt_len: int) -> None:
-    """One conversation file: its ids and the target's last hidden states (one forward over it)."""
+def _write_conv(target, path: Path, ids: list[int], prompt_len: int, aux_layers: tuple[int, ...] = ()) -> None:
+    """One conversation file: its ids and the target's last hidden states (one forward over it), and
+    the inputs of ``aux_layers`` concatenated (EAGLE-3's features)."""
     from safetensors.torch import save_file
 
     x = torch.tensor([ids], device=target.device)
-    hidden = target(x, output_hidden_states=True).hidden_states[-1][0]  # [n, D], after the final norm
+    states = target(x, output_hidden_states=True).hidden_states
+    tensors = {"input_ids": x[0].cpu(), "hidden": states[-1][0].float().cpu().contiguous()}  # [n, D] after the norm
+    if aux_layers:
+        tensors["aux"] = hidden_of(states, aux_layers)[0].float().cpu().contiguous()  # [n, D * len(aux_layers)]
     tmp = path.with_suffix(".tmp")
-    save_file({"input_ids": x[0].cpu(), "hidden": hidden.float().cpu().contiguous()}, str(tmp),
-              metadata={"prompt_len": str(prompt_len)})
+    save_file(tensors, str(tmp), metadata={"prompt_len": str(prompt_len),
+                                           "aux_layers": ",".join(map(str, aux_layers))})
     os.replace(tmp, path)  # a conversation file is complete or absent, never half written
 
 
@@ -149,15 +160,16 @@ def _answer_of(r) -> tuple[int, int, list[int]]:
     return conv, p, ids
 
 
-def restore_answers(target, path: str | os.PathLike, data_dir: str | os.PathLike, progress=None) -> int:
+def restore_answers(target, path: str | os.PathLike, data_dir: str | os.PathLike, progress=None,
+                    aux_layers: tuple[int, ...] = ()) -> int:
     """Rebuild the conversation files of an answers file that ``data_dir`` lacks (features by one
-    target forward each). Returns how many were written."""
+    target forward each; with ``aux_layers``, EAGLE-3's too). Returns how many were written."""
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
     todo = [r for r in read_answers(path) if not _conv_path(d, r[0]).exists()]
     task = progress.add_task("answers", total=len(todo)) if progress is not None else None
     for conv, p, ids in todo:
-        _write_conv(target, _conv_path(d, conv), ids, p)
+        _write_conv(target, _conv_path(d, conv), ids, p, aux_layers)
         if task is not None:
             progress.advance(task)
     return len(todo)
@@ -177,6 +189,8 @@ class Conversation:
     ids: torch.Tensor  # [n] int64
     hidden: torch.Tensor  # [n, D] float32 target last hidden states
     prompt_len: int
+    aux: torch.Tensor | None = None  # [n, D * len(aux_layers)] float32 inputs of the aux layers (EAGLE-3)
+    aux_layers: tuple[int, ...] = ()  # which layers ``aux`` holds
 
 
 def load_data(data_dir: str | os.PathLike) -> list[Conversation]:
@@ -189,6 +203,8 @@ def load_data(data_dir: str | os.PathLike) -> list[Conversation]:
     for f in files:
         with safe_open(str(f), framework="pt") as sf:
             meta = sf.metadata() or {}
+            layers = tuple(int(j) for j in meta.get("aux_layers", "").split(",") if j)
             convs.append(Conversation(sf.get_tensor("input_ids"), sf.get_tensor("hidden"),
-                                      int(meta.get("prompt_len", 0))))
+                                      int(meta.get("prompt_len", 0)),
+                                      sf.get_tensor("aux") if "aux" in sf.keys() else None, layers))
     return convs

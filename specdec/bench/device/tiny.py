@@ -9,11 +9,12 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 
 def tiny_llama(seed: int = 0, vocab: int = 128, layers: int = 2, max_pos: int = 512,
-               dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu") -> LlamaForCausalLM:
+               dtype: torch.dtype = torch.float64, device: torch.device | str = "cpu",
+               kv_heads: int = 2) -> LlamaForCausalLM:
     """A randomly initialised Llama-style model; float64 so greedy argmax has no float ties."""
     torch.manual_seed(seed)
     cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_pos,
+                      num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
                       bos_token_id=0, eos_token_id=None, pad_token_id=0)
     return LlamaForCausalLM(cfg).to(dtype=dtype, device=device).eval()
 

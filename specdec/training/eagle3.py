@@ -1,0 +1,234 @@
+"""EAGLE-3's objective and a resumable training loop for its head (Li et al., 2025, "EAGLE-3").
+
+    result = train_head3(target, "DIR/data", "DIR/eagle3", Train3Config())   # .../checkpoint, then .../head
+
+The training-time test, ``ttt_steps`` = k unrolled steps over every position t of a conversation at once:
+
+    step 0   row t feeds (fc(a_t), x_t+1) at position t            -> h0_t, predicts x_t+2
+    step s   row t feeds (h(s-1)_t, x_t+1+s) at position t + s      -> hs_t, predicts x_t+2+s
+             its attention sees step 0's rows 0..t (the committed pairs) and its own rows of steps
+             1..s (its ancestors in a draft tree): exactly what a node of depth s + 1 sees when drafting
+
+Tokens are the data's (the target's own answers); the head's own outputs are fed back as hidden
+states, so it learns on the features it will meet at depth. Each step's loss is the cross-entropy
+against the target's soft labels over the draft vocabulary (softmax of the target's logits at those
+ids), weighted ``decay ** s``. The draft vocabulary is the ``draft_vocab`` most frequent ids of the
+training data. AdamW, linear warmup and decay, gradient values clipped. A checkpoint (head in vLLM's
+layout, optimizer, step) is written every ``save_minutes`` and at the end, each file atomically;
+batches are a pure function of (seed, step), so a resumed run equals an uninterrupted one.
+
+Dimensions: B conversations, S pair positions (longest conversation - 1), k steps, D hidden, M draft vocab.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import DynamicCache
+
+from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig, default_aux_layers
+from specdec.drafters.eagle3_io import load_eagle3, save_eagle3
+from specdec.drafters.eagle_head import causal_bias
+from specdec.models import text_config
+from specdec.training.eagle import (TrainResult, batch_indices, load_checkpoint, lr_at, save_checkpoint,
+                                    split_held_out, top_tokens)
+from specdec.training.eagle_data import Conversation, load_data
+
+
+@dataclass(frozen=True)
+class Train3Config:
+    steps: int = 2000  # optimizer steps in total
+    batch_size: int = 4  # conversations per step
+    lr: float = 3e-4  # peak learning rate (SpecForge: 1e-4 on far more tokens)
+    warmup: int = 100  # linear warmup steps, then linear decay to 0 at `steps`
+    betas: tuple[float, float] = (0.9, 0.95)  # AdamW
+    grad_clip: float = 0.5  # clip gradient values (EAGLE)
+    ttt_steps: int = 3  # unrolled steps of the training-time test: the draft depth it trains for
+    step_decay: float = 0.8  # weight of step s's loss: decay ** s (EAGLE-3's 0.8)
+    max_len: int = 1024  # tokens per conversation seen in training (longer ones are cut)
+    loss_on_prompt: bool = False  # False: learn on the answer positions only, as EAGLE
+    held_out: float = 0.05  # fraction of prompts whose answers are kept for the accuracy report
+    save_minutes: float = 5.0  # checkpoint period in minutes of training (0: every step); a crash loses at most this
+    eval_every: int = 200  # held-out accuracy period in steps
+    draft_vocab: int | None = 8192  # draft from the M most frequent ids of the training data; None = all
+    seed: int = 0  # batch order and initial weights
+    head: Eagle3HeadConfig = Eagle3HeadConfig()
+
+
+@dataclass(frozen=True)
+class Batch3:
+    aux: torch.Tensor  # [B, S, 3D] target features a_0..a_S-1
+    tokens: torch.Tensor  # [B, S + k - 1] x_1..: token i + 1 of each conversation (0-padded)
+    soft: torch.Tensor  # [B, S + k - 1, M] target distribution at position i + 1 over the draft vocab
+    best: torch.Tensor  # [B, S + k - 1] the target's greedy token there (target id; full vocab in eval)
+    mask: torch.Tensor  # [B, S] bool: positions whose step-0 prediction counts in the loss
+    lengths: torch.Tensor  # [B] pair positions per conversation (n - 1)
+
+
+@torch.no_grad()
+def make_batch3(head: Eagle3Head, convs: list[Conversation], config: Train3Config, full_vocab: bool = False) -> Batch3:
+    """Pad ``convs`` into a batch; soft labels from the target's lm_head at the draft vocabulary's rows
+    (``full_vocab``: ``best`` is the target's greedy token over its whole vocabulary, for the report)."""
+    p = head.fc.weight
+    k = config.ttt_steps
+    n = [min(len(c.ids), config.max_len) for c in convs]
+    B, S, D = len(convs), max(n) - 1, convs[0].hidden.shape[1]
+    aux = torch.zeros(B, S, head.feature_size, dtype=p.dtype)
+    tokens = torch.zeros(B, S + k - 1, dtype=torch.long)
+    nxt = torch.zeros(B, S + k - 1, D, dtype=p.dtype)  # target last hidden state at position i + 1
+    mask = torch.zeros(B, S, dtype=torch.bool)
+    for b, (c, m) in enumerate(zip(convs, n)):
+        aux[b, : m - 1] = c.aux[: m - 1].to(p.dtype)
+        tokens[b, : m - 1] = c.ids[1:m]
+        nxt[b, : m - 1] = c.hidden[1:m].to(p.dtype)
+        first = 0 if config.loss_on_prompt else max(0, c.prompt_len - 2)  # row t predicts x_t+2
+        mask[b, first : m - 1] = True
+    lm = head._target.lm_head.weight.detach()
+    logits = nxt.to(p.device) @ lm[head.draft_vocab].T.to(p.dtype)  # [B, S + k - 1, M]
+    best = (nxt.to(p.device) @ lm.T.to(p.dtype)).argmax(-1) if full_vocab else head.to_target_ids(logits.argmax(-1))
+    return Batch3(aux.to(p.device), tokens.to(p.device), torch.softmax(logits.float(), dim=-1), best,
+                  mask.to(p.device), torch.tensor([m - 1 for m in n], device=p.device))
+
+
+def _diagonal_bias(B: int, S: int, dtype, device) -> torch.Tensor:
+    """[B, 1, S, S] additive: each row sees only its own key (a step's rows are one row's ancestors)."""
+    bias = torch.full((S, S), torch.finfo(dtype).min, dtype=dtype, device=device).fill_diagonal_(0)
+    return bias.expand(B, 1, S, S)
+
+
+@dataclass
+class StepStats:
+    loss: torch.Tensor  # scalar: sum over steps of decay ** s * cross-entropy
+    hits: list[int]  # per step: the head's top-1 == the target's greedy token, counted positions
+    counts: list[int]  # per step: positions counted
+
+
+def ttt_losses(head: Eagle3Head, batch: Batch3, steps: int, decay: float) -> StepStats:
+    """The training-time test over ``batch`` (see the module docstring): k forwards of the head, the
+    step-s rows attending to step 0's causal prefix and their own rows of steps 1..s."""
+    B, S, _ = batch.aux.shape
+    dtype, dev = head.fc.weight.dtype, head.fc.weight.device
+    cache = DynamicCache()  # the head's K/V of every step so far: [B, H, S * (s + 1), Dh]
+    causal, diagonal = causal_bias(B, S, dtype, dev, batch.lengths), _diagonal_bias(B, S, dtype, dev)
+    pos = torch.arange(S, device=dev).expand(B, S)
+    hidden = head.fuse(batch.aux)  # [B, S, D]
+    total = torch.zeros((), dtype=torch.float32, device=dev)
+    stats = StepStats(total, [], [])
+    for s in range(steps):
+        bias = torch.cat([causal] + [diagonal] * s, dim=-1)  # [B, 1, S, S * (s + 1)]
+        hidden = head(hidden, batch.tokens[:, s : s + S], pos + s, bias, cache)  # [B, S, D]: fed back next step
+        logq = torch.log_softmax(head.logits(hidden).float(), dim=-1)  # [B, S, M]
+        m = batch.mask & (pos + s < batch.lengths[:, None])  # row t + s must still have a label
+        count = m.sum()
+        ce = (-(batch.soft[:, s : s + S] * logq).sum(-1) * m).sum() / count.clamp(min=1)
+        total = total + decay**s * ce
+        guess = head.to_target_ids(logq.detach().argmax(-1))
+        stats.hits.append(int(((guess == batch.best[:, s : s + S]) & m).sum()))
+        stats.counts.append(int(count))
+    stats.loss = total
+    return stats
+
+
+@torch.no_grad()
+def evaluate3(head: Eagle3Head, convs: list[Conversation], config: Train3Config) -> list[float] | None:
+    """Held-out top-1 per depth (training-time-test rows: head token == the target's greedy token over
+    its whole vocabulary), a proxy for acceptance at each depth; None without held-out data."""
+    if not convs:
+        return None
+    was = head.training
+    head.eval()
+    hits, counts = [0] * config.ttt_steps, [0] * config.ttt_steps
+    for i in range(0, len(convs), config.batch_size):
+        st = ttt_losses(head, make_batch3(head, convs[i : i + config.batch_size], config, True),
+                        config.ttt_steps, config.step_decay)
+        hits = [a + b for a, b in zip(hits, st.hits)]
+        counts = [a + b for a, b in zip(counts, st.counts)]
+    head.train(was)
+    return [h / max(1, c) for h, c in zip(hits, counts)]
+
+
+def init_from_target(head: Eagle3Head, target) -> Eagle3Head:
+    """A warm start: lm_head from the target's rows of the draft vocabulary, norm from its final norm."""
+    with torch.no_grad():
+        head.lm_head.weight.copy_(target.get_output_embeddings().weight[head.draft_vocab])
+        norm = getattr(getattr(target, "model", None), "norm", None)
+        if norm is not None and norm.weight.shape == head.norm.weight.shape:
+            head.norm.weight.copy_(norm.weight)
+    return head
+
+
+def _data(data_dir, target, head_layers: tuple[int, ...]) -> list[Conversation]:
+    convs = load_data(data_dir)
+    D = text_config(target).hidden_size
+    bad = [c for c in convs if c.aux is None or c.aux_layers != head_layers or c.hidden.shape[1] != D]
+    if bad:
+        have = "none" if bad[0].aux is None else f"layers {bad[0].aux_layers}, width {bad[0].hidden.shape[1]}"
+        raise ValueError(f"{data_dir}: {len(bad)} conversations lack EAGLE-3 features of layers {head_layers} "
+                         f"at width {D} ({have}): rebuild them (--answers FILE into a new directory)")
+    return convs
+
+
+def train_head3(target, data_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                config: Train3Config = Train3Config(), progress=None, log=print, clock=time.monotonic) -> TrainResult:
+    """Train (or resume) an EAGLE-3 head on ``data_dir``; checkpoints go to ``out_dir/checkpoint`` and the
+    final head to ``out_dir/head`` (vLLM's layout: SPECDEC_EAGLE3_HEAD loads it). ``clock``: seconds,
+    for the checkpoint period. held_out_accuracy: the held-out top-1 of the first step."""
+    ckpt = Path(out_dir) / "checkpoint"
+    for p in target.parameters():
+        p.requires_grad_(False)  # the target's embedding and lm_head are borrowed, frozen
+    resume = (ckpt / "train_state.json").is_file()
+    layers = config.head.aux_layers or default_aux_layers(text_config(target).num_hidden_layers)
+    train, held = split_held_out(_data(data_dir, target, tuple(layers)), config.held_out)
+    if resume:
+        head = load_eagle3(ckpt, target)
+    else:
+        torch.manual_seed(config.seed)
+        V = target.get_output_embeddings().weight.shape[0]
+        vocab = top_tokens(train, V, config.draft_vocab) if config.draft_vocab else None
+        head = init_from_target(Eagle3Head(target, config.head, vocab), target)
+    head.train()
+    params = [p for p in head.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=0.0)
+    step, history = load_checkpoint(ckpt, head, opt) if resume else (0, [])
+    if resume:
+        log(f"resuming from step {step} ({ckpt})")
+    result = TrainResult(step, None, history)
+    task = progress.add_task("train", total=config.steps, completed=step, loss=float("nan"),
+                             acc=float("nan")) if progress is not None else None
+    saved = clock()
+    while step < config.steps:
+        batch = make_batch3(head, [train[i] for i in batch_indices(step, len(train), config)], config)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, config)
+        st = ttt_losses(head, batch, config.ttt_steps, config.step_decay)
+        opt.zero_grad(set_to_none=True)
+        st.loss.backward()
+        nn.utils.clip_grad_value_(params, config.grad_clip)
+        opt.step()
+        step += 1
+        acc = st.hits[0] / max(1, st.counts[0])
+        if task is not None:
+            progress.update(task, completed=step, loss=float(st.loss.detach()), acc=acc)
+        if step % config.eval_every == 0 or step == config.steps:
+            depth = evaluate3(head, held, config)
+            result.history.append({"step": step, "loss": float(st.loss.detach()), "train_acc": acc,
+                                   "held_out_acc_per_depth": depth})
+            result.held_out_accuracy = None if depth is None else depth[0]
+        if clock() - saved >= 60 * config.save_minutes or step == config.steps:
+            save_checkpoint(ckpt, head, opt, step, result, config, save=save_eagle3)
+            saved = clock()
+    result.step = step
+    save_eagle3(head, Path(out_dir) / "head")
+    return result
+
+
+def schedule_note(config: Train3Config) -> str:
+    """One line for logs: what a run of ``config`` does."""
+    return (f"{config.steps} steps x {config.batch_size} conversations, training-time test of {config.ttt_steps} "
+            f"steps (weights {', '.join(f'{config.step_decay ** s:.2f}' for s in range(config.ttt_steps))}), "
+            f"draft vocabulary {config.draft_vocab or 'full'}, checkpoint every {config.save_minutes:g} min")
