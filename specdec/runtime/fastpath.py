@@ -5,7 +5,10 @@ HF writes it, HF's rotary module and ``apply_rotary_pos_emb``, the cache's own `
 interface, so a BMC store and a compressed one both work), the attention function the block would have
 used (``runtime.attention``: ``grouped_attention``, PAD, or ``split_attention``, SPLIT), and every linear
 through ``runtime.linear.linear``. q/k/v and gate/up are each fused into one matrix (copies kept beside
-the model; the modules they replace are not packed for the kernel).
+the model; the modules they replace are not packed for the kernel). Quantized layers (``QuantLinear``)
+run themselves (the block kernel, ``runtime.qlinear``), q/k/v and gate/up side by side on their own
+blocks, never copied; a target with them takes the loop, not the one call
+(docs/decisions/015-quant-kernels.md).
 
 One layer loop (``_layers``) with its ops between the linears as a parameter (``LayerOps``, chosen once
 a forward):
