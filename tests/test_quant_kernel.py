@@ -115,3 +115,26 @@ def test_quantized_target_through_the_block_kernel_is_its_own_generate(quant, ke
     accepted = sum(sum(s.num_accepted) for s in out.steps)
     drafted = sum(sum(s.num_drafted) for s in out.steps)
     assert 0 < accepted < drafted  # drafts partly accepted: both sides of the verify ran
+
+
+def test_quant_self_drafter_quantizes_only_the_layers_linears_and_leaves_the_target_untouched():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.drafters.quant_self import quantized_copy
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)).eval()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    draft = quantized_copy(target)
+    assert draft.model.embed_tokens is target.model.embed_tokens and draft.lm_head is target.lm_head
+    assert draft.model.layers[0].input_layernorm is target.model.layers[0].input_layernorm
+    q = draft.model.layers[1].self_attn.q_proj
+    assert isinstance(q, QuantLinear) and q.fmt.name == "Q4_0"
+    assert type(target.model.layers[1].self_attn.q_proj) is torch.nn.Linear  # the target keeps its layers
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    # the same model up to Q4_0 rounding: close logits, and mostly the same next token
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = target(ids).logits, draft(ids).logits
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.5
