@@ -205,3 +205,20 @@ def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypat
     whole = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
     monkeypatch.setattr(qm, "CHUNK_FLOATS", 64 * 7)  # 7 output features a slice: 6 slices, the last of 5
     torch.testing.assert_close(layer.reference(x), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.real_model
+def test_default_model_loaded_packed_has_no_fp32_layers_and_computes_the_fp32_logits():
+    from specdec.models import load_model
+
+    try:
+        packed = load_model("default", weights="packed").model
+    except ValueError as e:
+        pytest.skip(f"default model unavailable: {e}")
+    assert not any(t.is_meta for t in [*packed.parameters(), *packed.buffers()])  # everything materialized
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())  # built on meta, never in fp32
+    fp32 = load_model("default").model
+    ids = torch.arange(1, 131, dtype=torch.long)[None]  # 130 rows, past the kernel's 128: the reference
+    with torch.no_grad():
+        assert torch.equal(packed(ids).logits, fp32(ids).logits)  # the same weights, the same GEMMs
+        torch.testing.assert_close(packed(ids[:, :5]).logits, fp32(ids[:, :5]).logits, rtol=1e-4, atol=1e-4)
