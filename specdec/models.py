@@ -91,33 +91,31 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     files only: the CLI also sets HF_HUB_OFFLINE=1 for the process).
 
     weights: "fp32" (a GGUF dequantized once into a cached fp32 model), "packed" (a GGUF's quantized
-    layers kept in the file's blocks, ``specdec.quant``: the same outputs as fp32, a fraction of the
-    memory; computed by the reference dequantizer until block kernels exist), or "q8_0" / "q4_0" /
+    layers kept in the file's blocks, ``specdec.quant``, and no fp32 copy of them ever built: the same
+    outputs as fp32 up to summation order, a fraction of the memory; few-row forwards by the block
+    kernel), or "q8_0" / "q4_0" /
     "q4_1" (any model's linear layers quantized on load: a new target whose outputs are its own)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
     gguf = None
+    load = _load_gguf_packed if weights == "packed" else _load_gguf_cached
     if spec == DEFAULT_MODEL:
         gguf = default_gguf_path()
-        loaded = _load_gguf_cached(gguf, dtype, "SmolLM2-135M-Instruct")
+        loaded = load(gguf, dtype, "SmolLM2-135M-Instruct")
     else:
         path = Path(spec).expanduser()
         if path.is_file() and path.suffix == ".gguf":
             gguf = path
-            loaded = _load_gguf_cached(path, dtype, path.stem)
+            loaded = load(path, dtype, path.stem)
         elif path.is_dir():
+            if weights == "packed":
+                raise ModelLoadError(f"weights='packed' keeps a GGUF file's blocks, and {spec!r} is not a GGUF "
+                                     "file (quantize on load instead: weights='q8_0', 'q4_0' or 'q4_1')")
             loaded = _load_hf_dir(path, dtype, trust_remote_code, path.name)
         else:
             raise ModelLoadError(f"no model at {spec!r}: expected 'default', a .gguf file, or a "
                                  "directory with config.json and *.safetensors")
-    if weights == "packed":
-        from specdec.quant.gguf import pack_gguf_weights
-
-        if gguf is None:
-            raise ModelLoadError(f"weights='packed' keeps a GGUF file's blocks, and {spec!r} is not a GGUF file "
-                                 "(quantize on load instead: weights='q8_0', 'q4_0' or 'q4_1')")
-        pack_gguf_weights(loaded.model, gguf)
-    elif weights != "fp32":
+    if weights not in ("fp32", "packed"):
         from specdec.quant import quantize_model
 
         quantize_model(loaded.model, weights.upper())
@@ -195,6 +193,59 @@ def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     if loaded.tokenizer is None:
         raise ModelLoadError(f"cached tokenizer missing in {d}; delete the folder to rebuild it")
     return loaded
+
+
+def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+    """The GGUF as a target with its quantized layers in the file's blocks, never an fp32 copy of them:
+    the model is built on the meta device, the quantized layers take the file's blocks
+    (``pack_gguf_weights``), and only the rest (norms, float tensors) is read from the fp32 cache."""
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+    from specdec.quant.gguf import pack_gguf_weights
+
+    d = _gguf_cache_dir(gguf, dtype)
+    if not _cache_is_valid(d):
+        _build_gguf_cache(gguf, dtype, d)
+    tokenizer = _load_hf_dir_tokenizer(d)
+    with torch.device("meta"):  # shapes only: no weight is allocated or initialized
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)
+    pack_gguf_weights(model, gguf)
+    _materialize(model, d / "model.safetensors")
+    model.generation_config = GenerationConfig.from_pretrained(d)
+    return LoadedModel(model.eval(), tokenizer, name)
+
+
+def _load_hf_dir_tokenizer(d: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(d, local_files_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"cached tokenizer missing in {d}; delete the folder to rebuild it ({e})") from e
+
+
+def _materialize(model: torch.nn.Module, weights: Path) -> None:
+    """Every tensor of ``model`` still on the meta device, read by name from the safetensors file
+    ``weights`` (a buffer computed at construction, the rotary frequencies, is computed again)."""
+    from safetensors import safe_open
+
+    with safe_open(str(weights), framework="pt") as sf:
+        stored = set(sf.keys())
+        for mod_name, mod in model.named_modules():
+            for kind in ("_parameters", "_buffers"):
+                for pname, t in list(getattr(mod, kind).items()):
+                    key = f"{mod_name}.{pname}" if mod_name else pname
+                    if t is None or not t.is_meta or key not in stored:
+                        continue
+                    value = sf.get_tensor(key).to(t.dtype)
+                    getattr(mod, kind)[pname] = torch.nn.Parameter(value, requires_grad=False) if kind == "_parameters" else value
+    for mod_name, mod in model.named_modules():
+        if any(b is not None and b.is_meta for b in mod._buffers.values()) and hasattr(mod, "rope_type"):
+            parent, _, attr = mod_name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, type(mod)(config=model.config))
+    missing = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+    if missing:
+        raise ModelLoadError(f"{weights} lacks {len(missing)} tensors of the packed model, e.g. {missing[:3]}")
 
 
 def _build_gguf_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:

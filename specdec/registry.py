@@ -26,6 +26,7 @@ from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.quant_self import quant_self_drafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
 from specdec.models import text_config
@@ -84,6 +85,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "streaming": lambda target: StreamingDrafter(target, budget=512),
     # ... or over the prompt rows its last 32 prompt queries attend to most, plus the window
     "snapkv": lambda target: SnapKVDrafter(target, budget=512),
+    # the target's own decoder layers quantized to Q4_0 blocks, its embedding and output layer shared
+    "quant-self": quant_self_drafter,
     # a tree of what followed the longest matching suffix of the prompt and answer so far
     "suffix": lambda target: SuffixDrafter(),
     # the same, also searching the project's stored answers (data/eagle_answers.jsonl), indexed on

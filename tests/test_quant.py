@@ -12,13 +12,13 @@ from specdec.drafters import ModelDrafter, PromptLookupDrafter
 from specdec.quant import FORMATS, QuantLinear, block_format, dequantize, quantize_model
 from specdec.quant.gguf import hf_module_name, pack_gguf_weights, rotary_rows
 from specdec.quant.modules import swap_module
-from conftest import perturbed
 
 F16_FIELDS = {"Q8_0": [0], "Q4_0": [0], "Q4_1": [0, 2], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}
 
 
 def random_blocks(fmt, n: int, rng: np.random.Generator, scale: float = 0.05) -> np.ndarray:
     """n random blocks of ``fmt`` whose f16 scale fields hold finite, small values."""
+    assert F16_FIELDS[fmt.name] == list(fmt.f16_fields)  # the format's own record of them, by hand
     raw = rng.integers(0, 256, size=(n, fmt.block_bytes), dtype=np.uint8)
     for off in F16_FIELDS[fmt.name]:
         raw[:, off:off + 2] = rng.normal(0, scale, size=n).astype(np.float16).view(np.uint8).reshape(n, 2)
@@ -124,19 +124,16 @@ def prompts(vocab: int, seed: int = 0) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("quant", list(FORMATS))
 def test_quantized_target_greedy_is_its_own_generate_token_for_token(quant):
+    """Prompt lookup on repetitive prompts; a model drafter, partly accepted, with the block kernel on and
+    off: tests/test_quant_kernel.py."""
     target = tiny_quant_llama(quant)
-    for drafter in (PromptLookupDrafter(), ModelDrafter(perturbed(fp32_twin(target), 0.05))):
-        decoder = SpecDecoder(target, drafter)
-        batch = prompts(target.config.vocab_size)
-        out = decoder.generate(batch, max_new_tokens=12)
-        accepted = sum(sum(s.num_accepted) for s in out.steps)
-        drafted = sum(sum(s.num_drafted) for s in out.steps)
-        for b, p in enumerate(batch):
-            ref = target.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                                  max_new_tokens=12, do_sample=False, pad_token_id=0)
-            assert out.generated(b).tolist() == ref[0, len(p):].tolist(), (quant, type(drafter).__name__, b)
-        if isinstance(drafter, ModelDrafter):
-            assert 0 < accepted < drafted  # drafts partly accepted: both sides of the verify ran
+    decoder = SpecDecoder(target, PromptLookupDrafter())
+    batch = prompts(target.config.vocab_size)
+    out = decoder.generate(batch, max_new_tokens=12)
+    for b, p in enumerate(batch):
+        ref = target.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out.generated(b).tolist() == ref[0, len(p):].tolist(), (quant, b)
 
 
 def test_quantized_target_sampling_matches_its_distribution():
@@ -207,4 +204,21 @@ def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypat
     x = torch.randn(3, 64, generator=g)
     whole = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
     monkeypatch.setattr(qm, "CHUNK_FLOATS", 64 * 7)  # 7 output features a slice: 6 slices, the last of 5
-    torch.testing.assert_close(layer(x), whole, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(layer.reference(x), whole, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.real_model
+def test_default_model_loaded_packed_has_no_fp32_layers_and_computes_the_fp32_logits():
+    from specdec.models import load_model
+
+    try:
+        packed = load_model("default", weights="packed").model
+    except ValueError as e:
+        pytest.skip(f"default model unavailable: {e}")
+    assert not any(t.is_meta for t in [*packed.parameters(), *packed.buffers()])  # everything materialized
+    assert not any(type(m) is torch.nn.Linear for m in packed.modules())  # built on meta, never in fp32
+    fp32 = load_model("default").model
+    ids = torch.arange(1, 131, dtype=torch.long)[None]  # 130 rows, past the kernel's 128: the reference
+    with torch.no_grad():
+        assert torch.equal(packed(ids).logits, fp32(ids).logits)  # the same weights, the same GEMMs
+        torch.testing.assert_close(packed(ids[:, :5]).logits, fp32(ids[:, :5]).logits, rtol=1e-4, atol=1e-4)

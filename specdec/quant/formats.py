@@ -46,6 +46,7 @@ class BlockFormat:
     block_weights: int  # weights per block (QK)
     block_bytes: int  # bytes per block
     dequantize: Callable[[torch.Tensor], torch.Tensor]  # uint8 [n, block_bytes] -> float32 [n, QK]
+    f16_fields: tuple[int, ...]  # byte offsets of the block's f16 scales and offsets (d, m / dmin)
 
     def row_bytes(self, k: int) -> int:
         if k % self.block_weights:
@@ -126,12 +127,12 @@ def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
 
 
 FORMATS: dict[str, BlockFormat] = {f.name: f for f in (
-    BlockFormat("Q8_0", 8, 32, 34, dequantize_q8_0),
-    BlockFormat("Q4_0", 2, 32, 18, dequantize_q4_0),
-    BlockFormat("Q4_1", 3, 32, 20, dequantize_q4_1),
-    BlockFormat("Q4_K", 12, QK_K, 144, dequantize_q4_k),
-    BlockFormat("Q5_K", 13, QK_K, 176, dequantize_q5_k),
-    BlockFormat("Q6_K", 14, QK_K, 210, dequantize_q6_k),
+    BlockFormat("Q8_0", 8, 32, 34, dequantize_q8_0, (0,)),
+    BlockFormat("Q4_0", 2, 32, 18, dequantize_q4_0, (0,)),
+    BlockFormat("Q4_1", 3, 32, 20, dequantize_q4_1, (0, 2)),
+    BlockFormat("Q4_K", 12, QK_K, 144, dequantize_q4_k, (0, 2)),
+    BlockFormat("Q5_K", 13, QK_K, 176, dequantize_q5_k, (0, 2)),
+    BlockFormat("Q6_K", 14, QK_K, 210, dequantize_q6_k, (208,)),
 )}
 BY_GGML_TYPE: dict[int, BlockFormat] = {f.ggml_type: f for f in FORMATS.values()}
 
@@ -143,6 +144,17 @@ def block_format(name_or_type: str | int) -> BlockFormat:
         raise ValueError(f"unsupported quantization type {name_or_type!r}: specdec keeps "
                          f"{', '.join(FORMATS)} blocks packed")
     return fmt
+
+
+def random_blocks(fmt: BlockFormat, rows: int, k: int, generator: torch.Generator, scale: float = 0.05) -> torch.Tensor:
+    """uint8 [rows, row_bytes of k weights]: random blocks of ``fmt`` whose f16 fields hold finite values
+    ~ N(0, scale) (random bytes there would make infinities and NaNs): weights to check a kernel on."""
+    n = rows * k // fmt.block_weights
+    raw = torch.randint(0, 256, (n, fmt.block_bytes), generator=generator, dtype=torch.uint8)
+    for off in fmt.f16_fields:
+        halves = (torch.randn(n, generator=generator, dtype=torch.float32) * scale).to(torch.float16)
+        raw[:, off:off + 2] = halves.view(torch.uint8).reshape(n, 2)
+    return raw.reshape(rows, fmt.row_bytes(k))
 
 
 def dequantize(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:

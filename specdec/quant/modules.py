@@ -2,10 +2,12 @@
 
 ``QuantLinear`` and ``QuantEmbedding`` hold a weight as its blocks (uint8 [N, row_bytes], never an
 fp32 copy of the whole matrix) and compute with the reference dequantization of
-``specdec.quant.formats``: a forward dequantizes the matrix (an embedding: only the rows it looks
-up) to fp32 and runs the fp32 op. So ``target.generate(...)`` on a model holding them is the
-exactness reference for every faster path, and since the dequantized values equal transformers'
-own GGUF loading bit for bit, that reference computes what the fp32 target computes.
+``specdec.quant.formats``: the reference forward dequantizes the matrix (an embedding: only the rows
+it looks up) to fp32 and runs the fp32 op, and defines the layer. A forward over a few fp32 rows on
+CPU takes the block kernel instead where the runtime's self-check chose it (``specdec.runtime.qlinear``:
+the same weights, the same products, another summation order). So ``target.generate(...)`` on a model
+holding them is the exactness reference for every faster path, and since the dequantized values equal
+transformers' own GGUF loading bit for bit, that reference computes what the fp32 target computes.
 
     model = quantize_model(model, "Q8_0")          # any HF model: its nn.Linear layers as Q8_0 blocks
     swap_linear(model, "model.layers.0.mlp.up_proj", QuantLinear(blocks, block_format("Q4_K"), 576))
@@ -19,6 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from specdec.quant.formats import BlockFormat, block_format, dequantize
+from specdec.runtime import qlinear
 
 # the formats ``quantize_model`` can write (the gguf package's quantizers); K formats load from files
 QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1")
@@ -52,6 +55,11 @@ class QuantLinear(nn.Module):
         return dequantize(self.blocks, self.fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features] -> [..., out_features]
+        y = qlinear.linear(x, self.blocks, self.fmt, self.bias)  # the block kernel, where its self-check took it
+        return self.reference(x) if y is None else y
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The forward that defines the layer: dequantize, F.linear."""
         # output features in slices of <= CHUNK_FLOATS dequantized weights: the transient fp32 copy of a
         # large matrix (the 49k-row output layer: 113 MB) never exists whole
         step = max(1, CHUNK_FLOATS // self.in_features)

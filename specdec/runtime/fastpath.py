@@ -5,7 +5,10 @@ HF writes it, HF's rotary module and ``apply_rotary_pos_emb``, the cache's own `
 interface, so a BMC store and a compressed one both work), the attention function the block would have
 used (``runtime.attention``: ``grouped_attention``, PAD, or ``split_attention``, SPLIT), and every linear
 through ``runtime.linear.linear``. q/k/v and gate/up are each fused into one matrix (copies kept beside
-the model; the modules they replace are not packed for the kernel).
+the model; the modules they replace are not packed for the kernel). Quantized layers (``QuantLinear``)
+run themselves (the block kernel, ``runtime.qlinear``), q/k/v and gate/up side by side on their own
+blocks, never copied; a target with them takes the loop, not the one call
+(docs/decisions/015-quant-kernels.md).
 
 One layer loop (``_layers``) with its ops between the linears as a parameter (``LayerOps``, chosen once
 a forward):
@@ -44,6 +47,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.config import RuntimeConfig
 from specdec.models import sliding_window
+from specdec.quant.modules import QuantLinear
 from specdec.runtime import attention as attn
 from specdec.runtime import linear as lin
 from specdec.runtime import state
@@ -55,17 +59,42 @@ MODEL_TYPES = ("llama", "mistral", "qwen2")
 log = logging.getLogger(__name__)
 
 
+class _Stacked(nn.Module):
+    """Quantized linears side by side, one input: their outputs concatenated (q, k, v; gate, up). Their
+    blocks are not copied into one matrix: a GGUF's blocks are the file's pages, and a copy would hold the
+    weights twice; the block kernel runs per part."""
+
+    def __init__(self, *parts: QuantLinear) -> None:
+        super().__init__()
+        self.parts = list(parts)  # not registered: the model holds them
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., sum of out_features]
+        return torch.cat([m(x) for m in self.parts], dim=-1)
+
+
+def _stack(*linears: nn.Module) -> torch.Tensor | _Stacked:
+    """The fused weight of plain linears ([sum of N, C], stacked), or quantized ones side by side."""
+    if all(type(m) is nn.Linear for m in linears):
+        return torch.cat([m.weight for m in linears]).detach()
+    return _Stacked(*linears)
+
+
+# a linear of the path: an fp32 weight [N, C] (with its bias beside it) through ``runtime.linear``, or a
+# module that computes itself (a QuantLinear through the block kernel, or quantized linears _Stacked)
+Weight = torch.Tensor | nn.Module
+
+
 @dataclass(frozen=True)
 class _Layer:
     attn: nn.Module  # HF's attention module: what the attention function is handed (scaling, flags)
     norm1: nn.Module  # input RMSNorm
-    qkv: torch.Tensor  # [Hq*Dh + 2*Hkv*Dh, C] q, k, v weights stacked
-    qkv_bias: torch.Tensor | None  # [Hq*Dh + 2*Hkv*Dh]
-    o: nn.Linear
+    qkv: Weight  # [Hq*Dh + 2*Hkv*Dh, C] q, k, v weights stacked
+    qkv_bias: torch.Tensor | None  # [Hq*Dh + 2*Hkv*Dh] (a module's bias is its own: None)
+    o: nn.Module  # nn.Linear or QuantLinear
     norm2: nn.Module  # post-attention RMSNorm
-    gate_up: torch.Tensor  # [2I, C] gate and up weights stacked
+    gate_up: Weight  # [2I, C] gate and up weights stacked
     gate_up_bias: torch.Tensor | None  # [2I]
-    down: nn.Linear
+    down: nn.Module
 
 
 @dataclass(frozen=True)
@@ -118,12 +147,19 @@ def fused_ops(ops) -> LayerOps:
     return LayerOps(ops.rms_norm, ops.add_rms_norm, ops.rope_split, ops.silu_mul, ops)
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def _linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(weight, nn.Module):  # quantized: the module routes itself (runtime.qlinear)
+        return weight(x)
     return lin.linear(x, weight, bias, lin.max_rows())  # the decoder's skinny_rows
 
 
-def _cat_bias(*linears: nn.Linear) -> torch.Tensor | None:
-    if all(m.bias is None for m in linears):
+def _apply(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A layer of the model (nn.Linear or QuantLinear) on x, by ``_linear``."""
+    return _linear(x, m.weight, m.bias) if type(m) is nn.Linear else m(x)
+
+
+def _cat_bias(*linears: nn.Module) -> torch.Tensor | None:
+    if any(type(m) is not nn.Linear for m in linears) or all(m.bias is None for m in linears):
         return None
     return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
 
@@ -170,20 +206,23 @@ class FastPath:
         for layer in self.decoder.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
-                a, layer.input_layernorm,
-                torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]).detach(),
+                a, layer.input_layernorm, _stack(a.q_proj, a.k_proj, a.v_proj),
                 _cat_bias(a.q_proj, a.k_proj, a.v_proj), a.o_proj, layer.post_attention_layernorm,
-                torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]).detach(),
-                _cat_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj))
+                _stack(mlp.gate_proj, mlp.up_proj), _cat_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj))
         # the norm after each layer: the next layer's input norm, the model's final norm after the last
         self.next_norms = [layer.norm1 for layer in self.layers[1:]] + [self.decoder.norm]
         self._sources = self._stamp()
         self.fuse = config.fused  # the fused layer ops where they apply; False: HF's ops, one by one
         # the fused layers in one compiled call where the store and attention allow; False: the loop.
-        # Per layer: 4 linears, 2 norms (each with its eps) after them
-        self.one_call = config.one_call
-        self._weights = [w for layer in self.layers for w in (layer.qkv, layer.o.weight, layer.gate_up, layer.down.weight)]
-        self._biases = [b for layer in self.layers for b in (layer.qkv_bias, layer.o.bias, layer.gate_up_bias, layer.down.bias)]
+        # Per layer: 4 linears, 2 norms (each with its eps) after them. Quantized layers take the loop
+        # (the compiled call runs fp32 weights only).
+        quantized = any(isinstance(w, nn.Module) for layer in self.layers for w in (layer.qkv, layer.gate_up)) or \
+            any(type(m) is not nn.Linear for layer in self.layers for m in (layer.o, layer.down))
+        self.one_call = config.one_call and not quantized
+        self._weights = [] if not self.one_call else [
+            w for layer in self.layers for w in (layer.qkv, layer.o.weight, layer.gate_up, layer.down.weight)]
+        self._biases = [] if not self.one_call else [
+            b for layer in self.layers for b in (layer.qkv_bias, layer.o.bias, layer.gate_up_bias, layer.down.bias)]
         norms = [n for layer, nxt in zip(self.layers, self.next_norms) for n in (layer.norm2, nxt)]
         self._norms, self._eps = [n.weight for n in norms], [float(n.variance_epsilon) for n in norms]
         scales = {self.head_dim**-0.5 if layer.attn.scaling is None else layer.attn.scaling for layer in self.layers}
@@ -197,13 +236,16 @@ class FastPath:
                           layer.mlp.gate_proj, layer.mlp.up_proj)]
 
     def fused_weights(self) -> list[torch.Tensor]:
-        return [w for layer in self.layers for w in (layer.qkv, layer.gate_up)]
+        """The fp32 fused copies (for the kernel's packing; quantized layers have none)."""
+        return [w for layer in self.layers for w in (layer.qkv, layer.gate_up) if isinstance(w, torch.Tensor)]
 
     def _stamp(self) -> list[tuple[int, int]]:
         """(storage address, version) of every source weight (the fused copies' and the o and down
-        projections', whose packed copies ``_one_call`` keeps): a change means the copies are stale."""
+        projections', whose packed copies ``_one_call`` keeps; a quantized layer's blocks): a change
+        means the copies are stale."""
         kept = [m for layer in self.layers for m in (layer.o, layer.down)]
-        return [(m.weight.data_ptr(), m.weight._version) for m in self.replaced() + kept]
+        sources = [m.weight if type(m) is nn.Linear else m.blocks for m in self.replaced() + kept]
+        return [(w.data_ptr(), w._version) for w in sources]
 
     def stale(self) -> bool:
         return self._stamp() != self._sources
@@ -224,7 +266,7 @@ class FastPath:
         kept: dict[int, torch.Tensor | None] = dict.fromkeys(keep)  # filled by the loop
         hidden = self._layers(HF_OPS if ops is None else ops, cache, x, cos, sin, attention_mask, attention, kept)
         rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
-        return _linear(rows, self.head.weight, self.head.bias), torch.cat([kept[j] for j in keep], -1) if keep else hidden
+        return _apply(self.head, rows), torch.cat([kept[j] for j in keep], -1) if keep else hidden
 
     def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor) -> LayerOps | None:
         """The kernels' fused layer ops if they take this forward (fp32 on CPU, the rotary table as wide
@@ -260,9 +302,8 @@ class FastPath:
             q, k, v = ops.rope_split(_linear(h, layer.qkv, layer.qkv_bias), cos, sin, hq, hkv)
             k, v = cache.update(k, v, i)  # [B, Hkv, L, Dh] views of the store
             o = attend(layer, q, k, v)
-            x, h = ops.add_norm(x, _linear(o, layer.o.weight, layer.o.bias), layer.norm2.weight,
-                                layer.norm2.variance_epsilon)
-            mlp = _linear(ops.silu_mul(_linear(h, layer.gate_up, layer.gate_up_bias)), layer.down.weight, layer.down.bias)
+            x, h = ops.add_norm(x, _apply(layer.o, o), layer.norm2.weight, layer.norm2.variance_epsilon)
+            mlp = _apply(layer.down, ops.silu_mul(_linear(h, layer.gate_up, layer.gate_up_bias)))
             norm = self.next_norms[i]
             x, h = ops.add_norm(x, mlp, norm.weight, norm.variance_epsilon)
         return h
@@ -315,7 +356,7 @@ class FastPath:
         # torch's linears: the math, not the routes
         with torch.inference_mode(), skinny_linears(max_rows=0, runtime=self.config):
             ref = model(input_ids=ids, use_cache=False).logits.float()
-            dtype = self.layers[0].qkv.dtype
+            dtype = self.decoder.norm.weight.dtype
             bias = torch.full((Q, Q), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
             try:
                 out, _ = self(DynamicCache(config=model.config), ids, torch.arange(Q, dtype=torch.long, device=device)[None],
@@ -337,7 +378,7 @@ def supported(model) -> bool:
         return False
     if sliding_window(cfg) is not None:  # the path attends to every row
         return False
-    if type(model.get_output_embeddings()) is not nn.Linear:
+    if type(model.get_output_embeddings()) not in (nn.Linear, QuantLinear):
         return False
     for name in ("embed_tokens", "rotary_emb", "norm", "layers"):
         if not hasattr(decoder, name):
@@ -348,7 +389,7 @@ def supported(model) -> bool:
             return False
         linears = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         linears += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(type(m) is not nn.Linear for m in linears):
+        if any(type(m) not in (nn.Linear, QuantLinear) for m in linears):
             return False
         if not all(hasattr(n, "variance_epsilon") for n in (layer.input_layernorm, layer.post_attention_layernorm)):
             return False

@@ -9,6 +9,9 @@ the fastest of torch's paths and the compiled kernels in ``csrc/`` on this machi
   ``nn.Linear`` modules for a generation (docs/decisions/002-linear-routes.md);
 - ``attention`` (``specdec.runtime.attention``): grouped query rows per KV head through the kernel
   where it beats SDPA (docs/decisions/003-attention-kernel.md);
+- ``qlinear.linear`` (``specdec.runtime.qlinear``): a ``QuantLinear``'s few-row forward straight from
+  its GGUF blocks, per format where its self-check finds it right and faster than the reference
+  (docs/decisions/015-quant-kernels.md);
 - the build per variant (``specdec.runtime.build``), packed weights on huge pages
   (``specdec.runtime.memory``), the self-check (``specdec.runtime.calibrate``: a frozen ``Routes`` per
   process and variant).

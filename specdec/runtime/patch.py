@@ -9,7 +9,9 @@ import torch
 import torch.nn as nn
 
 from specdec.config import RuntimeConfig, current
+from specdec.quant.modules import QuantLinear
 from specdec.runtime import linear as lin
+from specdec.runtime import qlinear
 from specdec.runtime import state
 from specdec.runtime.calibrate import calibrate
 from specdec.runtime.state import MAX_ROWS
@@ -24,7 +26,8 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=(), runtime
     """Route every plain ``nn.Linear`` under ``roots`` through ``linear`` while the block runs, under
     ``runtime`` (default: the configuration in force).
 
-    The routes are calibrated first (once per process and variant, before any timed step) and pinned
+    The routes are calibrated first (once per process and variant, before any timed step; the block
+    kernel's too, for the formats of the ``QuantLinear`` layers under ``roots``) and pinned
     with the configuration and its ops for the block (a generation), so no call looks them up again.
     The modules are patched per instance (no Python in the other ops of the forward) and restored
     on exit; a module another ``skinny_linears`` already patched is left to that one, and so are the
@@ -35,6 +38,7 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=(), runtime
     config = current() if runtime is None else runtime
     if max_rows > 0:
         calibrate(config)  # once per process and variant, before any timed step
+        qlinear.prepare({m.fmt for root in roots for m in root.modules() if isinstance(m, QuantLinear)}, config)
     token = state.pin(state.resolve(config, max_rows))
     patched = []
     skip = {id(m) for m in skip}

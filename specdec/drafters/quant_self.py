@@ -1,0 +1,63 @@
+"""The target's own weights at fewer bits drafting for it: a quantized self-drafter.
+
+No training and no second model: the draft model is a shallow copy of the target whose decoder layers'
+linears are the target's weights quantized to Q4_0 blocks (``specdec.quant``); the embedding, the
+norms, the rotary table and the output layer are the target's own modules, shared. It is the same
+model up to rounding, so it agrees with the target often, and its steps read ~1/7 of an fp32 target's
+bytes (through the block kernel, ``runtime/qlinear.py``). It pays off for a higher-precision target
+(fp32, bf16, Q8_0); over a Q4 target it reads as much as the target itself.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch.nn as nn
+
+from specdec.drafters.model import ModelDrafter
+from specdec.quant.formats import block_format
+from specdec.quant.modules import QuantLinear, quantize_blocks
+
+DRAFT_QUANT = "Q4_0"  # the draft's block format: the cheapest one the gguf package writes
+
+
+def quantized_copy(target: nn.Module, quant: str = DRAFT_QUANT) -> nn.Module:
+    """A view of ``target`` whose decoder layers' linears are ``quant`` blocks of its weights (a quantized
+    target's dequantized ones); every other module is the target's own. Layers whose rows are not whole
+    blocks stay shared. The target itself is untouched."""
+    fmt = block_format(quant)
+    inner = target.get_decoder() if hasattr(target, "get_decoder") else target.model
+    draft, draft_inner = _shallow(target), _shallow(inner)
+    layers = []
+    for layer in inner.layers:
+        new = _shallow(layer)
+        for part, sub in layer.named_children():
+            if any(_quantizable(m, fmt) for m in sub.children()):
+                new._modules[part] = _shallow(sub)
+                for name, m in sub.named_children():
+                    if _quantizable(m, fmt):
+                        new._modules[part]._modules[name] = _requantized(m, fmt)
+        layers.append(new)
+    draft_inner._modules["layers"] = nn.ModuleList(layers)
+    draft._modules["model"] = draft_inner
+    return draft
+
+
+def _shallow(module: nn.Module) -> nn.Module:
+    """A new module object sharing ``module``'s parameters and children (its own child table)."""
+    out = copy.copy(module)
+    out._modules = dict(module._modules)
+    return out
+
+
+def _quantizable(m: nn.Module, fmt) -> bool:
+    return type(m) in (nn.Linear, QuantLinear) and m.in_features % fmt.block_weights == 0
+
+
+def _requantized(m: nn.Module, fmt) -> QuantLinear:
+    weight = m.weight if type(m) is nn.Linear else m.dequantized()
+    return QuantLinear(quantize_blocks(weight, fmt), fmt, m.in_features, m.bias)
+
+
+def quant_self_drafter(target: nn.Module) -> ModelDrafter:
+    return ModelDrafter(quantized_copy(target))

@@ -1,0 +1,140 @@
+"""The block kernel (specdec/runtime/csrc/quant_linear.cpp, routed by specdec.runtime.qlinear): both
+builds equal the reference dequantize-then-F.linear to fp32 summation rounding for every format, block
+size and odd shape; the self-check keeps the reference wherever the kernel is wrong; and a quantized
+target decoded through the kernel and the lean forward is token for token its own ``generate``."""
+
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec import SpecDecoder, SpecDecoderConfig
+from specdec.config import RuntimeConfig, use
+from specdec.controller.draft_length import DraftLengthConfig
+from specdec.drafters import ModelDrafter
+from specdec.quant import FORMATS, QuantLinear
+from specdec.quant.formats import dequantize, random_blocks
+from specdec.runtime import fastpath, kernels, qlinear, state
+from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS
+from conftest import perturbed
+from test_quant import fp32_twin, prompts, tiny_quant_llama
+
+VARIANTS = ["native", "avx2"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
+# a fixed draft of 4 (no cost gate: which steps draft must not depend on how fast this machine is)
+FIXED_DRAFTS = DraftLengthConfig(initial=4, maximum=4, adaptive=False, cost_aware=False)
+
+
+def _ops(variant: str):
+    ops = kernels.extension(RuntimeConfig(kernel=variant))
+    if ops is None:
+        pytest.skip(f"the {variant} kernel is not built here")
+    return ops
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_block_kernel_equals_the_reference_for_every_block_size_and_odd_shapes(variant, name):
+    ops = _ops(variant)
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(7)
+    for N, blocks_per_row in ((1, 1), (37, 3), (130, 2)):  # output features not a multiple of any vector width
+        K = blocks_per_row * fmt.block_weights
+        w = random_blocks(fmt, N, K, g)
+        ref_w = dequantize(w, fmt)
+        for rows in [*range(1, MAX_ROWS + 1), 17, 40]:  # 17, 40: balanced passes of the widest shape
+            x = torch.randn(rows, K, generator=g)
+            err = (ops.quant_linear(x, w, fmt.ggml_type) - F.linear(x, ref_w)).abs()
+            # another summation order of the same K products: within K * eps of sum |x w|, far within
+            bound = F.linear(x.abs(), ref_w.abs())
+            assert (err <= 1e-5 * bound + 1e-30).all(), (variant, name, N, K, rows, (err / bound).max().item())
+
+
+def test_block_kernel_names_a_format_it_has_no_decoder_for():
+    ops = _ops("native")
+    with pytest.raises(RuntimeError, match="GGML type 0 has no kernel"):
+        ops.quant_linear(torch.randn(1, 32), torch.zeros(2, 34, dtype=torch.uint8), 0)
+
+
+def test_self_check_keeps_the_reference_where_the_kernel_is_wrong(monkeypatch):
+    """A kernel that returns wrong numbers is never routed to, however fast."""
+    real = _ops("native")
+
+    class Wrong:
+        def quant_linear(self, x, blocks, fmt):
+            return real.quant_linear(x, blocks, fmt) + 1.0
+
+    rt = state.Active(RuntimeConfig(), Wrong(), state.uncalibrated(True))
+    found = qlinear.self_check(rt, FORMATS["Q4_1"])
+    assert found == qlinear.QuantRoutes((False,) * MAX_ROWS, False)
+    right = qlinear.self_check(state.Active(RuntimeConfig(), real, state.uncalibrated(True)), FORMATS["Q4_1"])
+    assert right.kernel[0]  # one row: the kernel reads each block once, the reference dequantizes the matrix
+
+
+def test_quantized_layer_takes_the_kernel_for_few_rows_and_the_reference_otherwise(monkeypatch):
+    fmt = FORMATS["Q4_0"]
+    g = torch.Generator().manual_seed(1)
+    layer = QuantLinear(random_blocks(fmt, 48, 64, g), fmt, 64, bias=torch.randn(48, generator=g))
+    calls = []
+    monkeypatch.setattr(qlinear, "CALIBRATED", {})
+    real = qlinear.linear
+
+    def counting(*args):
+        y = real(*args)
+        calls.append(y is not None)
+        return y
+
+    monkeypatch.setattr(qlinear, "linear", counting)
+    with use(RuntimeConfig(calibrate=False)):
+        for rows in (1, 16, 40, CHUNK_ROWS + 1):
+            x = torch.randn(rows, 64, generator=g)
+            torch.testing.assert_close(layer(x), layer.reference(x), rtol=1e-5, atol=1e-5)
+    with use(RuntimeConfig(kernel="off")):
+        x = torch.randn(3, 64, generator=g)
+        assert torch.equal(layer(x), layer.reference(x))
+    assert calls == [True, True, True, False, False]  # a prefill past CHUNK_ROWS, and no kernel: the reference
+
+
+@pytest.mark.parametrize("kernel", ["native", "off"])
+@pytest.mark.parametrize("quant", list(FORMATS))
+def test_quantized_target_through_the_block_kernel_is_its_own_generate(quant, kernel):
+    """The lean forward over quantized layers (kernel on: the block kernel; off: the reference) with a
+    drafter that is partly accepted gives the target's own greedy tokens, computed under the same runtime."""
+    runtime = RuntimeConfig(kernel=kernel, calibrate=False)  # no timing: the kernel wherever it is built
+    target = tiny_quant_llama(quant)
+    with use(runtime):
+        assert fastpath.get(target, runtime) is not None  # the lean loop takes quantized layers
+        decoder = SpecDecoder(target, ModelDrafter(perturbed(fp32_twin(target), 0.05)),
+                              SpecDecoderConfig(draft_length=FIXED_DRAFTS, runtime=runtime))
+        batch = prompts(target.config.vocab_size)
+        out = decoder.generate(batch, max_new_tokens=12)
+        for b, p in enumerate(batch):
+            ref = target.generate(p[None], attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                                  max_new_tokens=12, do_sample=False, pad_token_id=0)
+            assert out.generated(b).tolist() == ref[0, len(p):].tolist(), (quant, kernel, b)
+    accepted = sum(sum(s.num_accepted) for s in out.steps)
+    drafted = sum(sum(s.num_drafted) for s in out.steps)
+    assert 0 < accepted < drafted  # drafts partly accepted: both sides of the verify ran
+
+
+def test_quant_self_drafter_quantizes_only_the_layers_linears_and_leaves_the_target_untouched():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specdec.drafters.quant_self import quantized_copy
+
+    torch.manual_seed(0)
+    target = LlamaForCausalLM(LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2)).eval()
+    before = {k: v.clone() for k, v in target.state_dict().items()}
+    draft = quantized_copy(target)
+    assert draft.model.embed_tokens is target.model.embed_tokens and draft.lm_head is target.lm_head
+    assert draft.model.layers[0].input_layernorm is target.model.layers[0].input_layernorm
+    q = draft.model.layers[1].self_attn.q_proj
+    assert isinstance(q, QuantLinear) and q.fmt.name == "Q4_0"
+    assert type(target.model.layers[1].self_attn.q_proj) is torch.nn.Linear  # the target keeps its layers
+    assert all(torch.equal(v, target.state_dict()[k]) for k, v in before.items())
+    # the same model up to Q4_0 rounding: close logits, and mostly the same next token
+    ids = torch.randint(0, 96, (1, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        a, b = target(ids).logits, draft(ids).logits
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.5
