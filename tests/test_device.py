@@ -50,10 +50,10 @@ def test_cpu_rehearsal_writes_every_part(tmp_path):
     traces = tmp_path / "traces.json"
     traces.write_text(json.dumps({"methods": {
         "prompt-lookup": {"kind": "chain", "depth": 3, "answers": [{"runs": [3, 0, 2, 1, 0, 3]}]},
-        "streaming@64": {"kind": "chain", "depth": 3, "draft_budget": 64, "answers": [{"runs": [2, 2, 2, 2]}]}}}))
+        "streaming@32": {"kind": "chain", "depth": 3, "draft_budget": 32, "answers": [{"runs": [2, 2, 2, 2]}]}}}))
     out = tmp_path / "device.json"
     assert main(["bench-device", "--device", "cpu", "--parts", "verify,store,price", "--shapes", "tiny",
-                 "--store-shape", "tiny", "--dtype", "float32", "--batches", "1,2", "--contexts", "64,128",
+                 "--store-shape", "tiny", "--dtype", "float32", "--batches", "1,2", "--contexts", "64,512",
                  "--rows", "1,2,4", "--store-batches", "2", "--store-contexts", "64", "--repeats", "1",
                  "--traces", str(traces), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
@@ -62,7 +62,7 @@ def test_cpu_rehearsal_writes_every_part(tmp_path):
     assert store["bmc_seconds"] > 0 and store["dynamic_seconds"] > 0
     priced = {(r["method"], r["context"]) for r in doc["parts"]["price"]}
     # text drafters at the shortest context; self-speculation only where the context passes its budget
-    assert ("prompt-lookup", 64) in priced and ("streaming@64", 128) in priced and ("streaming@64", 64) not in priced
+    assert ("prompt-lookup", 64) in priced and ("streaming@32", 512) in priced and ("streaming@32", 64) not in priced
 
 
 # ----------------------------------------------------------------------------------- pricing (pure)

@@ -37,6 +37,9 @@ PAPERS = {
 }
 
 
+LONG = 8  # self-speculation is priced where the context is at least this many times its KV budget
+
+
 @dataclass(frozen=True)
 class Curve:
     """Verify seconds per (batch, context, rows) of one shape, linear in rows between measured sizes."""
@@ -122,8 +125,8 @@ def price_all(traces: dict, records: list[dict]) -> list[dict]:
         for name, trace in traces.items():
             regime = "magicdec" if trace.get("draft_budget") else "bass"
             for batch, context in curve.points():
-                if regime == "magicdec" and context <= trace.get("draft_budget", 0):
-                    continue  # the draft would read as much as the target
+                if regime == "magicdec" and context < LONG * trace["draft_budget"]:
+                    continue  # not long context: the target's K/V reads do not dominate its step
                 if regime == "bass" and context != contexts[0]:
                     continue
                 out.append({"method": name, "shape": shape, "batch": batch, "context": context,
