@@ -146,7 +146,7 @@ def test_the_controller_prices_drafts_without_the_drafters_catch_up(target, monk
     the drafter reports (a fake clock: every draft takes 1 s, 0.25 s of it catching up)."""
     import types
 
-    import specdec.decoder as decoder_module
+    import specdec.session as loop_module  # the step loop, whose clock the test fakes
     from specdec.drafters.prompt_lookup import PromptLookupDrafter
 
     class CatchingUp(PromptLookupDrafter):
@@ -157,7 +157,7 @@ def test_the_controller_prices_drafts_without_the_drafters_catch_up(target, monk
             return 0.125  # of which after a pause: the step's gain pays it
 
     ticks = iter(range(10**6))
-    monkeypatch.setattr(decoder_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
+    monkeypatch.setattr(loop_module, "time", types.SimpleNamespace(perf_counter=lambda: float(next(ticks))))
     dec = SpecDecoder(target, CatchingUp())
     seen = []
     update = dec.controller.update

@@ -22,6 +22,7 @@ is what a repeated workload gains. Records carry their ``pass`` (1-based).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import platform
 import statistics
@@ -206,6 +207,10 @@ def add_arguments(p) -> None:
     p.add_argument("--save-answers", default=None, metavar="FILE",
                    help="write HF generate's output of each question as token ids (JSONL), for "
                         "`python -m specdec.bench.replay --answers FILE`")
+    p.add_argument("--packed-drafters", default="", metavar="NAMES",
+                   help="also these drafters on the same model loaded with --weights (a GGUF's blocks kept "
+                        "packed, or quantized on load), as methods named packed:NAME in the same rotation")
+    p.add_argument("--weights", default="packed", help="the second target's weights (with --packed-drafters)")
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 (default): greedy, outputs compared token for token with HF's; > 0: every "
                         "method samples (HF generate with do_sample=True and HF's other defaults, "
@@ -238,6 +243,11 @@ def run(args) -> int:
         prepare_corpus_drafter(drafter, questions, tok, args.suffix_exclude_questions, args.corpus, console.print)
 
     methods += [specdec_method(model, d, eos, args.temperature, prepare) for d in args.drafters]
+    if args.packed_drafters:  # the same model at other weights, in the same rotation
+        packed = load_model(args.model, weights=args.weights).model
+        for d in args.packed_drafters.split(","):
+            method = specdec_method(packed, d, eos, args.temperature, prepare)
+            methods.append(dataclasses.replace(method, name=f"packed:{d}"))
     out = Path(args.out)
     remember = args.remember or args.repeat > 1
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
