@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 import specdec.verifiers.sampling as vs
 from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, perturbed
 from specdec.bench.device.tiny import peaked
-from specdec.bench.distribution import pair_mismatch
+from specdec.bench.distribution import pair_mismatch, two_token_tables
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
@@ -57,13 +57,9 @@ def models():
     return {"target": target, "good": perturbed(target, 0.3), "bad": peaked(7)}
 
 
-@torch.no_grad()
 def tables(model, params: SamplingParams) -> tuple[torch.Tensor, torch.Tensor]:
     """p(x) [V] after PROMPT and p(y | x) [V, V] after PROMPT + x, processed by ``params``."""
-    first = target_probs(model(PROMPT).logits[:, -1:], params)[0, 0]
-    ids = torch.cat([PROMPT.expand(V, -1), torch.arange(V)[:, None]], dim=1)  # [V, P + 1]
-    second = target_probs(model(ids).logits[:, -1:], params)[:, 0]
-    return first, second
+    return two_token_tables(model, PROMPT, params)
 
 
 # ----------------------------------------------------------------------------------- statistics

@@ -11,6 +11,21 @@ ALPHA = 1e-3  # chi-square significance: a correct rule fails a given seed with 
 TV_FACTOR = 3.0  # TV bound = this x the TV that sampling noise alone gives (normal approximation)
 
 
+@torch.no_grad()
+def two_token_tables(model, prompt: torch.Tensor, params) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's exact distribution of the first two tokens after ``prompt`` [1, P]: p(x) [V] and
+    p(y | x) [V, V] (one forward per first token, batched), processed by ``params``
+    (``sampling.SamplingParams``) as the decoder processes them; on the model's device."""
+    from specdec.sampling import target_probs
+
+    prompt = prompt.to(model.device)
+    V = model.config.vocab_size
+    first = target_probs(model(prompt).logits[:, -1:], params)[0, 0]
+    ids = torch.cat([prompt.expand(V, -1), torch.arange(V, device=model.device)[:, None]], dim=1)  # [V, P + 1]
+    second = target_probs(model(ids).logits[:, -1:], params)[:, 0]
+    return first, second
+
+
 def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     """Pearson's test of counts [M] against probs [M]; bins expecting < 5 are merged into one.
     A count in a bin of probability 0 gives p-value 0."""

@@ -29,13 +29,14 @@ from typing import Callable
 import torch
 
 from specdec.bench.device.tiny import hf_greedy, peaked, perturbed, tiny_llama
-from specdec.bench.distribution import pair_mismatch
+from specdec.bench.distribution import pair_mismatch, two_token_tables
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import LookupHybridDrafter, ModelDrafter, PromptLookupDrafter, Sources, SuffixDrafter
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+from specdec.sampling import SamplingParams
 
 NEW = 12  # new tokens per greedy generation
 SAMPLES = 8_000  # generations per sampling case on an accelerator (the CPU test asks for fewer)
@@ -94,26 +95,12 @@ def _greedy_case(name: str, batch: bool, device) -> str | None:
     return None
 
 
-def _tables(target, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """p(x) [V] after the sampling prompt and p(y | x) [V, V], processed as the decoder processes them."""
-    from specdec.sampling import SamplingParams, target_probs
-
-    params = SamplingParams.resolve(target, temperature=temperature)
-    prompt = _SAMPLING_PROMPT.to(target.device)
-    V = target.config.vocab_size
-    with torch.no_grad():
-        first = target_probs(target(prompt).logits[:, -1:], params)[0, 0]
-        ids = torch.cat([prompt.expand(V, -1), torch.arange(V, device=target.device)[:, None]], dim=1)
-        second = target_probs(target(ids).logits[:, -1:], params)[:, 0]
-    return first, second
-
-
 _SAMPLING_PROMPT = torch.tensor([[1, 5, 7, 5, 7, 9]])
 
 
 def _sampling_case(name: str, device, samples: int) -> str | None:
     target = peaked(0, device=device)
-    p1, p2 = _tables(target, 0.8)
+    p1, p2 = two_token_tables(target, _SAMPLING_PROMPT, SamplingParams.resolve(target, temperature=0.8))
     config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
     decoder = SpecDecoder(target, DRAFTERS[name](target), config)
     g = torch.Generator().manual_seed(1)
