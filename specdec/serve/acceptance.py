@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.sampling import SamplingParams, target_probs
+from specdec.sampling import SamplingParams, target_probs, uniforms
 from specdec.tree import DraftTree, node_depths
 from specdec.verifiers.tree import Verification, verify_greedy
 
@@ -39,7 +39,7 @@ class GumbelStream:
     def take(self, n: int, vocab: int) -> torch.Tensor:
         """Noise [n, V] float64 for the next n uncommitted positions."""
         while len(self.rows) < n:
-            u = torch.rand(vocab, generator=self.generator, dtype=torch.float64)
+            u = uniforms((vocab,), self.generator, "cpu")
             # float64 uniforms: u = 0 (noise -inf) has probability 2^-53 per token
             self.rows.append(-torch.log(-torch.log(u)))
         return torch.stack(self.rows[:n])

@@ -149,8 +149,7 @@ def verify_curves(device, shapes: list[str], dtype: torch.dtype = torch.bfloat16
                     _release(device)
         finally:
             del model
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            _release(device)
 
 
 def _verify_point(model, shape: Shape, point: dict, rows, repeats: int) -> Iterator[dict]:
@@ -190,8 +189,7 @@ def store_steps(device, shape_name: str = "1B", dtype: torch.dtype = torch.bfloa
                 _release(device)
     finally:
         del model
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
 
 
 def _step_ids(shape: Shape, batch: int, device) -> torch.Tensor:
