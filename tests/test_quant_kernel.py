@@ -50,6 +50,45 @@ def test_block_kernel_equals_the_reference_for_every_block_size_and_odd_shapes(v
             assert (err <= 1e-5 * bound + 1e-30).all(), (variant, name, N, K, rows, (err / bound).max().item())
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_a_rows_result_is_the_same_bit_for_bit_in_any_pass(variant, name):
+    """Decode (1 row), verify (a few) and batches (many) give each row the same floats: a target's tokens
+    must not depend on how many rows a forward carries (several output features per call for few rows,
+    balanced passes for many: neither changes a row's summation order)."""
+    ops = _ops(variant)
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(3)
+    w = random_blocks(fmt, 41, 2 * fmt.block_weights, g)  # 41 features: groups of 4 and 2 with a remainder
+    x = torch.randn(40, 2 * fmt.block_weights, generator=g)
+    alone = torch.cat([ops.quant_linear(x[i:i + 1], w, fmt.ggml_type) for i in range(40)])
+    for rows in (2, 3, 5, 16, 17, 40):
+        assert torch.equal(ops.quant_linear(x[:rows], w, fmt.ggml_type), alone[:rows]), (variant, name, rows)
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q4_K"])
+def test_one_call_over_quantized_blocks_is_the_loop_bit_for_bit(quant, monkeypatch):
+    """All layers of a quantized target in one compiled call (csrc/layers.cpp over the parts' blocks) give
+    the loop's logits and hidden states exactly, on a chain, a ragged tree block and a SPLIT block."""
+    from conftest import ragged_blocks
+    from test_layer_ops import _count_one_calls
+
+    _ops("native")
+    runtime = RuntimeConfig(calibrate=False)
+    model = tiny_quant_llama(quant)
+    with use(runtime):
+        path = fastpath.get(model, runtime)
+        assert path is not None and path.one_call
+        calls = _count_one_calls(monkeypatch)
+        outs = {}
+        for one_call in (True, False):
+            path.one_call = one_call
+            outs[one_call] = ragged_blocks(model)
+    assert calls == {"ran": 2, "declined": 1}  # the first block makes the store's buffers
+    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
 def test_block_kernel_names_a_format_it_has_no_decoder_for():
     ops = _ops("native")
     with pytest.raises(RuntimeError, match="GGML type 0 has no kernel"):

@@ -50,6 +50,7 @@ from specdec.models import sliding_window
 from specdec.quant.modules import QuantLinear
 from specdec.runtime import attention as attn
 from specdec.runtime import linear as lin
+from specdec.runtime import qlinear
 from specdec.runtime import state
 from specdec.runtime.attention import grouped_attention, split_attention
 from specdec.runtime.patch import skinny_linears
@@ -77,6 +78,24 @@ def _stack(*linears: nn.Module) -> torch.Tensor | _Stacked:
     if all(type(m) is nn.Linear for m in linears):
         return torch.cat([m.weight for m in linears]).detach()
     return _Stacked(*linears)
+
+
+def _parts(w) -> list[QuantLinear] | None:
+    """A path linear's quantized parts (one QuantLinear, or _Stacked ones), or None (an fp32 weight)."""
+    if isinstance(w, _Stacked):
+        return w.parts
+    return [w] if isinstance(w, QuantLinear) else None
+
+
+def _quant_layout(parts: list[list[QuantLinear] | None]):
+    """The one call's view of quantized linears: (every part's blocks in order, per linear its part count
+    then each part's GGML type, the formats used), or None where a linear is fp32 or has a bias."""
+    if any(p is None or any(m.bias is not None for m in p) for p in parts):
+        return None
+    blocks = [m.blocks for p in parts for m in p]
+    layout = [x for p in parts for x in (len(p), *(m.fmt.ggml_type for m in p))]
+    formats = {m.fmt.name: m.fmt for p in parts for m in p}
+    return blocks, layout, list(formats.values())
 
 
 # a linear of the path: an fp32 weight [N, C] (with its bias beside it) through ``runtime.linear``, or a
@@ -214,14 +233,15 @@ class FastPath:
         self._sources = self._stamp()
         self.fuse = config.fused  # the fused layer ops where they apply; False: HF's ops, one by one
         # the fused layers in one compiled call where the store and attention allow; False: the loop.
-        # Per layer: 4 linears, 2 norms (each with its eps) after them. Quantized layers take the loop
-        # (the compiled call runs fp32 weights only).
-        quantized = any(isinstance(w, nn.Module) for layer in self.layers for w in (layer.qkv, layer.gate_up)) or \
-            any(type(m) is not nn.Linear for layer in self.layers for m in (layer.o, layer.down))
-        self.one_call = config.one_call and not quantized
-        self._weights = [] if not self.one_call else [
+        # Per layer: 4 linears, 2 norms (each with its eps) after them. A quantized target's linears go
+        # in as their parts' blocks (``_quant``), all layers quantized and without biases, or it takes the loop.
+        parts = [_parts(w) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        quantized = any(p is not None for p in parts)
+        self._quant = _quant_layout(parts) if quantized else None  # (blocks, [count, types...] per linear)
+        self.one_call = config.one_call and (not quantized or self._quant is not None)
+        self._weights = [] if not self.one_call or quantized else [
             w for layer in self.layers for w in (layer.qkv, layer.o.weight, layer.gate_up, layer.down.weight)]
-        self._biases = [] if not self.one_call else [
+        self._biases = [] if not self.one_call or quantized else [
             b for layer in self.layers for b in (layer.qkv_bias, layer.o.bias, layer.gate_up_bias, layer.down.bias)]
         norms = [n for layer, nxt in zip(self.layers, self.next_norms) for n in (layer.norm2, nxt)]
         self._norms, self._eps = [n.weight for n in norms], [float(n.variance_epsilon) for n in norms]
@@ -331,11 +351,17 @@ class FastPath:
                                     None if mask is None else mask[a:b, ..., :e]) is ops for a, b, e in rows]
         if not all(kernel) and (mask is None or hq == hkv):  # SDPA's grouped path needs both (grouped_attention)
             return None
-        plan = lin.plan(B * Q, lin.max_rows())
-        kernel_ids = [ROUTES.index(r) for r in KERNEL_ROUTES]
-        packed = self._packed() if any(r in kernel_ids for r in plan[2::3]) else []
+        if self._quant is not None:  # every linear by the block kernel, where its routes take B * Q rows
+            blocks, layout, formats = self._quant
+            if not all(qlinear.takes(fmt, B * Q) for fmt in formats):
+                return None
+            plan, packed = [0, B * Q, 0], blocks  # the plan: unused (the kernel's passes split the rows)
+        else:
+            plan, layout = lin.plan(B * Q, lin.max_rows()), []
+            kernel_ids = [ROUTES.index(r) for r in KERNEL_ROUTES]
+            packed = self._packed() if any(r in kernel_ids for r in plan[2::3]) else []
         _, h = ops.layers(x, h, self._weights, packed, self._biases, self._norms, self._eps, keys, values, starts,
-                          cos, sin, mask, hq, hkv, self._scale, plan, kernel, split)
+                          cos, sin, mask, hq, hkv, self._scale, plan, kernel, split, layout)
         return h
 
     def _packed(self) -> list[torch.Tensor]:

@@ -80,15 +80,21 @@ def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, bias: torch.
             or blocks.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)):
         return None
     rt = state.active()
-    if rt.ops is None:
-        return None
-    r = routes(fmt, rt)
-    if not (r.kernel[rows - 1] if rows <= MAX_ROWS else r.chunked):
+    if not takes(fmt, rows, rt):
         return None
     y = rt.ops.quant_linear(x.reshape(rows, x.shape[-1]), blocks, fmt.ggml_type)  # [rows, N]
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], blocks.shape[0])
+
+
+def takes(fmt: BlockFormat, rows: int, rt: Active | None = None) -> bool:
+    """Whether ``linear`` runs the kernel for ``rows`` rows of fp32 on CPU in ``fmt`` (its routes)."""
+    rt = state.active() if rt is None else rt
+    if rt.ops is None or rows < 1 or rows > CHUNK_ROWS:
+        return False
+    r = routes(fmt, rt)
+    return r.kernel[rows - 1] if rows <= MAX_ROWS else r.chunked
 
 
 def agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:

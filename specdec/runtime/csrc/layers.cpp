@@ -14,8 +14,11 @@
 //     x, h = add_rms_norm(x, linear(silu_mul(linear(h, gate_up_i)), down_i), next_norm_i)
 // and returns (x, h). The ops are this build's own (the dispatcher's handles, found once), the linears
 // by the routes the caller planned: per chunk of rows, F.linear (0), W @ x^T (1: an odd row count padded
-// with a zero row, as runtime/linear.py _skinny), the packed kernel (2) or its wide shape (3). Same ops, same
-// order, same arguments as specdec/runtime/fastpath.py's loop: the results are the loop's, bit for bit.
+// with a zero row, as runtime/linear.py _skinny), the packed kernel (2) or its wide shape (3); or, for a
+// quantized target (``quant`` given), every linear by the block kernel (csrc/quant_linear.cpp) over its
+// parts' blocks side by side (q, k, v; gate, up), outputs concatenated as fastpath.py's _Stacked does. Same
+// ops, same order, same arguments as specdec/runtime/fastpath.py's loop: the results are the loop's, bit
+// for bit.
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
@@ -48,6 +51,7 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>
       attention;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> quant_linear;
 };
 
 const Ops& ops() {
@@ -57,6 +61,7 @@ const Ops& ops() {
       op("add_rms_norm").typed<Pair(const Tensor&, const Tensor&, const Tensor&, double)>(),
       op("silu_mul").typed<Tensor(const Tensor&)>(),
       op("attention").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>(),
+      op("quant_linear").typed<Tensor(const Tensor&, const Tensor&, int64_t)>(),
   };
   return o;
 }
@@ -70,6 +75,46 @@ struct Group {
 };
 
 enum Route : int64_t { kLinear = 0, kMm = 1, kPacked = 2, kWide = 3 };
+
+// A quantized target's linears: per linear, its parts' blocks (uint8 [N_p, row_bytes]) and GGML types
+struct QuantParts {
+  std::vector<int64_t> first, count, types;  // per linear: its first part's index in ``blocks``, its part count
+  std::vector<Tensor> blocks;
+};
+
+// ``quant``: per linear, its part count then each part's GGML type; ``blocks``: every part's blocks in order
+QuantParts quant_parts(at::IntArrayRef quant, at::TensorList blocks, int64_t linears) {
+  QuantParts q;
+  size_t at = 0, part = 0;
+  for (int64_t l = 0; l < linears; ++l) {
+    TORCH_CHECK(at < quant.size() && quant[at] >= 1, "layers: quant lists no parts for linear ", l);
+    const int64_t parts = quant[at++];
+    q.first.push_back(static_cast<int64_t>(part));
+    q.count.push_back(parts);
+    for (int64_t p = 0; p < parts; ++p, ++part) {
+      TORCH_CHECK(at < quant.size() && part < blocks.size(), "layers: quant names more parts than the ",
+                  blocks.size(), " blocks given");
+      q.types.push_back(quant[at++]);
+      q.blocks.push_back(blocks[part]);
+    }
+  }
+  TORCH_CHECK(at == quant.size() && part == blocks.size(), "layers: ", blocks.size(), " blocks and ", quant.size(),
+              " quant entries for ", linears, " linears do not match");
+  return q;
+}
+
+// x [..., K] through linear l's parts by the block kernel, outputs side by side -> [..., sum of N_p]
+Tensor quant_linear(const Tensor& x, const QuantParts& q, int64_t l) {
+  const int64_t K = x.size(-1), rows = x.numel() / K;
+  const Tensor x2 = x.reshape({rows, K});
+  std::vector<Tensor> outs;
+  for (int64_t p = q.first[l]; p < q.first[l] + q.count[l]; ++p)
+    outs.push_back(ops().quant_linear.call(x2, q.blocks[p], q.types[p]));
+  Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+  auto sizes = x.sizes().vec();
+  sizes.back() = y.size(1);
+  return y.view(sizes);
+}
 
 // kernels.linear over x [..., K] by the planned chunks: plan = [start, end, route] per chunk of rows
 Tensor linear(const Tensor& x, const Tensor& w, const Tensor& packed, const std::optional<Tensor>& bias,
@@ -101,10 +146,12 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
             const c10::List<std::optional<Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
             at::TensorList keys, at::TensorList values, at::IntArrayRef starts, const Tensor& cos, const Tensor& sin,
             const std::optional<Tensor>& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef plan,
-            c10::List<bool> kernel_attention, bool split) {
+            c10::List<bool> kernel_attention, bool split, at::IntArrayRef quant) {
   const int64_t n = static_cast<int64_t>(keys.size());
+  const bool quantized = !quant.empty();  // weights and biases then empty, packed the parts' blocks
+  const QuantParts qparts = quantized ? quant_parts(quant, packed, 4 * n) : QuantParts{};
   TORCH_CHECK(x0.dim() == 3 && h0.sizes() == x0.sizes(), "layers: x and h [B, Q, C]");
-  TORCH_CHECK(values.size() == keys.size() && weights.size() == static_cast<size_t>(4 * n) &&
+  TORCH_CHECK(values.size() == keys.size() && (quantized || weights.size() == static_cast<size_t>(4 * n)) &&
                   biases.size() == weights.size() && norms.size() == static_cast<size_t>(2 * n) &&
                   eps.size() == norms.size(),
               "layers: per layer 4 weights and biases, 2 norms with their eps, keys and values; got ",
@@ -117,7 +164,7 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
     TORCH_CHECK(chunks[c] >= kLinear && chunks[c] <= kWide, "layers: route ", chunks[c], " is not 0-3");
     kernel = kernel || chunks[c] >= kPacked;
   }
-  TORCH_CHECK(!kernel || packed.size() == weights.size(), "layers: the plan runs the kernel, ", packed.size(),
+  TORCH_CHECK(quantized || !kernel || packed.size() == weights.size(), "layers: the plan runs the kernel, ", packed.size(),
               " packed weights for ", weights.size());
   const int64_t B = x0.size(0), Q = x0.size(1);
   TORCH_CHECK(static_cast<int64_t>(starts.size()) == B, "layers: ", starts.size(), " starts for a batch of ", B);
@@ -141,6 +188,7 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
   for (int64_t i = 0; i < n; ++i) {
     const auto lin = [&](const Tensor& in, int64_t j) {
       const int64_t at = 4 * i + j;
+      if (quantized) return quant_linear(in, qparts, at);
       return linear(in, weights[at], kernel ? packed[at] : weights[at], biases.get(at), chunks);
     };
     auto [q, k, v] = ops().rope_split.call(lin(h, 0), cos, sin, hq, hkv);  // q [B, hq, Q, D], k/v [B, hkv, Q, D]
@@ -182,6 +230,6 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("layers(Tensor x, Tensor h, Tensor[] weights, Tensor[] packed, Tensor?[] biases, Tensor[] norms, "
         "float[] eps, Tensor[] keys, Tensor[] values, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int hq, "
-        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False) -> (Tensor, Tensor)");
+        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False, int[] quant=[]) -> (Tensor, Tensor)");
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("layers", &layers); }

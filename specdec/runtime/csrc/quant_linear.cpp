@@ -34,7 +34,11 @@ typedef uint8_t bytes __attribute__((vector_size(kLanes)));  // kLanes bytes: on
 typedef int8_t sbytes __attribute__((vector_size(kLanes)));
 
 constexpr int kMaxRows = kLanes == 16 ? 16 : 8;  // rows per pass: accumulators that fit the registers
-constexpr int64_t kGrain = 16;  // output features per parallel work item, at least
+constexpr int64_t kGrain = 16;
+#ifndef AHEAD
+#define AHEAD 2
+#endif
+constexpr int kAhead = AHEAD;  // output features per parallel work item, at least
 
 inline bytes load_bytes(const uint8_t* p) {
   bytes b;
@@ -93,7 +97,47 @@ struct Q8_0 {
   }
 };
 
-// Q4_0 and Q4_1: byte j's low nibble is weight j, its high nibble weight j + 16
+// Q4_0 and Q4_1: byte j's low nibble is weight j, its high nibble weight j + 16.
+#if defined(__AVX512F__)
+// AVX-512: a 4-bit weight is looked up, not converted: the block's 16 possible values are computed once
+// (the reference's own operations on 0..15, so each is its weight bit for bit) into one register, and
+// vpermps picks each lane's by the low 4 bits of its byte (widened to 32 bits): 3 instructions per 16
+// weights instead of 6 (widen, convert, multiply, add, mask or shift, FMA).
+inline vec iota() { return vec{0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f}; }
+
+inline __m512i widen16(const uint8_t* p) {  // 16 bytes -> 16 lanes of 32 bits
+  return _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+inline vec lookup(__m512i idx, vec table) {  // table[idx & 15] per lane
+  const __m512 w = _mm512_permutexvar_ps(idx, reinterpret_cast<__m512>(table));
+  return reinterpret_cast<vec>(w);
+}
+
+// 16 bytes of nibbles (low: weights 0..15, high: 16..31) through a table of their 16 values
+template <class Emit>
+inline void nibbles(const uint8_t* q, vec table, int at, Emit&& emit) {
+  const __m512i idx = widen16(q);
+  emit(at, lookup(idx, table));
+  emit(at + 16, lookup(_mm512_srli_epi32(idx, 4), table));
+}
+
+struct Q4_0 {
+  static constexpr int kWeights = 32, kBytes = 18;
+  template <class Emit>
+  static void decode(const uint8_t* b, Emit&& emit) {
+    nibbles(b + 2, splat(f16(b)) * (iota() - 8.f), 0, emit);  // d * (q - 8); q - 8 exact
+  }
+};
+
+struct Q4_1 {
+  static constexpr int kWeights = 32, kBytes = 20;
+  template <class Emit>
+  static void decode(const uint8_t* b, Emit&& emit) {
+    nibbles(b + 4, product(splat(f16(b)), iota()) + splat(f16(b + 2)), 0, emit);  // d * q + m
+  }
+};
+#else
 struct Q4_0 {
   static constexpr int kWeights = 32, kBytes = 18;
   template <class Emit>
@@ -119,6 +163,7 @@ struct Q4_1 {
     }
   }
 };
+#endif
 
 // The K formats' 6-bit scale and min of sub-block j (formats.py's packing of 12 bytes)
 inline void k_scale(const uint8_t* s, int j, int* sc, int* mn) {
@@ -145,12 +190,31 @@ struct QK4or5 {
       int sc, mn;
       k_scale(b + 4, j, &sc, &mn);
       const vec a = splat(d * static_cast<float>(sc)), m = splat(dmin * static_cast<float>(mn));
+#if defined(__AVX512F__)
+      // the sub-block's 16 (Q4_K) or 32 (Q5_K: two registers, vpermt2ps) values looked up as Q4_1's
+      const vec low = product(a, iota()) - m;
+      const vec high = Five ? product(a, iota() + 16.f) - m : low;
+      for (int c = 0; c < 32; c += 16) {
+        __m512i idx = widen16(qs + (j / 2) * 32 + c);
+        if (j & 1) idx = _mm512_srli_epi32(idx, 4);
+        if (Five) {
+          const __m512i top = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen16(b + 16 + c), j),
+                                                                 _mm512_set1_epi32(1)), 4);
+          idx = _mm512_or_si512(_mm512_and_si512(idx, _mm512_set1_epi32(15)), top);
+          emit(j * 32 + c, reinterpret_cast<vec>(_mm512_permutex2var_ps(
+                               reinterpret_cast<__m512>(low), idx, reinterpret_cast<__m512>(high))));
+        } else {
+          emit(j * 32 + c, lookup(idx, low));
+        }
+      }
+#else
       const int shift = (j & 1) * 4;
       for (int c = 0; c < 32; c += kLanes) {
         bytes q = (load_bytes(qs + (j / 2) * 32 + c) >> shift) & 15;
         if (Five) q |= ((load_bytes(b + 16 + c) >> j) & 1) << 4;
         emit(j * 32 + c, product(a, to_float(q)) - m);
       }
+#endif
     }
   }
 };
@@ -175,27 +239,43 @@ struct Q6_K {
   }
 };
 
-// M rows of x [M, K] (row stride K) against output feature n's row of blocks -> y[m * N + n]
-template <class F, int M>
-void rows_dot(const float* x, const uint8_t* row, float* y, int64_t K, int64_t N) {
-  vec acc[M];
+// M rows of x [M, K] (row stride K) against NF output features' rows of blocks (``row``, then every
+// ``row_bytes``) -> y[m * N + f]. Each (row, feature) has its own accumulator, summed in block order
+// whatever M and NF are, so a row's result is the same bit for bit in any pass (decode, verify, batch).
+// NF > 1 for few rows: independent accumulators for the FMA pipes, which one row alone cannot fill.
+template <class F, int M, int NF>
+void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, int64_t K, int64_t N) {
+  vec acc[NF][M];
 #pragma GCC unroll 16
-  for (int m = 0; m < M; ++m) acc[m] = vec{};
+  for (int f = 0; f < NF; ++f)
+#pragma GCC unroll 16
+    for (int m = 0; m < M; ++m) acc[f][m] = vec{};
   for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
-    F::decode(row + k0 / F::kWeights * F::kBytes, [&](int off, vec w) {
+    const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
+#pragma GCC unroll 8
+    for (int f = 0; f < NF; ++f) {
+      _mm_prefetch(reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes), _MM_HINT_T0);
+      F::decode(block + f * row_bytes, [&](int off, vec w) {
 #pragma GCC unroll 16
-      for (int m = 0; m < M; ++m) acc[m] += w * specdec_vec::load(x + m * K + k0 + off);
-    });
+        for (int m = 0; m < M; ++m) acc[f][m] += w * specdec_vec::load(x + m * K + k0 + off);
+      });
+    }
   }
+#pragma GCC unroll 8
+  for (int f = 0; f < NF; ++f)
 #pragma GCC unroll 16
-  for (int m = 0; m < M; ++m) y[m * N] = hsum(acc[m]);
+    for (int m = 0; m < M; ++m) y[m * N + f] = hsum(acc[f][m]);
 }
 
-using RowsFn = void (*)(const float*, const uint8_t*, float*, int64_t, int64_t);
+// output features per call for M rows: accumulators for 4+ independent chains where registers allow
+constexpr int features_for(int m) { return m == 1 ? 4 : m == 2 ? 2 : 1; }
+
+using RowsFn = void (*)(const float*, const uint8_t*, int64_t, float*, int64_t, int64_t);
 template <class F, int... Ms>
-RowsFn pick(int m, std::integer_sequence<int, Ms...>) {
-  static constexpr RowsFn fns[] = {rows_dot<F, Ms + 1>...};
-  return fns[m - 1];
+RowsFn pick(int m, bool several, std::integer_sequence<int, Ms...>) {
+  static constexpr RowsFn one[] = {rows_dot<F, Ms + 1, 1>...};
+  static constexpr RowsFn wide[] = {rows_dot<F, Ms + 1, features_for(Ms + 1)>...};
+  return (several ? wide : one)[m - 1];
 }
 
 template <class F>
@@ -211,12 +291,22 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& blocks) {
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = bc.size(1);
   const int passes = static_cast<int>((M + kMaxRows - 1) / kMaxRows);
+  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
+    if (passes == 1) {  // NF features at a time, the rest one by one
+      const int nf = features_for(static_cast<int>(M));
+      int64_t n = n0;
+      for (const RowsFn fn = pick<F>(static_cast<int>(M), true, rows); n + nf <= n1; n += nf)
+        fn(xp, wp + n * row_bytes, row_bytes, yp + n, K, N);
+      for (const RowsFn fn = pick<F>(static_cast<int>(M), false, rows); n < n1; ++n)
+        fn(xp, wp + n * row_bytes, row_bytes, yp + n, K, N);
+      return;
+    }
     for (int64_t n = n0; n < n1; ++n) {
       int64_t m0 = 0;
       for (int c = 0; c < passes; ++c) {  // balanced passes: 20 rows -> 10 + 10
         const int mc = static_cast<int>((M - m0) / (passes - c));
-        pick<F>(mc, std::make_integer_sequence<int, kMaxRows>{})(xp + m0 * K, wp + n * row_bytes, yp + m0 * N + n, K, N);
+        pick<F>(mc, false, rows)(xp + m0 * K, wp + n * row_bytes, row_bytes, yp + m0 * N + n, K, N);
         m0 += mc;
       }
     }
