@@ -24,6 +24,12 @@ training-time test against the target's soft labels over a draft vocabulary of `
 ``DIR/eagle3/head`` in vLLM's layout (SPECDEC_EAGLE3_HEAD loads it), and with ``--export-layout`` also
 to ``DIR/eagle3/head-LAYOUT`` (sglang, speculators).
 
+``--in-memory`` (EAGLE-3, for a GPU): the data stage appends greedy answers to ``--answers FILE`` in
+batches of ``--data-batch-size`` (for at most ``--data-minutes``; a rerun answers the rest), the features
+of every answer there (and of each ``--with-answers FILE``) come from batched forwards and stay in the
+device's memory (specdec.training.distill: no per-conversation files), and training runs at most
+``--train-minutes``. ``--device cuda`` runs the target and the head there.
+
 Batches are a pure function of (seed, step), so a resumed run equals an uninterrupted one.
 Nothing here reads or writes pickles.
 """
@@ -79,6 +85,17 @@ def add_arguments(parser) -> None:
     parser.add_argument("--export-eagle", default=None, metavar="DIR",
                         help="also write the head in EAGLE's checkpoint layout to DIR")
     parser.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads")
+    parser.add_argument("--device", default="cpu", help="where the target and the head run (cpu, cuda)")
+    parser.add_argument("--in-memory", action="store_true",
+                        help="EAGLE-3: answers to --answers, features in memory (a GPU's data stage)")
+    parser.add_argument("--with-answers", action="append", default=[], metavar="FILE",
+                        help="--in-memory: also train on these answers files (read only)")
+    parser.add_argument("--data-minutes", type=non_negative_float, default=None,
+                        help="--in-memory: start no new answer batch after this long")
+    parser.add_argument("--train-minutes", type=non_negative_float, default=None,
+                        help="stop training after this long (the head is evaluated and saved)")
+    parser.add_argument("--tf32", action="store_true",
+                        help="train with TF32 matmuls on a GPU (answers and features stay full fp32)")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
 
 
@@ -92,13 +109,22 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     console = Console(stderr=True, quiet=args.quiet)
     t0 = time.time()
-    loaded = load_model(args.model)
+    if args.in_memory and (args.arch != "eagle3" or not args.answers):
+        raise ValueError("--in-memory trains an EAGLE-3 head (--arch eagle3) and keeps its answers in --answers FILE")
+    loaded = load_model(args.model, device=args.device)
     target = loaded.model.eval()
     console.print(f"target {loaded.name} loaded in {time.time() - t0:.1f} s")
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[loss]:.3f} loss  {task.fields[acc]:.1%} acc", justify="right"),
                TimeRemainingColumn()]
     progress = lambda cols: Progress(*cols, console=console, disable=args.quiet)  # noqa: E731
+    if args.in_memory:
+        convs = _answers_in_memory(args, loaded, target, console)
+        if args.tf32:
+            torch.set_float32_matmul_precision("high")
+        with progress(columns) as prog:
+            _train_eagle3(args, target, console, prog, convs)
+        return 0
     if args.stage in ("all", "data"):
         _data_stage(args, loaded, target, console, progress(columns[:3] + [TimeRemainingColumn()]))
     if args.stage in ("all", "train"):
@@ -150,7 +176,26 @@ def _train_eagle(args, target, console, prog) -> None:
         console.print(f"EAGLE layout written to {args.export_eagle}")
 
 
-def _train_eagle3(args, target, console, prog) -> None:
+def _answers_in_memory(args, loaded, target, console):
+    """--in-memory's data: new answers appended to --answers, then every answer's features in memory."""
+    from specdec.training.distill import AnswerConfig, answer_prompts, features, read_answers
+
+    if args.stage in ("all", "data"):
+        prompts = encode_prompts(loaded.tokenizer, read_prompts(args.prompts)[: args.num_prompts])
+        cfg = AnswerConfig(args.max_new_tokens, args.data_batch_size, args.data_minutes)
+        n = answer_prompts(target, prompts, args.answers, cfg, log=console.print)
+        console.print(f"answers: {n} new in {args.answers}")
+    answers = read_answers(args.answers)
+    for extra in args.with_answers:
+        answers += read_answers(extra)
+    t = time.time()
+    convs = features(target, answers, _aux_layers(args, target), max_len=args.max_len)
+    console.print(f"features of {len(convs)} conversations ({sum(len(c.ids) for c in convs)} tokens) "
+                  f"in memory in {time.time() - t:.1f} s")
+    return convs
+
+
+def _train_eagle3(args, target, console, prog, data=None) -> None:
     from specdec.drafters.eagle3_io import load_eagle3, save_eagle3
     from specdec.training.eagle3 import schedule_note, train_head3
 
@@ -160,7 +205,8 @@ def _train_eagle3(args, target, console, prog) -> None:
                        draft_vocab=args.draft_vocab or Train3Config.draft_vocab, seed=args.seed,
                        ttt_steps=args.ttt_steps)
     console.print(schedule_note(cfg))
-    res = train_head3(target, Path(args.out) / "data", out, cfg, prog, log=console.print)
+    res = train_head3(target, Path(args.out) / "data" if data is None else data, out, cfg, prog, log=console.print,
+                      minutes=args.train_minutes)
     depth = res.history[-1].get("held_out_acc_per_depth") if res.history else None
     console.print(f"EAGLE-3 head after {res.step} steps in {out / 'head'}; held-out top-1 per depth {depth}")
     print(json.dumps({"step": res.step, "held_out_accuracy_per_depth": depth, "head": str(out / "head")}))

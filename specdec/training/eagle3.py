@@ -75,13 +75,14 @@ def make_batch3(head: Eagle3Head, convs: list[Conversation], config: Train3Confi
     """Pad ``convs`` into a batch; soft labels from the target's lm_head at the draft vocabulary's rows
     (``full_vocab``: ``best`` is the target's greedy token over its whole vocabulary, for the report)."""
     p = head.fc.weight
+    dev = p.device  # the batch is made where the head is (conversations' features may be there already)
     k = config.ttt_steps
     n = [min(len(c.ids), config.max_len) for c in convs]
     B, S, D = len(convs), max(n) - 1, convs[0].hidden.shape[1]
-    aux = torch.zeros(B, S, head.feature_size, dtype=p.dtype)
-    tokens = torch.zeros(B, S + k - 1, dtype=torch.long)
-    nxt = torch.zeros(B, S + k - 1, D, dtype=p.dtype)  # target last hidden state at position i + 1
-    mask = torch.zeros(B, S, dtype=torch.bool)
+    aux = torch.zeros(B, S, head.feature_size, dtype=p.dtype, device=dev)
+    tokens = torch.zeros(B, S + k - 1, dtype=torch.long, device=dev)
+    nxt = torch.zeros(B, S + k - 1, D, dtype=p.dtype, device=dev)  # target last hidden state at position i + 1
+    mask = torch.zeros(B, S, dtype=torch.bool, device=dev)
     for b, (c, m) in enumerate(zip(convs, n)):
         aux[b, : m - 1] = c.aux[: m - 1].to(p.dtype)
         tokens[b, : m - 1] = c.ids[1:m]
@@ -89,10 +90,10 @@ def make_batch3(head: Eagle3Head, convs: list[Conversation], config: Train3Confi
         first = 0 if config.loss_on_prompt else max(0, c.prompt_len - 2)  # row t predicts x_t+2
         mask[b, first : m - 1] = True
     lm = head._target.lm_head.weight.detach()
-    logits = nxt.to(p.device) @ lm[head.draft_vocab].T.to(p.dtype)  # [B, S + k - 1, M]
-    best = (nxt.to(p.device) @ lm.T.to(p.dtype)).argmax(-1) if full_vocab else head.to_target_ids(logits.argmax(-1))
-    return Batch3(aux.to(p.device), tokens.to(p.device), torch.softmax(logits.float(), dim=-1), best,
-                  mask.to(p.device), torch.tensor([m - 1 for m in n], device=p.device))
+    logits = nxt @ lm[head.draft_vocab].T.to(p.dtype)  # [B, S + k - 1, M]
+    best = (nxt @ lm.T.to(p.dtype)).argmax(-1) if full_vocab else head.to_target_ids(logits.argmax(-1))
+    return Batch3(aux, tokens, torch.softmax(logits.float(), dim=-1), best, mask,
+                  torch.tensor([m - 1 for m in n], dtype=torch.long, device=dev))
 
 
 def _diagonal_bias(B: int, S: int, dtype, device) -> torch.Tensor:
@@ -162,28 +163,32 @@ def init_from_target(head: Eagle3Head, target) -> Eagle3Head:
     return head
 
 
-def _data(data_dir, target, head_layers: tuple[int, ...]) -> list[Conversation]:
-    convs = load_data(data_dir)
+def _data(data, target, head_layers: tuple[int, ...]) -> list[Conversation]:
+    convs = data if isinstance(data, list) else load_data(data)
     D = text_config(target).hidden_size
     bad = [c for c in convs if c.aux is None or c.aux_layers != head_layers or c.hidden.shape[1] != D]
     if bad:
         have = "none" if bad[0].aux is None else f"layers {bad[0].aux_layers}, width {bad[0].hidden.shape[1]}"
-        raise ValueError(f"{data_dir}: {len(bad)} conversations lack EAGLE-3 features of layers {head_layers} "
+        where = "the conversations given" if isinstance(data, list) else data
+        raise ValueError(f"{where}: {len(bad)} conversations lack EAGLE-3 features of layers {head_layers} "
                          f"at width {D} ({have}): rebuild them (--answers FILE into a new directory)")
     return convs
 
 
-def train_head3(target, data_dir: str | os.PathLike, out_dir: str | os.PathLike,
-                config: Train3Config = Train3Config(), progress=None, log=print, clock=time.monotonic) -> TrainResult:
-    """Train (or resume) an EAGLE-3 head on ``data_dir``; checkpoints go to ``out_dir/checkpoint`` and the
-    final head to ``out_dir/head`` (vLLM's layout: SPECDEC_EAGLE3_HEAD loads it). ``clock``: seconds,
-    for the checkpoint period. held_out_accuracy: the held-out top-1 of the first step."""
+def train_head3(target, data: str | os.PathLike | list[Conversation], out_dir: str | os.PathLike,
+                config: Train3Config = Train3Config(), progress=None, log=print, clock=time.monotonic,
+                minutes: float | None = None) -> TrainResult:
+    """Train (or resume) an EAGLE-3 head on ``data`` (a data directory, or conversations in memory:
+    ``specdec.training.distill``); checkpoints go to ``out_dir/checkpoint`` and the final head to
+    ``out_dir/head`` (vLLM's layout: SPECDEC_EAGLE3_HEAD loads it). ``clock``: seconds, for the
+    checkpoint period and ``minutes`` (stop after this long, the head evaluated and saved as at the
+    end: a budgeted run). held_out_accuracy: the held-out top-1 of the first step."""
     ckpt = Path(out_dir) / "checkpoint"
     for p in target.parameters():
         p.requires_grad_(False)  # the target's embedding and lm_head are borrowed, frozen
     resume = (ckpt / "train_state.json").is_file()
     layers = config.head.aux_layers or default_aux_layers(text_config(target).num_hidden_layers)
-    train, held = split_held_out(_data(data_dir, target, tuple(layers)), config.held_out)
+    train, held = split_held_out(_data(data, target, tuple(layers)), config.held_out)
     if resume:
         head = load_eagle3(ckpt, target)
     else:
@@ -200,8 +205,15 @@ def train_head3(target, data_dir: str | os.PathLike, out_dir: str | os.PathLike,
     result = TrainResult(step, None, history)
     task = progress.add_task("train", total=config.steps, completed=step, loss=float("nan"),
                              acc=float("nan")) if progress is not None else None
-    saved = clock()
+    saved = start = clock()
     while step < config.steps:
+        if minutes is not None and clock() - start > 60 * minutes:
+            log(f"stopped at step {step} of {config.steps} after {minutes:g} min")
+            depth = evaluate3(head, held, config)
+            result.history.append({"step": step, "stopped": True, "held_out_acc_per_depth": depth})
+            result.held_out_accuracy = None if depth is None else depth[0]
+            save_checkpoint(ckpt, head, opt, step, result, config, save=save_eagle3)
+            break
         batch = make_batch3(head, [train[i] for i in batch_indices(step, len(train), config)], config)
         for group in opt.param_groups:
             group["lr"] = lr_at(step, config)

@@ -1,0 +1,138 @@
+"""Self-distilled EAGLE-3 data at the speed of the target's device, its features held in memory.
+
+    n = answer_prompts(target, prompt_ids, "answers.jsonl", AnswerConfig(batch_size=512))   # resumable
+    convs = features(target, read_answers("answers.jsonl"), aux_layers=(2, 15, 27))
+    train_head3(target, convs, "out/eagle3", Train3Config(...))
+
+The data stage of ``eagle_data`` writes one file of features per conversation, which suits a CPU (a
+few hundred conversations a session). A GPU answers thousands a minute, and their EAGLE-3 features
+(4 x D floats a token: three layers' inputs and the last hidden state) would fill its disk (8,000
+answers of the default model: ~50 GB in fp32). So here the answers (token ids) are appended to an
+answers file as each batch finishes (a run that stops resumes from it, and later runs rebuild from it),
+and the features come from batched forwards, kept in memory in ``dtype`` on the target's device.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.forward import hidden_of
+from specdec.prompting import eos_ids
+from specdec.training.eagle_data import Conversation, _answer_of, _pad_id
+
+
+@dataclass(frozen=True)
+class AnswerConfig:
+    max_new_tokens: int = 384  # answer length per prompt
+    batch_size: int = 256  # prompts answered together (left-padded HF generate), similar lengths together
+    minutes: float | None = None  # stop starting new batches after this long (None: answer every prompt)
+
+
+def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
+    """(conv, prompt_len, ids) per line of an answers file; a last line cut by a crash (no newline) is
+    dropped, any other malformed line is named."""
+    rows = []
+    text = Path(path).read_text(encoding="utf-8") if Path(path).exists() else ""
+    lines = text.split("\n")
+    for n, line in enumerate(lines[:-1] if not text.endswith("\n") else lines, 1):
+        if not line.strip():
+            continue
+        try:
+            rows.append(_answer_of(json.loads(line)))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}:{n}: not an answer line ({e})") from None
+    return rows
+
+
+def _drop_cut_line(path: Path) -> None:
+    """Truncate a last line a crash cut (no newline), so appended lines start on their own."""
+    if not path.exists():
+        return
+    data = path.read_bytes()
+    if data and not data.endswith(b"\n"):
+        with open(path, "r+b") as f:
+            f.truncate(data.rfind(b"\n") + 1)
+
+
+def _append(path: Path, rows: list[dict]) -> None:
+    """Whole lines in one write, flushed to disk: a crash cuts at most the last line (read_answers drops it)."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write("".join(json.dumps(r) + "\n" for r in rows))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+@torch.inference_mode()
+def answer_prompts(target, prompts: list[list[int]], path: str | os.PathLike, config: AnswerConfig = AnswerConfig(),
+                   first_conv: int = 0, log=print, clock=time.monotonic) -> int:
+    """Greedy answers of ``target`` to ``prompts`` (token ids), appended to the answers file ``path`` as
+    conversations ``first_conv + i``; prompts already answered there are skipped. Returns how many were
+    answered by this call."""
+    path = Path(path)
+    _drop_cut_line(path)
+    done = {conv for conv, _, _ in read_answers(path)}
+    todo = sorted((i for i in range(len(prompts)) if first_conv + i not in done), key=lambda i: len(prompts[i]))
+    pad, eos = _pad_id(target), set(eos_ids(target))
+    device, start, answered = target.device, clock(), 0
+    for at in range(0, len(todo), config.batch_size):
+        if config.minutes is not None and clock() - start > 60 * config.minutes:
+            log(f"answers: stopped after {config.minutes:g} min, {len(todo) - at} prompts left for a later run")
+            break
+        chunk = todo[at : at + config.batch_size]
+        width = max(len(prompts[i]) for i in chunk)
+        x = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
+        for row, i in enumerate(chunk):
+            x[row, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long, device=device)
+            mask[row, width - len(prompts[i]):] = 1
+        out = target.generate(x, attention_mask=mask, max_new_tokens=config.max_new_tokens, do_sample=False,
+                              temperature=None, top_p=None, top_k=None, pad_token_id=pad).tolist()
+        rows = []
+        for row, i in enumerate(chunk):
+            answer = out[row][width:]
+            ends = [k for k, t in enumerate(answer) if t in eos]
+            answer = answer[: ends[0] + 1] if ends else answer
+            rows.append({"conv": first_conv + i, "prompt_len": len(prompts[i]), "ids": prompts[i] + answer})
+        _append(path, rows)
+        answered += len(chunk)
+        log(f"answers: {answered}/{len(todo)} ({clock() - start:.0f} s)")
+    return answered
+
+
+@torch.inference_mode()
+def features(target, answers: list[tuple[int, int, list[int]]], aux_layers: tuple[int, ...],
+             dtype: torch.dtype = torch.bfloat16, tokens_per_batch: int = 65536, max_len: int = 1024
+             ) -> list[Conversation]:
+    """One ``Conversation`` per answer, its features from batched target forwards (right-padded: a
+    causal model's rows before the padding are what a forward over the conversation alone gives, up
+    to summation order), held in ``dtype`` on the target's device; ids on the CPU. Conversations are
+    cut at ``max_len`` tokens (training sees no more)."""
+    device = target.device
+    length = lambda i: min(max_len, len(answers[i][2]))  # noqa: E731
+    groups: list[list[int]] = [[]]
+    for i in sorted(range(len(answers)), key=length):  # ascending: a group's last is its width
+        if groups[-1] and (len(groups[-1]) + 1) * length(i) > tokens_per_batch:
+            groups.append([])
+        groups[-1].append(i)
+    convs: list[Conversation | None] = [None] * len(answers)
+    for group in filter(None, groups):
+        width = length(group[-1])
+        x = torch.zeros(len(group), width, dtype=torch.long, device=device)
+        mask = torch.zeros(len(group), width, dtype=torch.long, device=device)
+        for row, i in enumerate(group):
+            ids = answers[i][2][:max_len]
+            x[row, : len(ids)] = torch.tensor(ids, dtype=torch.long, device=device)
+            mask[row, : len(ids)] = 1
+        states = target(x, attention_mask=mask, output_hidden_states=True).hidden_states
+        last, aux = states[-1].to(dtype), hidden_of(states, aux_layers).to(dtype)
+        for row, i in enumerate(group):
+            n = length(i)
+            convs[i] = Conversation(x[row, :n].cpu(), last[row, :n].clone(), answers[i][1], aux[row, :n].clone(),
+                                    tuple(aux_layers))
+    return [c for c in convs if c is not None]
