@@ -115,6 +115,16 @@ def test_a_crashing_peer_is_named_and_skipped(tmp_path, gguf, monkeypatch):
     assert said == ["llama.cpp rows skipped: its process ended (exit status 3) before writing results: boom"]
 
 
+def test_a_peer_that_fails_after_keeps_its_rows_from_before(tmp_path, gguf, monkeypatch):
+    session, said = _session(monkeypatch, _fake_package(tmp_path / "fake", FAKE_LLAMA), gguf)
+    session.run("before")
+    (tmp_path / "fake" / "llama_cpp" / "__init__.py").write_text("import sys\nsys.exit(3)\n")
+    session.run("after")
+    records = session.records(["q1", "q2"], ["coding", "math"], {"q1": [6, 7, 2], "q2": [8, 9, 3]})
+    assert {r["method"] for r in records} == {"llama.cpp plain (before)", "llama.cpp + prompt lookup (before)"}
+    assert "in its own process before specdec's" in session.note() and session.note().endswith(said[-1])
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--peer", "vllm"], "unknown peer 'vllm': known peers are llama.cpp"),
     (["--peer", "llama.cpp", "--peer-python", "/no/such/python"], "--peer-python /no/such/python does not exist"),

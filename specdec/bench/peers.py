@@ -163,9 +163,10 @@ class PeerSession:
 
     def note(self) -> str:
         """One line under the bench's table saying what the peer's rows are."""
-        if self.skipped is not None:
-            return self.skipped
+        if not self.results:
+            return self.skipped or f"{self.setup.peer.name} did not run"
         m = self.meta()
-        return (f"{m['name']} rows: {m['package']} {m['version']}, in its own process before and after "
+        said = (f"{m['name']} rows: {m['package']} {m['version']}, in its own process {' and '.join(m['runs'])} "
                 f"specdec's timed block, on {m['gguf']} with {m['threads']} threads and the same prompt ids; "
                 "identical = equal to hf-generate's greedy output of this run")
+        return said if self.skipped is None else f"{said}. {self.skipped}"
