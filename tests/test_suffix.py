@@ -397,7 +397,9 @@ def test_bench_repeat_pass_two_drafts_from_remembered_answers(target, tmp_path):
     questions = [Question(1, "writing", ("Tell me about gardens.",)), Question(2, "math", ("What is two and two?",))]
     methods = [Method("hf", plain), specdec_method(target, "suffix", None)]
     answers = tmp_path / "answers.jsonl"
-    records = run_bench(target, Tok(), questions, methods, 24, None, passes=2, remember=True, answers_path=answers)
+    collected = []  # what a peer's replies are compared with: the same records as the file's
+    records = run_bench(target, Tok(), questions, methods, 24, None, passes=2, remember=True, answers_path=answers,
+                        answers=collected)
     assert len(records) == 8 and all(r["identical"] for r in records)
     steps = {(r["pass"], r["question_id"]): r["steps"] for r in records if r["method"] == "specdec:suffix"}
     assert all(steps[(2, q)] < steps[(1, q)] for q in (1, 2))  # the second ask reuses the first answer
@@ -405,7 +407,7 @@ def test_bench_repeat_pass_two_drafts_from_remembered_answers(target, tmp_path):
     from specdec.drafters.suffix import read_token_jsonl
 
     saved = read_token_jsonl(answers)
-    assert len(saved) == 2
+    assert len(saved) == 2 and [json.loads(line) for line in answers.read_text().splitlines()] == collected
     for doc, q in zip(saved, questions):
         prompt = Tok()(q.turns[0])["input_ids"]
         assert doc.prompt_len == prompt.shape[1]

@@ -17,6 +17,10 @@ benchmark question (``--suffix-exclude-questions``, on by default); ``--remember
 of the session to the corpus of the drafters that can remember (outside the timed generation), and
 ``--repeat 2`` asks the same questions twice in one session (remembering): the second pass's speedup
 is what a repeated workload gains. Records carry their ``pass`` (1-based).
+
+Peers: ``--peer llama.cpp`` runs another engine in its own process before and after the timed block,
+on the target's GGUF file and the same prompt ids; its rows ("llama.cpp plain (before)", ...) are
+compared with HF generate's outputs of this run (``specdec.bench.peers``).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.bench.peers import PEERS, PeerSession, peer_setup
 from specdec.bench.runner import AnswerFile, group, make_decoder, rotated, warm_up
 from specdec.arguments import int_list, name_list, non_negative_float, positive_int
 from specdec.prompting import chat_ids, eos_ids, user_turn
@@ -103,21 +108,23 @@ def prepare_corpus_drafter(drafter, questions, tokenizer, exclude: bool, corpus_
 
 def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens: int, log_path: Path | None,
               progress=None, passes: int = 1, remember: bool = False, compare: bool = True,
-              answers_path: Path | None = None) -> list[dict]:
+              answers_path: Path | None = None, answers: list | None = None) -> list[dict]:
     """One record per (pass, question, method): tokens, seconds, steps, identical-to-HF (None when
     not ``compare``: sampled outputs differ by design). With ``remember``, each answer goes to its
     method's drafter after its timed run (``Method.remember``). ``answers_path``: the first method's
     output of each question in the first pass, as a token-id JSONL (``prompt_len``, ``ids``; what
-    ``python -m specdec.bench.replay --answers`` reads)."""
+    ``python -m specdec.bench.replay --answers`` reads); ``answers``: a list that receives the same
+    records (a peer's replies are compared with them)."""
     log = None if log_path is None else AnswerFile(log_path, key=("pass", "question_id", "method"), fresh=True)
-    answers = None if answers_path is None else AnswerFile(answers_path, fresh=True)
+    sinks = [s for s in (None if answers_path is None else AnswerFile(answers_path, fresh=True), answers)
+             if s is not None]
     warm = tokenizer("Hello", return_tensors="pt")["input_ids"]
     warm_up(methods, lambda m: m.run(warm, 4))
     records = []
     for p in range(1, passes + 1):
         for qi, q in enumerate(questions):
             new = _run_question(p, qi, q, tokenizer, methods, max_new_tokens, remember, compare,
-                                answers if p == 1 else None)
+                                sinks if p == 1 else [])
             for rec in new:
                 if log is not None:
                     log.append(rec)
@@ -128,7 +135,8 @@ def run_bench(model, tokenizer, questions, methods: list[Method], max_new_tokens
 
 
 def _run_question(p, qi, q, tokenizer, methods, max_new_tokens, remember, compare, answers) -> list[dict]:
-    """Every method on question ``q``'s first turn, in the order rotated for the qi-th question."""
+    """Every method on question ``q``'s first turn, in the order rotated for the qi-th question; the
+    first method's output goes to each of ``answers``."""
     ids = chat_ids(tokenizer, user_turn(q.turns[0]))
     outs = {}
     for m in rotated(methods, qi):
@@ -139,9 +147,9 @@ def _run_question(p, qi, q, tokenizer, methods, max_new_tokens, remember, compar
         if remember and m.remember is not None:
             m.remember(seq, ids.shape[1])
     ref = outs[methods[0].name][0]
-    if answers is not None:
-        answers.append({"question_id": q.question_id, "category": q.category, "prompt_len": ids.shape[1],
-                        "ids": ref[0].tolist()})
+    for sink in answers:
+        sink.append({"question_id": q.question_id, "category": q.category, "prompt_len": ids.shape[1],
+                     "ids": ref[0].tolist()})
     records = []
     for m in methods:
         seq, steps, dt = outs[m.name]
@@ -215,9 +223,18 @@ def add_arguments(p) -> None:
                    help="0 (default): greedy, outputs compared token for token with HF's; > 0: every "
                         "method samples (HF generate with do_sample=True and HF's other defaults, "
                         "e.g. top_k 50; no HF prompt lookup), outputs not compared, tau and speedup reported")
+    p.add_argument("--peer", default=None, metavar="NAME",
+                   help=f"also run another engine ({', '.join(PEERS)}) in its own process before and after "
+                        "specdec's timed block, on the target's GGUF file and the same prompt ids (greedy); its "
+                        "rows join the table (specdec.bench.peers)")
+    p.add_argument("--peer-python", default=None, metavar="PATH",
+                   help="the interpreter that runs the peer (it needs the peer's package, e.g. llama-cpp-python; "
+                        "default: this one)")
 
 
 def run(args) -> int:
+    peer = None if args.peer is None else peer_setup(args.peer, args.peer_python, args.model, args.temperature,
+                                                     args.repeat, args.batch_size)  # before any model loads
     if args.batch_size:
         from specdec.bench import batch
 
@@ -226,7 +243,7 @@ def run(args) -> int:
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from specdec.models import load_model
-    from specdec.bench.questions import load_questions, select_questions, task_of
+    from specdec.bench.questions import load_questions, select_questions
 
     console = Console()
     questions = load_questions(args.questions) if args.questions else load_questions()
@@ -250,27 +267,64 @@ def run(args) -> int:
             methods.append(dataclasses.replace(method, name=f"packed:{d}"))
     out = Path(args.out)
     remember = args.remember or args.repeat > 1
+    session = None if peer is None else PeerSession(peer, _peer_request(questions, tok, eos, args), console.print)
+    hf_answers = []  # HF generate's output of each question: what a peer's replies are compared with
+    if session is not None:
+        session.run("before")
     with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
                   TimeRemainingColumn(), console=console) as bar:
         task = bar.add_task("bench", total=len(questions) * args.repeat)
         records = run_bench(model, tok, questions, methods, args.max_new_tokens, out.with_suffix(".jsonl"),
                             progress=lambda: bar.advance(task), passes=args.repeat, remember=remember,
                             compare=not args.temperature,
-                            answers_path=Path(args.save_answers) if args.save_answers else None)
-    summary = summarize([r for r in records if r["pass"] == 1], methods[0].name, task_of)
+                            answers_path=Path(args.save_answers) if args.save_answers else None,
+                            answers=hf_answers)
+    if session is not None:
+        session.run("after")
+        records += _peer_records(session, questions, hf_answers, out.with_suffix(".jsonl"))
+    summary = _summary(args, records, methods[0].name, loaded.name, remember, session)
+    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
+    print_tables(console, summary, f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, "
+                 + ("greedy" if not args.temperature else f"sampling at temperature {args.temperature}"))
+    if session is not None:
+        console.print(session.note())
+    return 0
+
+
+def _summary(args, records: list[dict], baseline: str, model_name: str, remember: bool, session) -> dict:
+    """summarize() of the first pass (and of each pass with --repeat), and the run's settings."""
+    from specdec.bench.questions import task_of
+
+    summary = summarize([r for r in records if r["pass"] == 1], baseline, task_of)
     if args.repeat > 1:
-        summary["passes"] = {p: summarize([r for r in records if r["pass"] == p], methods[0].name, task_of)
+        summary["passes"] = {p: summarize([r for r in records if r["pass"] == p], baseline, task_of)
                              for p in range(1, args.repeat + 1)}
-    summary["meta"] = {"model": loaded.name, "questions": args.questions or "shipped", "per_category":
+    summary["meta"] = {"model": model_name, "questions": args.questions or "shipped", "per_category":
                        args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
                        "threads": torch.get_num_threads(), "kernel_routes": list(kernels.routes()),
                        "torch": torch.__version__, "machine": platform.machine(), "repeat": args.repeat,
                        "remember": remember, "suffix_exclude_questions": args.suffix_exclude_questions,
                        "corpus": args.corpus, "date": time.strftime("%Y-%m-%d")}
-    out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
-    print_tables(console, summary, f"{loaded.name}, {len(questions)} questions, {args.max_new_tokens} new tokens, "
-                 + ("greedy" if not args.temperature else f"sampling at temperature {args.temperature}"))
-    return 0
+    if session is not None:
+        summary["meta"]["peer"] = session.meta()
+    return summary
+
+
+def _peer_request(questions, tokenizer, eos, args) -> dict:
+    """What a peer runs: the bench's own prompt ids (``_run_question``'s), EOS ids, budget, threads."""
+    prompts = [chat_ids(tokenizer, user_turn(q.turns[0]))[0].tolist() for q in questions]
+    return {"prompts": prompts, "eos": list(eos or []), "max_new_tokens": args.max_new_tokens,
+            "threads": torch.get_num_threads(), "lookup_tokens": HF_PROMPT_LOOKUP_TOKENS}
+
+
+def _peer_records(session, questions, hf_answers: list[dict], log_path: Path) -> list[dict]:
+    """The peer's records, compared with HF generate's new tokens, also appended to the bench's log."""
+    reference = {a["question_id"]: a["ids"][a["prompt_len"]:] for a in hf_answers}
+    records = session.records([q.question_id for q in questions], [q.category for q in questions], reference)
+    log = AnswerFile(log_path, key=("pass", "question_id", "method"))
+    for rec in records:
+        log.append(rec)
+    return records
 
 
 def print_tables(console, summary: dict, title: str) -> None:

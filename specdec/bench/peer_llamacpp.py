@@ -1,0 +1,87 @@
+"""llama.cpp (through llama-cpp-python) as a peer of `specdec bench`, in a process of its own:
+
+    python -m specdec.bench.peer_llamacpp REQUEST.json RESULT.json
+
+REQUEST  {"gguf": path, "prompts": [[id, ...], ...], "eos": [id, ...], "max_new_tokens": n,
+          "threads": t, "lookup_tokens": k}
+RESULT   {"version": llama_cpp.__version__,
+          "modes": {"plain": [{"ids": [id, ...], "seconds": s}, ...], "lookup": [...]}}
+         or {"missing": "<the import error>"} when this interpreter cannot import llama_cpp.
+
+Each mode loads the file once, generates one untimed warm-up of a few tokens, then every prompt
+greedily (top_k=1, temperature 0, no repeat penalty) until an EOS id (kept, as HF keeps it) or
+``max_new_tokens``; "lookup" drafts with llama-cpp-python's ``LlamaPromptLookupDecoding``. A
+prompt's seconds include its prompt evaluation, as HF generate's do in the bench.
+
+This file imports only the standard library and llama_cpp, so the peer's interpreter needs neither
+torch nor specdec: ``specdec.bench.peers`` runs it by path. Both files of the exchange are written
+whole or not at all (``write_json``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+WARM_UP_TOKENS = 4  # the first generation pays one-off costs (buffers, threads) that are not speed
+CONTEXT_MARGIN = 16  # context rows beyond prompt + reply + one draft, for llama.cpp's own bookkeeping
+
+
+def write_json(path: Path, obj) -> None:
+    """``obj`` as JSON at ``path``, atomically: a reader sees the old file or the whole new one."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def greedy(llm, prompt: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
+    """llama.cpp's greedy reply to ``prompt``: up to and including the first EOS id, at most
+    ``max_new_tokens``. ``reset()`` first, so nothing of the previous prompt's cache is reused."""
+    llm.reset()
+    out: list[int] = []
+    for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        out.append(int(t))
+        if out[-1] in eos or len(out) >= max_new_tokens:
+            break
+    return out
+
+
+def run_mode(llama_cpp, request: dict, lookup: bool) -> list[dict]:
+    """Every prompt of ``request`` on one freshly loaded model: [{"ids", "seconds"}] per prompt."""
+    draft = None
+    if lookup:
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=request["lookup_tokens"])
+    prompts, eos, n = request["prompts"], set(request["eos"]), request["max_new_tokens"]
+    n_ctx = max(len(p) for p in prompts) + n + request["lookup_tokens"] + CONTEXT_MARGIN
+    llm = llama_cpp.Llama(model_path=request["gguf"], n_ctx=n_ctx, n_threads=request["threads"],
+                          n_threads_batch=request["threads"], n_batch=512, verbose=False, draft_model=draft)
+    greedy(llm, prompts[0], eos, WARM_UP_TOKENS)  # untimed
+    runs = []
+    for prompt in prompts:
+        t = time.perf_counter()
+        ids = greedy(llm, prompt, eos, n)
+        runs.append({"ids": ids, "seconds": time.perf_counter() - t})
+    return runs
+
+
+def main(argv: list[str]) -> int:
+    request_path, result_path = argv
+    request = json.loads(Path(request_path).read_text(encoding="utf-8"))
+    try:
+        import llama_cpp
+    except (ImportError, OSError) as e:  # not installed, or its shared library does not load
+        write_json(result_path, {"missing": f"{type(e).__name__}: {e}"})
+        return 0
+    modes = {name: run_mode(llama_cpp, request, lookup) for name, lookup in (("plain", False), ("lookup", True))}
+    write_json(result_path, {"version": llama_cpp.__version__, "modes": modes})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
