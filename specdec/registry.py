@@ -43,19 +43,19 @@ SELF_SPEC_MAX_READ_RATIO = 0.5
 EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from (008-auto-sources.md)
 
 
-def make_auto(target) -> Sources:
+def make_auto(target, eagle3: bool = False) -> Sources:
     """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts up to EAGLE_MAX_PROMPT
     tokens) and StreamingLLM self-speculation (prompts long enough that its drafts read at most
     SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size); the controller picks
     per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
     them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head learned from those same
     answers and added only its draft time beside them (docs/decisions/008-auto-sources.md). An EAGLE-3
-    head, where the runtime names one ($SPECDEC_EAGLE3_HEAD), is a source in EAGLE's place (the decoder
-    keeps one kind of target features)."""
+    head, where the runtime names one ($SPECDEC_EAGLE3_HEAD) or ``eagle3`` asks for it (else the packaged
+    one), is a source in EAGLE's place (the decoder keeps one kind of target features)."""
     corpus = stored_answers_fit(text_config(target).vocab_size)
     suffix = SuffixDrafter.from_stored_answers() if corpus else SuffixDrafter()
     sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": suffix}
-    if current_runtime().eagle3_head is not None:
+    if eagle3 or current_runtime().eagle3_head is not None:
         sources["eagle3"] = make_eagle3(target)  # named explicitly: a head that does not fit is an error
     elif not corpus:
         try:
@@ -79,6 +79,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "eagle": lambda target: make_eagle(target),
     # an EAGLE-3 head ($SPECDEC_EAGLE3_HEAD: vLLM / SGLang / speculators layout, or trained here)
     "eagle3": lambda target: make_eagle3(target),
+    # auto with the EAGLE-3 head (SPECDEC_EAGLE3_HEAD, else the packaged one) among its sources
+    "auto+eagle3": lambda target: make_auto(target, eagle3=True),
     # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
     "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),
     # the target drafts for itself over 512 KV rows (MagicDec): 4 sinks + the recent window

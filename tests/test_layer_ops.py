@@ -197,6 +197,22 @@ def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes, atten
         assert torch.equal(la, lb) and torch.equal(ha, hb)
 
 
+def test_one_call_keeps_the_named_layers_inputs_as_the_loop_does(ops, monkeypatch):
+    """EAGLE-3's features (the residual stream entering named layers, the embeddings for layer 0) from the
+    one compiled call equal the loop's bit for bit, on a chain, a ragged tree block and a SPLIT block."""
+    model = tiny_llama(3, dtype=torch.float32)
+    path = fastpath.get(model)
+    calls = _count_one_calls(monkeypatch)
+    outs = {}
+    for one_call in (True, False):
+        path.one_call = one_call
+        outs[one_call] = ragged_blocks(model, layers=(1, 0))
+    assert calls == {"ran": 2, "declined": 1}
+    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
+        assert ha.shape[-1] == 2 * model.config.hidden_size
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
 @pytest.mark.parametrize("attention", ["kernel", "sdpa"])
 def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, attention):
     """Seeded property test: random batches (1-4 rows, ragged lengths), random trees and chains of 1-6

@@ -20,7 +20,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from specdec.config import current as current_runtime
-from specdec.drafters.eagle import EagleConfig, EagleDrafter
+from specdec.drafters.eagle import EagleConfig, EagleDrafter, lean_head
 from specdec.drafters.eagle3_head import Eagle3Head
 from specdec.drafters.eagle3_io import load_eagle3
 from specdec.models import text_config
@@ -50,14 +50,25 @@ class Eagle3Drafter(EagleDrafter):
         self.capabilities = replace(EagleDrafter.capabilities, hidden_layers=head.aux_layers)
 
 
+PACKAGED_HEAD3 = Path(__file__).resolve().parent.parent / "data" / "eagle3_head"
+
+
 def make_eagle3(target, head_path: str | os.PathLike | None = None,
                 config: EagleConfig = EagleConfig()) -> Eagle3Drafter:
     """An Eagle3Drafter from ``head_path``, else the runtime configuration's ``eagle3_head``
-    ($SPECDEC_EAGLE3_HEAD at the CLI): a directory in vLLM's, SGLang's or the speculators layout."""
-    path = head_path or current_runtime().eagle3_head
+    ($SPECDEC_EAGLE3_HEAD at the CLI): a directory in vLLM's, SGLang's or the speculators layout; else
+    the head packaged for the default model (a head for another target is refused by name)."""
+    path = head_path or current_runtime().eagle3_head or PACKAGED_HEAD3
     if path is None or not (Path(path) / "config.json").is_file():
         raise ValueError(
             f"no EAGLE-3 head{'' if path is None else ' at ' + str(path)}: train one with `specdec train-eagle "
             "--arch eagle3 --model MODEL --out DIR` (or use a vLLM / SGLang / speculators EAGLE-3 head for "
             "this target), then pass it with SPECDEC_EAGLE3_HEAD=DIR/head")
-    return Eagle3Drafter(target, load_eagle3(path, target), config)
+    try:
+        return Eagle3Drafter(target, lean_head(load_eagle3(path, target), config), config)
+    except ValueError as e:
+        if head_path or current_runtime().eagle3_head:
+            raise
+        raise ValueError(f"{e}. The packaged EAGLE-3 head is for the default model (SmolLM2-135M-Instruct): for "
+                         "this target train one with `specdec train-eagle --arch eagle3 --model MODEL --out DIR` "
+                         "and pass it with SPECDEC_EAGLE3_HEAD=DIR/eagle3/head") from None

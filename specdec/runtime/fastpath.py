@@ -302,20 +302,23 @@ class FastPath:
         """Every layer by ``ops``, x [B, Q, C] -> the final norm's output [B, Q, C]: per layer the input
         norm (fused with the residual add before it), q/k/v, their split and rotation, the cache's
         update, attention, o, the post-attention norm (with its residual add), gate/up, SiLU x up, down.
-        With compiled ops, the one call where it takes the block. ``kept`` (layer index -> None): the loop
-        fills in the input of each layer it names, [B, Q, C] (the loop always then: the one call keeps
-        no layer's input)."""
+        With compiled ops, the one call where it takes the block. ``kept`` (layer index -> None): filled
+        in with the input of each layer it names, [B, Q, C]."""
         B, Q, _ = x.shape
         cos, sin = cos.contiguous(), sin.contiguous()
         hq, hkv = self.q_size // self.head_dim, self.kv_size // self.head_dim
         first = self.layers[0].norm1
         h = ops.norm(x, first.weight, first.variance_epsilon)
         attend = _Attention(attention, attention_mask, Q, hq, hkv)
-        if ops.compiled is not None and self.one_call and not kept and (
+        if ops.compiled is not None and self.one_call and (
                 attend.direct or (attention is split_attention and attention_mask is not None)):
-            out = self._one_call(ops.compiled, cache, x, h, cos, sin, attention_mask, split=not attend.direct)
+            keep = tuple(kept) if kept else ()
+            out = self._one_call(ops.compiled, cache, x, h, cos, sin, attention_mask, not attend.direct, keep)
             if out is not None:
-                return out
+                h, inputs = out
+                for j, part in zip(keep, inputs.split(x.shape[-1], dim=-1) if keep else ()):
+                    kept[j] = part
+                return h
         for i, layer in enumerate(self.layers):
             if kept and i in kept:
                 kept[i] = x  # the residual stream entering layer i (add_norm returns new tensors)
@@ -328,12 +331,13 @@ class FastPath:
             x, h = ops.add_norm(x, mlp, norm.weight, norm.variance_epsilon)
         return h
 
-    def _one_call(self, ops, cache, x, h, cos, sin, attention_mask, split: bool = False) -> torch.Tensor | None:
+    def _one_call(self, ops, cache, x, h, cos, sin, attention_mask, split: bool = False, keep: tuple[int, ...] = ()
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The loop of ``_layers`` on the fused ops as one compiled call (``csrc/layers.cpp``: the same ops
         in the same order, the store's write included, bit for bit the loop's results), where the cache
         hands over its buffers (a BMC store); attention as ``grouped_attention`` runs it (PAD), or with
         ``split`` as ``split_attention`` does (each batch row over its own rows); None otherwise (the
-        loop then runs)."""
+        loop then runs). Returns (the last norm's output, the inputs of the ``keep`` layers concatenated)."""
         buffers = getattr(cache, "direct_buffers", None)
         buffers = buffers() if buffers is not None and self._scale is not None else None
         if buffers is None:
@@ -360,9 +364,9 @@ class FastPath:
             plan, layout = lin.plan(B * Q, lin.max_rows()), []
             kernel_ids = [ROUTES.index(r) for r in KERNEL_ROUTES]
             packed = self._packed() if any(r in kernel_ids for r in plan[2::3]) else []
-        _, h = ops.layers(x, h, self._weights, packed, self._biases, self._norms, self._eps, keys, values, starts,
-                          cos, sin, mask, hq, hkv, self._scale, plan, kernel, split, layout)
-        return h
+        _, h, inputs = ops.layers(x, h, self._weights, packed, self._biases, self._norms, self._eps, keys, values,
+                                  starts, cos, sin, mask, hq, hkv, self._scale, plan, kernel, split, layout, keep)
+        return h, inputs
 
     def _packed(self) -> list[torch.Tensor]:
         """``_weights`` packed for the kernel variant in use (made once per variant: ``stale`` rebuilds

@@ -12,7 +12,7 @@
 //     each by the kernel or, where the self-check found SDPA faster, SDPA over the grouped query rows
 //     as runtime/attention.py grouped_attention calls it;  x, h = add_rms_norm(x, linear(o, o_i), norm2_i);
 //     x, h = add_rms_norm(x, linear(silu_mul(linear(h, gate_up_i)), down_i), next_norm_i)
-// and returns (x, h). The ops are this build's own (the dispatcher's handles, found once), the linears
+// and returns (x, h, the inputs of the ``keep`` layers concatenated: EAGLE-3's features). The ops are this build's own (the dispatcher's handles, found once), the linears
 // by the routes the caller planned: per chunk of rows, F.linear (0), W @ x^T (1: an odd row count padded
 // with a zero row, as runtime/linear.py _skinny), the packed kernel (2) or its wide shape (3); or, for a
 // quantized target (``quant`` given), every linear by the block kernel (csrc/quant_linear.cpp) over its
@@ -142,11 +142,11 @@ Tensor linear(const Tensor& x, const Tensor& w, const Tensor& packed, const std:
   return y.contiguous().view(out_sizes);
 }
 
-Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::TensorList packed,
+Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::TensorList packed,
             const c10::List<std::optional<Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
             at::TensorList keys, at::TensorList values, at::IntArrayRef starts, const Tensor& cos, const Tensor& sin,
             const std::optional<Tensor>& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef plan,
-            c10::List<bool> kernel_attention, bool split, at::IntArrayRef quant) {
+            c10::List<bool> kernel_attention, bool split, at::IntArrayRef quant, at::IntArrayRef keep) {
   const int64_t n = static_cast<int64_t>(keys.size());
   const bool quantized = !quant.empty();  // weights and biases then empty, packed the parts' blocks
   const QuantParts qparts = quantized ? quant_parts(quant, packed, 4 * n) : QuantParts{};
@@ -184,8 +184,12 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
     if (!p.kernel && Q > 1) p.mask = p.mask->repeat({1, 1, hq / hkv, 1});  // SDPA's: a mask row per grouped row
     parts.push_back(std::move(p));
   }
+  for (int64_t j : keep) TORCH_CHECK(j >= 0 && j < n, "layers: keep names layer ", j, " of ", n);
+  std::vector<Tensor> inputs(keep.size());  // the residual stream entering each kept layer
   Tensor x = x0, h = h0;
   for (int64_t i = 0; i < n; ++i) {
+    for (size_t j = 0; j < keep.size(); ++j)
+      if (keep[j] == i) inputs[j] = x;  // add_rms_norm returns new tensors: this x stays as it is
     const auto lin = [&](const Tensor& in, int64_t j) {
       const int64_t at = 4 * i + j;
       if (quantized) return quant_linear(in, qparts, at);
@@ -222,7 +226,7 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
     std::tie(x, h) = ops().add_rms_norm.call(x, lin(o, 1), norms[2 * i], eps[2 * i]);
     std::tie(x, h) = ops().add_rms_norm.call(x, lin(ops().silu_mul.call(lin(h, 2)), 3), norms[2 * i + 1], eps[2 * i + 1]);
   }
-  return {x, h};
+  return {x, h, inputs.empty() ? at::empty({0}, x.options()) : at::cat(inputs, -1)};
 }
 
 }  // namespace
@@ -230,6 +234,6 @@ Pair layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Tens
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("layers(Tensor x, Tensor h, Tensor[] weights, Tensor[] packed, Tensor?[] biases, Tensor[] norms, "
         "float[] eps, Tensor[] keys, Tensor[] values, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int hq, "
-        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False, int[] quant=[]) -> (Tensor, Tensor)");
+        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False, int[] quant=[], int[] keep=[]) -> (Tensor, Tensor, Tensor)");
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("layers", &layers); }
