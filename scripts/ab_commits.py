@@ -44,10 +44,11 @@ def stage_before(src: Path, dst: Path) -> None:
         f.write_text(text)
     # its kernels under their own op namespace (two builds cannot both register specdec_kernels), and a
     # build key of their own (a header line), so a cached build of the original namespace is not reused
-    k = out / "kernels.py"
+    runtime = out / "runtime" if (out / "runtime" / "build.py").exists() else out  # the layout since issue 37
+    k = runtime / ("build.py" if runtime is not out else "kernels.py")
     k.write_text(k.read_text().replace('"specdec_kernels_avx2"', '"specdec_kernels_avx2_before"')
                  .replace('"specdec_kernels"', '"specdec_kernels_before"'))
-    with open(out / "csrc" / "ops.h", "a") as fh:
+    with open(runtime / "csrc" / "ops.h", "a") as fh:
         fh.write("// staged as specdec_before\n")
 
 

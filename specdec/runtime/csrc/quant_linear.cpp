@@ -6,10 +6,10 @@
 // with the reference's own fp32 operations (the same products and sums in the same order, so each weight
 // is bit for bit the reference's), and accumulates w * x in fp32: the result is the reference's
 // F.linear(x, dequantize(W)) up to summation order. The weights stream at 4.5-8.5 bits a weight instead
-// of 32, so a step is bound by the decoding arithmetic, not by memory.
+// of 32, so a step is bound by the decoding arithmetic and the blocks' arrival, not by bandwidth.
 //
-// Shape: one output feature at a time, its row of blocks against M rows of x: M vector accumulators
-// (one per row), a block's weights decoded one vector at a time and each vector fed to all M rows
+// Shape: one output feature at a time (four for one row, two for two: independent FMA chains), its row
+// of blocks against M rows of x: M vector accumulators (one per row), a block's weights decoded one vector at a time and each vector fed to all M rows
 // before the next (so a decoded weight lives in one register); a horizontal sum per (row, feature) at
 // the end. AVX-512: vectors of 16, up to 16 rows a pass (16 accumulators + decode temporaries < 32
 // registers); AVX2: vectors of 8, up to 8 rows a pass (16 registers). More rows: balanced passes over
@@ -34,11 +34,10 @@ typedef uint8_t bytes __attribute__((vector_size(kLanes)));  // kLanes bytes: on
 typedef int8_t sbytes __attribute__((vector_size(kLanes)));
 
 constexpr int kMaxRows = kLanes == 16 ? 16 : 8;  // rows per pass: accumulators that fit the registers
-constexpr int64_t kGrain = 16;
-#ifndef AHEAD
-#define AHEAD 2
-#endif
-constexpr int kAhead = AHEAD;  // output features per parallel work item, at least
+constexpr int64_t kGrain = 16;  // output features per parallel work item, at least
+// prefetch the feature group this many groups ahead (its blocks come from outside L2 in a step; two beat
+// one, four and eight on the project's Xeon: docs/decisions/015-quant-kernels.md)
+constexpr int kAhead = 2;
 
 inline bytes load_bytes(const uint8_t* p) {
   bytes b;
