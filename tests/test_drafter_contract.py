@@ -65,6 +65,8 @@ STAND_INS = {
     "suffix-corpus": lambda t: SuffixDrafter.from_corpus(_corpus()),
     "auto": lambda t: Sources({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter(), "eagle": _eagle(t),
                                "streaming": StreamingDrafter(t, budget=16, sink=2)}, by_match=("eagle",)),
+    "auto+eagle3": lambda t: Sources({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter(), "eagle3": _eagle3(t),
+                                      "streaming": StreamingDrafter(t, budget=16, sink=2)}, by_match=("eagle3",)),
 }
 
 
