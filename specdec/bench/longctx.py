@@ -195,16 +195,17 @@ def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
 
 
 def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out,
-                    runtime: RuntimeConfig) -> None:
+                    runtime: RuntimeConfig, weights: str = "fp32") -> None:
     with use(runtime):  # a spawned process: the parent's runtime, handed over
-        _peak_rss(spec, model_spec, ids, max_new_tokens, out, runtime.bench_threads)
+        _peak_rss(spec, model_spec, ids, max_new_tokens, out, runtime.bench_threads, weights)
 
 
-def _peak_rss(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out, threads: int) -> None:
+def _peak_rss(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out, threads: int,
+              weights: str = "fp32") -> None:
     torch.set_num_threads(threads)
     from specdec.models import load_model
 
-    loaded = load_model(model_spec)
+    loaded = load_model(model_spec, weights=weights)
     x = torch.tensor([ids])
     with warnings.catch_warnings():  # warm-up: one-off allocations are not the method's
         warnings.simplefilter("ignore")  # (its short prompt fits every budget)
@@ -221,14 +222,14 @@ def _peak_rss(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens:
     out.put((kib("VmHWM:") - base) / 1024)
 
 
-def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_tokens: int) -> float:
+def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_tokens: int, weights: str = "fp32") -> float:
     """Peak RSS (MB) one generation adds above the loaded model, measured in a fresh process."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_peak_rss_child, args=(spec, model_spec, ids[0].tolist(), max_new_tokens, q,
-                                                      current_runtime()))
+                                                      current_runtime(), weights))
     p.start()
     while True:  # a child that dies (out of memory, an error) must not hang the bench
         try:
@@ -252,12 +253,16 @@ def add_prompt_arguments(p, lengths: str, max_new_tokens: int) -> None:
 
 
 def add_arguments(p) -> None:
+    from specdec.models import WEIGHTS
+
     add_prompt_arguments(p, "1024,2048,4096,7000", 128)
     p.add_argument("--methods", type=name_list, default="hf-generate,none,streaming,snapkv,prompt-lookup")
     p.add_argument("--budgets", type=int_list, default="256,512,1024", help="KV rows of streaming and snapkv")
     p.add_argument("--batch-size", type=positive_int, default=1,
                    help="sequences per run: B books of one length as one batch (MagicDec's regime)")
     p.add_argument("--memory", action="store_true", help="peak RSS per method (a child process each)")
+    p.add_argument("--weights", choices=WEIGHTS, default="fp32",
+                   help="the target's weights, as for `specdec generate` (packed: a GGUF's blocks kept packed)")
     p.add_argument("--out", default="results/longctx", help="appends OUT.jsonl; writes OUT.json (summary)")
 
 
@@ -308,7 +313,7 @@ def run(args) -> int:
         raise ValueError("--memory measures one sequence: run it without --batch-size")
     books = read_books(Path(args.questions) if args.questions else BOOKS)[: args.books]
     console = Console(width=max(150, Console().width))  # 12 columns: never squeeze them to 80 in a pipe
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, weights=args.weights)
     model, tok = loaded.model, loaded.tokenizer
     window = context_window(model)
     if window is not None and max(args.lengths) + args.max_new_tokens + 64 > window:
@@ -327,7 +332,7 @@ def run(args) -> int:
     if args.memory:
         longest = max(prompts, key=lambda p: p.tokens)
         for m in methods:
-            memory[m.name] = peak_rss_mb(m, args.model, longest.input_ids, args.max_new_tokens)
+            memory[m.name] = peak_rss_mb(m, args.model, longest.input_ids, args.max_new_tokens, args.weights)
     summary = summarize(records, memory)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     console.print(table(summary, loaded.name, args.max_new_tokens, args.batch_size, Table))
