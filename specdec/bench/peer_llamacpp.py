@@ -59,8 +59,11 @@ def run_mode(llama_cpp, request: dict, lookup: bool) -> list[dict]:
         draft = LlamaPromptLookupDecoding(num_pred_tokens=request["lookup_tokens"])
     prompts, eos, n = request["prompts"], set(request["eos"]), request["max_new_tokens"]
     n_ctx = max(len(p) for p in prompts) + n + request["lookup_tokens"] + CONTEXT_MARGIN
+    # with a draft model, a prompt longer than n_batch fails in llama-cpp-python 0.3.36 ("could not broadcast
+    # input array ... into shape (0,)"): the lookup mode evaluates each prompt in one batch
+    batch = n_ctx if lookup else 512
     llm = llama_cpp.Llama(model_path=request["gguf"], n_ctx=n_ctx, n_threads=request["threads"],
-                          n_threads_batch=request["threads"], n_batch=512, verbose=False, draft_model=draft)
+                          n_threads_batch=request["threads"], n_batch=batch, verbose=False, draft_model=draft)
     greedy(llm, prompts[0], eos, WARM_UP_TOKENS)  # untimed
     runs = []
     for prompt in prompts:
