@@ -27,7 +27,7 @@ def test_default_model_has_a_chat_template(real):
     assert real.model.config.vocab_size == 49152
 
 
-@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "early-exit", "eagle", "eagle3", "suffix", "suffix-corpus"])
+@pytest.mark.parametrize("drafter", ["none", "prompt-lookup", "early-exit", "eagle", "suffix", "suffix-corpus"])
 def test_lossless_on_default_model(real, drafter):
     for text in PROMPTS:
         ids = _ids(real, text)
