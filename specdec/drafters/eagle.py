@@ -49,8 +49,8 @@ class EagleConfig:
     top_k: int = 3  # children per expanded node, and nodes expanded per level
     bmc: BMCConfig = BMCConfig(period=64)  # the head's own one-layer KV store
     # the head's linears (all but fc, whose weight names the head's dtype and device) as blocks of this
-    # GGUF format on a CPU with the block kernel: a draft step streams a quarter of the bytes (~9 of a
-    # propose's ms were the fp32 weights); the drafts stay drafts, exactness is the verifier's. None: fp32
+    # GGUF format on a CPU with the block kernel: a draft streams a quarter of the bytes
+    # (docs/decisions/017-eagle3.md); the drafts stay drafts, exactness is the verifier's. None: fp32
     head_blocks: str | None = "Q8_0"
 
     def __post_init__(self) -> None:

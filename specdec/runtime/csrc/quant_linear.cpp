@@ -35,8 +35,8 @@ typedef int8_t sbytes __attribute__((vector_size(kLanes)));
 
 constexpr int kMaxRows = kLanes == 16 ? 16 : 8;  // rows per pass: accumulators that fit the registers
 constexpr int64_t kGrain = 16;  // output features per parallel work item, at least
-// prefetch the feature group this many groups ahead (its blocks come from outside L2 in a step; two beat
-// one, four and eight on the project's Xeon: docs/decisions/015-quant-kernels.md)
+// prefetch the feature group this many groups ahead: in a step the blocks come from outside L2 (a
+// distance tuned on one machine: docs/decisions/015-quant-kernels.md)
 constexpr int kAhead = 2;
 
 inline bytes load_bytes(const uint8_t* p) {
@@ -96,12 +96,13 @@ struct Q8_0 {
   }
 };
 
-// Q4_0 and Q4_1: byte j's low nibble is weight j, its high nibble weight j + 16.
+// Q4_0 and Q4_1: byte j's low nibble is weight j, its high nibble weight j + 16; ``nibbles`` emits the 32
+// weights of 16 such bytes, each ``value(q)`` of its nibble q (the format's definition, as floats).
 #if defined(__AVX512F__)
 // AVX-512: a 4-bit weight is looked up, not converted: the block's 16 possible values are computed once
-// (the reference's own operations on 0..15, so each is its weight bit for bit) into one register, and
-// vpermps picks each lane's by the low 4 bits of its byte (widened to 32 bits): 3 instructions per 16
-// weights instead of 6 (widen, convert, multiply, add, mask or shift, FMA).
+// (``value`` on 0..15: the reference's own operations, so each is its weight bit for bit) into one
+// register, and vpermps picks each lane's by the low 4 bits of its byte (widened to 32 bits): 3
+// instructions per 16 weights instead of 6 (widen, convert, multiply, add, mask or shift, FMA).
 inline vec iota() { return vec{0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f, 14.f, 15.f}; }
 
 inline __m512i widen16(const uint8_t* p) {  // 16 bytes -> 16 lanes of 32 bits
@@ -113,40 +114,30 @@ inline vec lookup(__m512i idx, vec table) {  // table[idx & 15] per lane
   return reinterpret_cast<vec>(w);
 }
 
-// 16 bytes of nibbles (low: weights 0..15, high: 16..31) through a table of their 16 values
-template <class Emit>
-inline void nibbles(const uint8_t* q, vec table, int at, Emit&& emit) {
+template <class Value, class Emit>
+inline void nibbles(const uint8_t* q, Value&& value, Emit&& emit) {
+  const vec table = value(iota());
   const __m512i idx = widen16(q);
-  emit(at, lookup(idx, table));
-  emit(at + 16, lookup(_mm512_srli_epi32(idx, 4), table));
+  emit(0, lookup(idx, table));
+  emit(16, lookup(_mm512_srli_epi32(idx, 4), table));
 }
-
-struct Q4_0 {
-  static constexpr int kWeights = 32, kBytes = 18;
-  template <class Emit>
-  static void decode(const uint8_t* b, Emit&& emit) {
-    nibbles(b + 2, splat(f16(b)) * (iota() - 8.f), 0, emit);  // d * (q - 8); q - 8 exact
-  }
-};
-
-struct Q4_1 {
-  static constexpr int kWeights = 32, kBytes = 20;
-  template <class Emit>
-  static void decode(const uint8_t* b, Emit&& emit) {
-    nibbles(b + 4, product(splat(f16(b)), iota()) + splat(f16(b + 2)), 0, emit);  // d * q + m
-  }
-};
 #else
+template <class Value, class Emit>
+inline void nibbles(const uint8_t* q, Value&& value, Emit&& emit) {
+  for (int c = 0; c < 16; c += kLanes) {
+    const bytes b = load_bytes(q + c);
+    emit(c, value(to_float(b & 15)));
+    emit(16 + c, value(to_float(b >> 4)));
+  }
+}
+#endif
+
 struct Q4_0 {
   static constexpr int kWeights = 32, kBytes = 18;
   template <class Emit>
   static void decode(const uint8_t* b, Emit&& emit) {
     const vec d = splat(f16(b));
-    for (int c = 0; c < 16; c += kLanes) {
-      const bytes q = load_bytes(b + 2 + c);
-      emit(c, d * (to_float(q & 15) - 8.f));  // d * (q - 8); q - 8 exact
-      emit(16 + c, d * (to_float(q >> 4) - 8.f));
-    }
+    nibbles(b + 2, [d](vec q) { return d * (q - 8.f); }, emit);  // d * (q - 8); q - 8 exact
   }
 };
 
@@ -155,14 +146,9 @@ struct Q4_1 {
   template <class Emit>
   static void decode(const uint8_t* b, Emit&& emit) {
     const vec d = splat(f16(b)), m = splat(f16(b + 2));
-    for (int c = 0; c < 16; c += kLanes) {
-      const bytes q = load_bytes(b + 4 + c);
-      emit(c, product(d, to_float(q & 15)) + m);  // d * q + m
-      emit(16 + c, product(d, to_float(q >> 4)) + m);
-    }
+    nibbles(b + 4, [d, m](vec q) { return product(d, q) + m; }, emit);  // d * q + m
   }
 };
-#endif
 
 // The K formats' 6-bit scale and min of sub-block j (formats.py's packing of 12 bytes)
 inline void k_scale(const uint8_t* s, int j, int* sc, int* mn) {
