@@ -6,13 +6,14 @@ import json
 import os
 
 
-def read_jsonl(path: str | os.PathLike, parse, what: str) -> list:
+def read_jsonl(path: str | os.PathLike, parse, what: str, cut_last: bool = False) -> list:
     """``parse(obj)`` for each non-blank JSON line; a line that is not JSON or that ``parse`` refuses
-    (ValueError, KeyError, TypeError, AttributeError) is named: "FILE:LINE: not WHAT line (why)"."""
+    (ValueError, KeyError, TypeError, AttributeError) is named: "FILE:LINE: not WHAT line (why)".
+    ``cut_last``: a last line without its newline (what a killed writer leaves) is skipped, not read."""
     rows = []
     with open(path, encoding="utf-8") as f:
         for n, line in enumerate(f, 1):
-            if not line.strip():
+            if not line.strip() or (cut_last and not line.endswith("\n")):
                 continue
             try:
                 rows.append(parse(json.loads(line)))

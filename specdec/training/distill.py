@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from specdec.forward import hidden_of
+from specdec.jsonl import read_jsonl
 from specdec.prompting import eos_ids
 from specdec.training.eagle_data import Conversation, _answer_of, _pad_id
 
@@ -35,19 +36,9 @@ class AnswerConfig:
 
 
 def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
-    """(conv, prompt_len, ids) per line of an answers file; a last line cut by a crash (no newline) is
-    dropped, any other malformed line is named."""
-    rows = []
-    text = Path(path).read_text(encoding="utf-8") if Path(path).exists() else ""
-    lines = text.split("\n")
-    for n, line in enumerate(lines[:-1] if not text.endswith("\n") else lines, 1):
-        if not line.strip():
-            continue
-        try:
-            rows.append(_answer_of(json.loads(line)))
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"{path}:{n}: not an answer line ({e})") from None
-    return rows
+    """(conv, prompt_len, ids) per line of an answers file (none if it does not exist yet); a last line cut
+    by a crash (no newline) is skipped, any other malformed line is named."""
+    return read_jsonl(path, _answer_of, "an answer", cut_last=True) if Path(path).exists() else []
 
 
 def _drop_cut_line(path: Path) -> None:
