@@ -1,4 +1,5 @@
-"""JSON Lines files written by specdec and its users: one reader that names a bad line."""
+"""JSON files written by specdec and its users: one JSON Lines reader that names a bad line, one
+atomic JSON writer (a reader sees the old file or the new one, never half of one)."""
 
 from __future__ import annotations
 
@@ -20,3 +21,12 @@ def read_jsonl(path: str | os.PathLike, parse, what: str, cut_last: bool = False
             except (ValueError, KeyError, TypeError, AttributeError) as e:
                 raise ValueError(f"{path}:{n}: not {what} line ({e})") from None
     return rows
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """``obj`` as indented JSON at ``path``: written to a temporary file beside it, then renamed over it."""
+    tmp = f"{os.fspath(path)}.tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1)
+        f.write("\n")
+    os.replace(tmp, path)

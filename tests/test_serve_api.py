@@ -207,7 +207,7 @@ def test_a_full_queue_answers_429_with_retry_after():
 def test_the_load_script_measures_both_modes_on_a_small_load(server):
     import asyncio
 
-    from specdec.bench.serve_load import _same_answers, percentile, run_load
+    from specdec.bench.serve_load import same_answers, percentile, run_load
 
     assert percentile([1, 2, 3, 4], 50) == 2 and percentile([1, 2, 3, 4], 99) == 4 and percentile([], 50) is None
     bodies = [{"model": "tiny", "messages": chat(f"load {i}"), "stream": True, "max_tokens": 8, "temperature": 0,
@@ -216,7 +216,38 @@ def test_the_load_script_measures_both_modes_on_a_small_load(server):
     alone_ = asyncio.run(run_load(server.url, bodies, 1, 4, 60))
     for r in (together, alone_):
         assert r["requests"] == 4 and r["errors"] == 0 and r["tokens"] > 0 and r["ttft_p50_s"] is not None
-    assert _same_answers(together, alone_)
+    assert same_answers(together, alone_)
+
+
+def test_a_soak_reads_the_servers_memory_as_it_goes_and_measures_growth_after_the_warm_up(server):
+    import asyncio
+    import sys
+
+    from specdec.bench.serve_load import rss_growth, run_soak, soak_summary
+
+    assert rss_growth([(0, 100), (60, 150), (120, 153), (180, 151)], 60)["rss_growth"] == pytest.approx(0.02)
+    assert rss_growth([(0, 100), (30, None)], 60)["rss_growth"] is None
+    bodies = [{"model": "tiny", "messages": chat(f"soak {i}"), "stream": True, "max_tokens": 6, "temperature": 0,
+               "stream_options": {"include_usage": True}} for i in range(3)]
+    seen = []
+    samples, rss, wall = asyncio.run(run_soak(server.url, bodies, 2, 1.5, 0.5, lambda s, r, t: seen.append(len(r))))
+    assert seen == sorted(seen) and len(seen) >= 3 and wall >= 1.5  # written after every sample
+    assert samples and all(s.error is None for s in samples)
+    summary = soak_summary(samples, rss, wall, 0.5)
+    assert summary["errors"] == 0 and "samples" not in summary
+    if sys.platform == "linux":  # the process collector reads /proc
+        assert all(b is not None and b > 10 * 2**20 for _, b in rss)
+        assert summary["rss_growth"] is not None
+
+
+def test_the_load_script_counts_malformed_requests_and_the_good_one_after_them(server):
+    import asyncio
+
+    from specdec.bench.serve_load import malformed_bodies, run_malformed
+
+    r = asyncio.run(run_malformed(server.url, "tiny", 2 * len(malformed_bodies("tiny"))))
+    assert r["refused_4xx"] == r["requests"] and r["then_served"] and r["errors"] == 0
+    assert set(r["statuses"]) == {"400", "404"}
 
 
 def test_a_client_gone_before_its_whole_answer_frees_its_row(server):

@@ -11,18 +11,35 @@ to first token and per request, total tokens/s (usage counts over the wall time)
 sequential tokens/s ratio; and, greedy (``--temperature 0``), whether every answer is the same in
 both modes. Any OpenAI-compatible server can be measured (e.g. llama.cpp's ``llama-server`` on a GGUF
 of the same weights); without usage counts its content chunks are counted as tokens. ``--max-seconds`` bounds each mode (requests not started by then are skipped and counted).
+
+``--modes soak``: the N clients send requests back to back for ``--soak-seconds`` while the server's
+resident memory is read from its ``/metrics`` (``process_resident_memory_bytes``) every
+``--sample-every`` seconds; the growth after ``--warmup-seconds`` (the largest sample after it over the
+first one at or after it) is what a bounded server keeps small. The JSON is rewritten (atomically)
+after every sample, so a long soak that is stopped keeps what it measured.
+
+``--modes malformed``: ``--malformed N`` bad requests in a row (``MALFORMED``: broken JSON, wrong types,
+out-of-range values, an unknown model, an empty and an over-long prompt), the status of each counted,
+then one good request that must be answered: a server that keeps serving answers every bad one with a
+4xx and the good one with 200.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import time
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 from specdec.arguments import name_list, non_negative_float, positive_int
 from specdec.bench.questions import load_questions
+from specdec.jsonl import write_json_atomic
+
+RSS_METRIC = "process_resident_memory_bytes"  # Prometheus' process collector (Linux), as `specdec serve` exports it
+MODES = ("concurrent", "sequential", "soak", "malformed")
 
 
 def add_arguments(p) -> None:
@@ -35,9 +52,14 @@ def add_arguments(p) -> None:
     p.add_argument("--questions", default=None, help="a question JSONL (default: the shipped set)")
     p.add_argument("--max-seconds", type=non_negative_float, default=1800.0, help="time bound per mode")
     p.add_argument("--modes", type=name_list, default=["concurrent", "sequential"],
-                   help="concurrent, sequential or both (in that order). The server remembers what it served "
+                   help="concurrent, sequential, soak (in that order). The server remembers what it served "
                         "(suffix cache): compare the modes on servers started with --no-suffix-cache, or one "
                         "mode per fresh server")
+    p.add_argument("--soak-seconds", type=non_negative_float, default=1800.0, help="soak: how long the load runs")
+    p.add_argument("--warmup-seconds", type=non_negative_float, default=300.0,
+                   help="soak: memory growth is measured from the first sample at or after this time")
+    p.add_argument("--sample-every", type=non_negative_float, default=10.0, help="soak: seconds between RSS samples")
+    p.add_argument("--malformed", type=positive_int, default=1000, help="malformed: bad requests sent in a row")
     p.add_argument("--out", default="serve_load.json", help="where the JSON results go")
 
 
@@ -113,6 +135,119 @@ async def run_load(url: str, bodies: list[dict], clients: int, per_client: int, 
     return summarize(samples, wall, skipped)
 
 
+async def _server_rss(client, url: str) -> float | None:
+    """The server's resident bytes from its /metrics; None where it exports no RSS_METRIC."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    try:
+        r = await client.get(url.rstrip("/") + "/metrics")
+        for family in text_string_to_metric_families(r.text):
+            if family.name == RSS_METRIC and family.samples:
+                return float(family.samples[0].value)
+    except Exception:  # noqa: BLE001 -- a missed sample is recorded as None
+        return None
+    return None
+
+
+async def run_soak(url: str, bodies: list[dict], clients: int, seconds: float, every: float,
+                   on_sample: Callable[[list[Sample], list[tuple[float, float | None]], float], None]) -> tuple:
+    """``clients`` clients sending bodies in turn, back to back, until ``seconds`` have passed; the
+    server's RSS read every ``every`` seconds (and at the end), ``on_sample(samples, rss, elapsed)``
+    after each. Returns (samples, rss [(seconds since the start, bytes | None)], wall)."""
+    import httpx
+
+    endpoint = url.rstrip("/") + "/v1/chat/completions"
+    t0 = time.perf_counter()
+    deadline, turn = t0 + seconds, itertools.count()
+    samples: list[Sample] = []
+    rss: list[tuple[float, float | None]] = []
+
+    async def client_loop(client) -> None:
+        while time.perf_counter() < deadline:
+            k = next(turn) % len(bodies)
+            samples.append(await _one(client, endpoint, bodies[k], k))
+
+    async def sampler(client) -> None:
+        while True:
+            now = time.perf_counter()
+            rss.append((now - t0, await _server_rss(client, url)))
+            on_sample(samples, rss, now - t0)
+            if now >= deadline:
+                return
+            await asyncio.sleep(max(0.0, min(every, deadline - now)))
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        await asyncio.gather(*(client_loop(client) for _ in range(clients)), sampler(client))
+    wall = time.perf_counter() - t0
+    rss.append((wall, await _final_rss(url)))
+    return samples, rss, wall
+
+
+async def _final_rss(url: str) -> float | None:
+    import httpx
+
+    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
+        return await _server_rss(client, url)
+
+
+def rss_growth(rss: list[tuple[float, float | None]], warmup: float) -> dict:
+    """Memory over a soak: the first sample at or after ``warmup`` seconds (the baseline), the largest
+    after it, and growth = largest / baseline - 1 (None without a sample after the warm-up).
+    Example: [(0, 100), (60, 150), (120, 153), (180, 151)], warmup 60 -> baseline 150, max 153, 2%."""
+    after = [(t, b) for t, b in rss if t >= warmup and b is not None]
+    if not after:
+        return {"rss_baseline": None, "rss_max_after_warmup": None, "rss_growth": None}
+    base, top = after[0][1], max(b for _, b in after)
+    return {"rss_baseline": base, "rss_max_after_warmup": top, "rss_growth": top / base - 1.0,
+            "rss_first": next((b for _, b in rss if b is not None), None), "rss_last": after[-1][1]}
+
+
+def soak_summary(samples: list[Sample], rss: list, wall: float, warmup: float) -> dict:
+    """The load's summary (without each answer) and the memory's growth after the warm-up."""
+    summary = summarize(samples, wall)
+    del summary["samples"]
+    return summary | rss_growth(rss, warmup) | {"warmup_s": warmup, "rss": rss}
+
+
+def malformed_bodies(model: str) -> list[bytes]:
+    """Requests a server must refuse (4xx) and survive: one of each kind of mistake."""
+    hi = [{"role": "user", "content": "hi"}]
+    bad = [{"model": model}, {"model": model, "messages": "hi"}, {"model": model, "messages": [{"role": "user", "content": 5}]},
+           {"model": model, "messages": [{"role": "wizard", "content": "x"}]},
+           {"model": model, "messages": hi, "max_tokens": 10**9}, {"model": model, "messages": hi, "max_tokens": "5"},
+           {"model": "no-such-model", "messages": hi}, {"model": model, "messages": hi, "temperature": -1},
+           {"model": model, "messages": hi, "n": 3}, {"model": model, "messages": [{"role": "user", "content": ""}]},
+           {"model": model, "messages": [{"role": "user", "content": "word " * 20_000}]}, [1, 2]]
+    return [json.dumps(b).encode() for b in bad] + [b"{not json", b""]
+
+
+async def run_malformed(url: str, model: str, count: int) -> dict:
+    """``count`` malformed requests in a row (cycling ``malformed_bodies``), then a good one."""
+    import httpx
+
+    bodies, statuses = malformed_bodies(model), {}
+    headers = {"content-type": "application/json"}
+    async with httpx.AsyncClient(timeout=httpx.Timeout(60.0)) as client:
+        t0 = time.perf_counter()
+        for i in range(count):
+            try:
+                r = await client.post(url.rstrip("/") + "/v1/chat/completions", content=bodies[i % len(bodies)],
+                                      headers=headers)
+                key = str(r.status_code)
+            except Exception as e:  # noqa: BLE001 -- a dropped connection is what this mode looks for
+                key = type(e).__name__
+            statuses[key] = statuses.get(key, 0) + 1
+        wall = time.perf_counter() - t0
+        good = await _one(client, url.rstrip("/") + "/v1/chat/completions",
+                          {"model": model, "messages": [{"role": "user", "content": "Say hello."}], "stream": True,
+                           "max_tokens": 8, "temperature": 0}, 0)
+    refused = sum(n for k, n in statuses.items() if k.isdigit() and 400 <= int(k) < 500)
+    return {"requests": count, "statuses": statuses, "wall_s": wall, "refused_4xx": refused,
+            "errors": (count - refused) + (good.error is not None), "then_served": good.error is None,
+            "then_error": good.error}
+
+
 def summarize(samples: list[Sample], wall: float, skipped: int = 0) -> dict:
     ok = [s for s in samples if s.error is None]
     ttft = [s.ttft for s in ok if s.ttft is not None]
@@ -126,7 +261,7 @@ def summarize(samples: list[Sample], wall: float, skipped: int = 0) -> dict:
             "samples": [asdict(s) for s in samples]}
 
 
-def _same_answers(a: dict, b: dict) -> bool:
+def same_answers(a: dict, b: dict) -> bool:
     """Every prompt answered the same in both runs (greedy)."""
     first = {}
     for s in a["samples"] + b["samples"]:
@@ -140,9 +275,9 @@ def run(args) -> int:
     bodies = [{"model": args.model, "messages": [{"role": "user", "content": q.turns[0]}], "stream": True,
                "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens,
                "temperature": args.temperature, "seed": 0} for q in questions]
-    unknown = set(args.modes) - {"concurrent", "sequential"}
+    unknown = set(args.modes) - set(MODES)
     if unknown:
-        raise ValueError(f"--modes takes concurrent and sequential, got {', '.join(sorted(unknown))}")
+        raise ValueError(f"--modes takes {', '.join(MODES)}, got {', '.join(sorted(unknown))}")
     total = args.clients * args.requests
     result = {"config": {k: v for k, v in vars(args).items() if isinstance(v, (int, float, str, type(None)))}}
     if "concurrent" in args.modes:
@@ -151,20 +286,42 @@ def run(args) -> int:
     if "sequential" in args.modes:
         print(f"sequential: the same {total} requests one at a time ...")
         result["sequential"] = asyncio.run(run_load(args.url, bodies, 1, total, args.max_seconds))
+    if "soak" in args.modes:
+        print(f"soak: {args.clients} clients for {args.soak_seconds:.0f} s, RSS every {args.sample_every:.0f} s ...")
+
+        def save(samples, rss, elapsed) -> None:  # after every sample: a stopped soak keeps what it measured
+            result["soak"] = soak_summary(samples, rss, elapsed, args.warmup_seconds)
+            write_json_atomic(args.out, result)
+
+        samples, rss, wall = asyncio.run(run_soak(args.url, bodies, args.clients, args.soak_seconds,
+                                                  args.sample_every, save))
+        save(samples, rss, wall)
+    if "malformed" in args.modes:
+        print(f"malformed: {args.malformed} bad requests in a row, then a good one ...")
+        result["malformed"] = asyncio.run(run_malformed(args.url, args.model, args.malformed))
     if "concurrent" in result and "sequential" in result:
         seq = result["sequential"]["tokens_per_s"]
         result["throughput_ratio"] = result["concurrent"]["tokens_per_s"] / seq if seq else None
         if args.temperature == 0:
-            result["answers_identical"] = _same_answers(result["concurrent"], result["sequential"])
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
-    for mode in ("concurrent", "sequential"):
+            result["answers_identical"] = same_answers(result["concurrent"], result["sequential"])
+    write_json_atomic(args.out, result)
+    if "malformed" in result:
+        r = result["malformed"]
+        print(f"malformed: {r['requests']} requests in {r['wall_s']:.1f} s, statuses {r['statuses']}; "
+              f"then a good request: {'served' if r['then_served'] else 'FAILED: ' + str(r['then_error'])}")
+    for mode in ("concurrent", "sequential", "soak"):
         if mode in result:
             r = result[mode]
             fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
             print(f"{mode:>10}: {r['requests']} requests, {r['errors']} errors, {r['tokens_per_s']:.1f} tokens/s, "
                   f"TTFT p50/p99 {fmt(r['ttft_p50_s'])}/{fmt(r['ttft_p99_s'])} s, "
                   f"latency p50/p99 {fmt(r['latency_p50_s'])}/{fmt(r['latency_p99_s'])} s")
+    if "soak" in result and result["soak"]["rss_growth"] is not None:
+        r = result["soak"]
+        print(f"soak memory: {r['rss_baseline'] / 2**20:.0f} MB after {r['warmup_s']:.0f} s of warm-up, at most "
+              f"{r['rss_max_after_warmup'] / 2**20:.0f} MB after it ({100 * r['rss_growth']:+.1f}%)")
+    elif "soak" in result:
+        print(f"soak memory: no {RSS_METRIC} after the warm-up in the server's /metrics")
     if result.get("throughput_ratio") is not None:
         print(f"concurrent / sequential tokens/s: {result['throughput_ratio']:.2f}x; answers identical: "
               f"{result.get('answers_identical', 'n/a (sampling)')}")

@@ -24,8 +24,6 @@ Figures (Spec-Bench's definitions, ``evaluation/speed.py``), per task and overal
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 import uuid
@@ -42,6 +40,7 @@ from specdec.bench.questions import Question, load_questions, select_questions
 from specdec.bench.runner import AnswerFile, check_run_settings, file_name, rotated, warm_up
 from specdec.bench.specbench_figures import BASELINE, print_summary, summarize
 from specdec.arguments import name_list, non_negative_float, positive_int
+from specdec.jsonl import write_json_atomic
 from specdec.prompting import chat_ids, context_window, eos_ids, has_chat_template, pad_id, reply_room
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import sampling_kwargs
@@ -311,9 +310,7 @@ def evaluate(model, tokenizer, model_name: str, questions: list[Question], confi
         "questions": len(questions), "answers": str(config.out_dir / "model_answer"),
         "threads": torch.get_num_threads(), "torch": torch.__version__, "machine": platform.machine(),
         "date": time.strftime("%Y-%m-%d %H:%M")}
-    tmp = config.out_dir / "summary.json.tmp"
-    tmp.write_text(json.dumps(summary, indent=1) + "\n")
-    os.replace(tmp, config.out_dir / "summary.json")  # never a half-written summary
+    write_json_atomic(config.out_dir / "summary.json", summary)  # never a half-written summary
     print_summary(console, summary, f"Spec-Bench · {model_name} · {len(questions)} questions · "
                   f"max {config.max_new_tokens} new tokens · "
                   + ("greedy" if not config.temperature else f"sampling at temperature {config.temperature}"))

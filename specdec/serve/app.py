@@ -19,7 +19,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from prometheus_client import CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
 from starlette.requests import Request as HttpRequest
@@ -59,6 +59,7 @@ class Service:
         self.http = Counter("specdec_http_requests", "HTTP requests by endpoint and status",
                             ["endpoint", "status"], registry=self.registry)
         self.registry.register(_EngineCollector(self.engine))
+        ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (Linux): the soak reads it
         self.started = time.time()
 
     def decode(self, tokens: list[int]) -> str:
