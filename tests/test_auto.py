@@ -289,7 +289,7 @@ def test_auto_forwards_its_corpus_to_the_suffix_source_and_stays_exact():
     drafter = Sources({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter()})
     first = SpecDecoder(target, drafter).generate(ids, max_new_tokens=40, eos_token_id=None)
     drafter.remember(first.sequences[0].tolist(), prompt_len=12)  # as `specdec bench --remember` does
-    assert len(drafter.sources["suffix"].corpus.docs) == 1
+    assert len(drafter.sources["suffix"].remembered) == 1
     drafter.build_index()
     second = SpecDecoder(target, drafter).generate(ids, max_new_tokens=40, eos_token_id=None)
     assert torch.equal(first.sequences, ref) and torch.equal(second.sequences, ref)
@@ -297,7 +297,7 @@ def test_auto_forwards_its_corpus_to_the_suffix_source_and_stays_exact():
     words = lambda toks: " ".join(f"w{t}" for t in toks)  # noqa: E731
     question = words(ids[0, 2:8].tolist())
     assert drafter.exclude_questions([question], words) == 1
-    assert drafter.sources["suffix"].corpus.docs == []
+    assert drafter.sources["suffix"].remembered == []
 
 
 def test_auto_drafts_from_the_stored_answers_only_for_their_vocabulary(target):

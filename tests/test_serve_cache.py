@@ -1,10 +1,13 @@
 """The suffix cache of served text: round trip, bounded, and never trusted when torn or foreign."""
 
 import logging
+from collections import deque
 
 import pytest
+import torch
 
-from specdec.drafters.corpus import (CorpusDoc, CorpusFileError, load_corpus_file, save_corpus_file,
+from specdec.drafters.base import Prompt
+from specdec.drafters.corpus import (CorpusDoc, CorpusFileError, SuffixCorpus, load_corpus_file, save_corpus_file,
                                      vocab_fingerprint)
 from specdec.drafters.suffix import SuffixDrafter
 from specdec.serve.cache import CacheConfig, ServedCache, suffix_drafters
@@ -56,7 +59,7 @@ def test_served_text_survives_a_restart(tmp_path):
     assert cache.save() and not cache.save()  # nothing new: no second write
     again, loaded = _cache(tmp_path / "s.json")
     assert loaded.load() == 1
-    assert again.corpus.docs == [CorpusDoc((1, 2, 3, 4, 5, 6, 7), 3)]
+    assert again.remembered == [CorpusDoc((1, 2, 3, 4, 5, 6, 7), 3)]
 
 
 @pytest.mark.parametrize("foreign", [False, True])
@@ -69,20 +72,36 @@ def test_an_untrusted_cache_file_is_rebuilt_with_a_warning(tmp_path, caplog, for
     drafter, cache = _cache(path)
     with caplog.at_level(logging.WARNING, logger="specdec.serve"):
         assert cache.load() == 0
-    assert "not trusted" in caplog.text and drafter.corpus is None
+    assert "not trusted" in caplog.text and drafter.remembered == []
     assert (tmp_path / "s.json.corrupt").exists() and not path.exists()
     cache.remember([1], [2, 3])
     cache.save()
     assert len(load_corpus_file(path, "fp")) == 1  # rebuilt from what was served next
 
 
-def test_the_cache_evicts_the_oldest_answers_beyond_its_bound(tmp_path):
-    drafter, cache = _cache(tmp_path / "s.json", max_tokens=20)
-    for i in range(6):
-        cache.remember([100 + i], [i] * 4)  # 5 tokens each
-    assert cache.tokens <= 20
-    kept = [doc.ids[0] for doc in drafter.corpus.docs]
-    assert kept == [doc.ids[0] for doc, _ in cache.docs] and kept[-1] == 105 and 100 not in kept
+def test_the_cache_drops_its_oldest_generation_whole_beyond_its_bound(tmp_path):
+    stored = SuffixCorpus([CorpusDoc((1, 2, 3), 0)])
+    drafter = SuffixDrafter(corpus=stored)
+    cache = ServedCache([drafter], "fp", CacheConfig(tmp_path / "s.json", max_tokens=20))
+    index = stored.index
+    for i in range(9):
+        cache.remember([100 + i], [i] * 4)  # 5 tokens each: generations of 2 (10 tokens at most)
+        assert cache.tokens <= 20 and len(drafter.memory) <= 2
+        kept = [doc.ids[0] for doc in drafter.remembered]
+        assert kept == [doc.ids[0] for doc in cache.docs] and kept[-1] == 100 + i
+    assert kept == [106, 107, 108] and cache.generations == deque([2, 1])
+    assert stored.index is index and stored.docs == [CorpusDoc((1, 2, 3), 0)]  # the stored corpus: never rebuilt
+    assert cache.save() and [d.ids[0] for d in load_corpus_file(tmp_path / "s.json", "fp")] == kept
+
+
+def test_a_row_drafts_from_the_corpus_with_its_longest_match():
+    drafter = SuffixDrafter(corpus=SuffixCorpus([CorpusDoc((1, 2, 3, 4, 50), 0)]))
+    drafter.remember([2, 3, 4, 60, 61], 0)  # a shorter match of the row's text, another continuation
+    drafter.remember([8, 1, 2, 3, 4, 70, 71], 0)  # the longest: 8 1 2 3 4
+    drafter.begin(Prompt(torch.tensor([[8, 1, 2, 3, 4]]), torch.tensor([5]), None, None, None, None))
+    assert drafter.propose(16).tokens[0, :2].tolist() == [70, 71]
+    drafter.new_generation(keep=0)  # the memory gone: the stored corpus's 1 2 3 4 -> 50
+    assert drafter.propose(16).tokens[0, 0].item() == 50
 
 
 def test_suffix_drafters_are_found_among_sources():

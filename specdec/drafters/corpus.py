@@ -4,6 +4,7 @@ by every row; readers for its files and the project's stored answers."""
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import tempfile
@@ -73,6 +74,9 @@ def _normalize(text: str) -> str:
     return " ".join(text.split())
 
 
+_SERIALS = itertools.count()
+
+
 class SuffixCorpus:
     """Token-id documents behind one suffix automaton, built on first use (so exclusions can be set
     first) and grown by ``add`` without a rebuild."""
@@ -81,6 +85,7 @@ class SuffixCorpus:
         self.docs: list[CorpusDoc] = list(docs)
         self._index: SuffixAutomaton | None = None
         self.version = 0  # bumped whenever the index changes: rows re-match their text then
+        self.serial = next(_SERIALS)  # which corpus a row's match belongs to (unique for the process)
 
     @property
     def index(self) -> SuffixAutomaton:

@@ -4,8 +4,10 @@ After SuffixDecoding (Oliaro et al., "SuffixDecoding: A Model-Free Approach to S
 Language Model Inference", 2024; now in vLLM and ArcticInference). Free drafts, like prompt lookup,
 but (1) the match is the *longest* suffix of the text found anywhere, not a fixed n-gram, (2) the
 draft is a tree: every continuation that followed the matched context, ranked by how often it did,
-and (3) besides the row's own prompt and answer it searches a shared corpus of earlier outputs (the
-target's stored answers, the answers of this session: ``remember``).
+and (3) besides the row's own prompt and answer it searches shared corpora of earlier outputs: the
+stored corpus (the target's stored answers, ``add_documents``) and the memory of this session's answers
+(``remember``), kept in generations so that a bounded cache drops its oldest answers by dropping a
+whole generation's index, never rebuilding one (``new_generation``); the longest match among them drafts.
 
 The tree: best first by estimated path probability. A child's probability is its count over the sum
 of its siblings' counts (the context's continuations), times its parent's; nodes are taken in
@@ -153,14 +155,14 @@ def expand_tree(children: Callable[[object], list[tuple[int, int, object]]], roo
 
 
 class _Row:
-    """One sequence's state: its text, its own automaton, and its match in the corpus."""
+    """One sequence's state: its text, its own automaton, and its match in each corpus."""
 
-    __slots__ = ("text", "local", "corpus_state", "corpus_matched", "corpus_version")
+    __slots__ = ("text", "local", "matches")
 
     def __init__(self, tokens: list[int]) -> None:
         self.text = list(tokens)
         self.local = SuffixAutomaton(tokens)
-        self.corpus_state, self.corpus_matched, self.corpus_version = 0, 0, -1
+        self.matches: dict[int, tuple[int, int, int]] = {}  # corpus serial -> (its version, state, matched)
 
 
 class SuffixDrafter(Drafter, Corpus):
@@ -170,7 +172,8 @@ class SuffixDrafter(Drafter, Corpus):
 
     def __init__(self, config: SuffixConfig = SuffixConfig(), corpus: SuffixCorpus | None = None) -> None:
         self.config = config
-        self.corpus = corpus
+        self.corpus = corpus  # the stored corpus (files, ``add_documents``)
+        self.memory: list[SuffixCorpus] = []  # what ``remember`` added, in generations, oldest first
         self.rows: list[_Row] = []
         self._proposals: list[Proposal] | None = None  # this step's, computed by draft_class()
 
@@ -197,32 +200,44 @@ class SuffixDrafter(Drafter, Corpus):
         return cls.from_file(path, config=config)
 
     def remember(self, sequence: Sequence[int], prompt_len: int = 0) -> CorpusDoc:
-        """Add a finished conversation (prompt + answer ids) to the corpus: later questions, and the
-        same question asked again, draft from it. Rows re-match the corpus at their next draft.
-        Returns the document (for ``forget``)."""
-        if self.corpus is None:
-            self.corpus = SuffixCorpus()
-        return self.corpus.add(sequence, prompt_len)
+        """Add a finished conversation (prompt + answer ids) to the memory's youngest generation: later
+        questions, and the same question asked again, draft from it (rows re-match that generation,
+        a small index, at their next draft). Returns the document."""
+        if not self.memory:
+            self.memory.append(SuffixCorpus())
+        return self.memory[-1].add(sequence, prompt_len)
 
-    def forget(self, docs: Iterable[CorpusDoc]) -> None:
-        """Drop documents ``remember`` returned (a bounded cache evicts its oldest)."""
-        if self.corpus is not None:
-            self.corpus.drop(docs)
+    def new_generation(self, keep: int = 1) -> None:
+        """Start a new memory generation, keeping the ``keep`` youngest; older ones are dropped whole
+        (a bounded cache's eviction: no index is rebuilt)."""
+        self.memory = self.memory[len(self.memory) - keep:] if keep > 0 else []
+        self.memory.append(SuffixCorpus())
+
+    @property
+    def remembered(self) -> list[CorpusDoc]:
+        """The documents in memory, oldest first."""
+        return [doc for gen in self.memory for doc in gen.docs]
 
     def add_documents(self, docs: Iterable[CorpusDoc]) -> None:
-        """Add documents (``read_token_jsonl`` / ``read_text_corpus``) to the corpus, e.g. `--corpus FILE`."""
+        """Add documents (``read_token_jsonl`` / ``read_text_corpus``) to the stored corpus, e.g. `--corpus FILE`."""
+        if self.corpus is None:
+            self.corpus = SuffixCorpus()
         for doc in docs:
-            self.remember(doc.ids, doc.prompt_len)
+            self.corpus.add(doc.ids, doc.prompt_len)
 
     def build_index(self) -> None:
-        """Index the corpus now (it is otherwise indexed at the first draft, ~6 us a token)."""
-        if self.corpus is not None:
-            self.corpus.index
+        """Index the corpora now (they are otherwise indexed at the first draft, ~6 us a token)."""
+        for corpus in self._corpora():
+            corpus.index
 
     def exclude_questions(self, questions: Sequence[str], decode: Callable[[list[int]], str]) -> int:
-        """Drop corpus conversations whose prompt contains one of ``questions`` (benchmarks must not
-        draft from stored answers to their own questions). Returns how many were dropped."""
-        return 0 if self.corpus is None else self.corpus.exclude_questions(questions, decode)
+        """Drop conversations whose prompt contains one of ``questions`` from the stored corpus and the
+        memory (benchmarks must not draft from answers to their own questions); how many were dropped."""
+        return sum(c.exclude_questions(questions, decode) for c in [self.corpus, *self.memory] if c is not None)
+
+    def _corpora(self) -> list[SuffixCorpus]:
+        """The corpora a row searches: the stored one, then the memory's generations (non-empty only)."""
+        return [c for c in [self.corpus, *self.memory] if c is not None and c.docs]
 
     # ---- the contract ----------------------------------------------------------------------------
 
@@ -236,13 +251,15 @@ class SuffixDrafter(Drafter, Corpus):
         self._proposals = None
 
     def accept(self, commit: Commit) -> None:
-        corpus = self.corpus.index if self.corpus is not None and self.corpus.docs else None
+        corpora = [(c.serial, c.version, c.index) for c in self._corpora()]
         for b, row in enumerate(self.rows):
             for t in commit.new_tokens(b):
                 row.text.append(t)
                 row.local.extend(t)
-                if corpus is not None and row.corpus_version == self.corpus.version:
-                    row.corpus_state, row.corpus_matched = corpus.step(row.corpus_state, row.corpus_matched, t)
+                for serial, version, index in corpora:
+                    m = row.matches.get(serial)
+                    if m is not None and m[0] == version:  # else re-matched whole at the next draft
+                        row.matches[serial] = (version, *index.step(m[1], m[2], t))
         self._proposals = None
 
     def draft_class(self):
@@ -271,13 +288,16 @@ class SuffixDrafter(Drafter, Corpus):
     # ---- per row ---------------------------------------------------------------------------------
 
     def _corpus_match(self, row: _Row) -> tuple[SuffixAutomaton | None, int, int]:
-        if self.corpus is None or not self.corpus.docs:
-            return None, 0, 0
-        index = self.corpus.index
-        if row.corpus_version != self.corpus.version:  # new corpus (or first use): match once, O(text)
-            row.corpus_state, row.corpus_matched = index.match(row.text)
-            row.corpus_version = self.corpus.version
-        return index, row.corpus_state, row.corpus_matched
+        """(index, state, matched) of the corpus with the longest match of the row's text (first on ties)."""
+        best: tuple[SuffixAutomaton | None, int, int] = (None, 0, 0)
+        for corpus in self._corpora():
+            index = corpus.index
+            m = row.matches.get(corpus.serial)
+            if m is None or m[0] != corpus.version:  # a changed corpus (or first use): match once, O(text)
+                m = row.matches[corpus.serial] = (corpus.version, *index.match(row.text))
+            if best[0] is None or m[2] > best[2]:
+                best = (index, m[1], m[2])
+        return best
 
     def _propose_row(self, row: _Row) -> Proposal:
         cfg = self.config

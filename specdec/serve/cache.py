@@ -2,8 +2,10 @@
 
 Every finished answer (prompt + answer ids) goes into the corpus of each suffix drafter the server
 drafts with (``auto``'s ``suffix`` source, or ``--drafter suffix``), so the same question asked again,
-or an agent's repeated tool calls, are drafted from it. The oldest answers are evicted once the
-served text passes ``max_tokens`` (down to 90% of it, so the index is rebuilt rarely). The file is
+or an agent's repeated tool calls, are drafted from it. Served text is kept in two generations of at
+most ``max_tokens`` / 2 tokens each: when the young one is full the old one is dropped whole (its
+index with it) and a new one starts, so memory stays within ~``max_tokens`` and eviction never stops
+the decode loop to rebuild an index (rebuilding the stored answers' took seconds a time). The file is
 ``drafters.corpus``' format: checksummed, versioned by the tokenizer's vocabulary, replaced
 atomically; one that is torn, altered or foreign is set aside with a warning and rebuilt from what
 is served next, never read.
@@ -25,13 +27,12 @@ from specdec.drafters.suffix import SuffixDrafter
 
 log = logging.getLogger("specdec.serve")
 CACHE_FILE = "suffix-cache.json"
-EVICT_TO = 0.9  # eviction keeps this share of max_tokens: one index rebuild per ~10% of the bound
 
 
 @dataclass(frozen=True)
 class CacheConfig:
     path: Path | None = None  # the file; None: served text is remembered in memory only
-    max_tokens: int = 1_000_000  # served tokens kept (~4 MB of ids on disk, ~0.5 GB of suffix index)
+    max_tokens: int = 1_000_000  # served tokens kept, at most (~4 MB of ids on disk; its suffix index ~1 KB a token)
     save_every: float = 300.0  # seconds between periodic saves (and one on shutdown)
 
     def __post_init__(self) -> None:
@@ -49,9 +50,10 @@ def suffix_drafters(drafter) -> list[SuffixDrafter]:
 class ServedCache:
     def __init__(self, drafters: list[SuffixDrafter], fingerprint: str, config: CacheConfig = CacheConfig()) -> None:
         self.drafters, self.fingerprint, self.config = drafters, fingerprint, config
-        # (document, each drafter's copy of it): oldest first
-        self.docs: deque[tuple[CorpusDoc, list[CorpusDoc]]] = deque()
-        self.tokens = 0
+        self.docs: deque[CorpusDoc] = deque()  # served documents kept, oldest first (what ``save`` writes)
+        self.generations: deque[int] = deque([0])  # documents per generation, oldest first (at most 2)
+        self.tokens = 0  # in self.docs
+        self.young_tokens = 0  # in the youngest generation
         self.dirty = False  # remembered since the last save
         self._lock = threading.Lock()
 
@@ -83,26 +85,26 @@ class ServedCache:
         if not self.active or not answer:
             return
         ids = list(prompt) + list(answer)
-        copies = [d.remember(ids, len(prompt)) for d in self.drafters]
+        if self.young_tokens + len(ids) > self.config.max_tokens // 2 and self.generations[-1]:
+            self._new_generation()
+        doc = [d.remember(ids, len(prompt)) for d in self.drafters][0]
         with self._lock:
-            self.docs.append((copies[0], copies))
+            self.docs.append(doc)
+            self.generations[-1] += 1
             self.tokens += len(ids)
+            self.young_tokens += len(ids)
             self.dirty = True
-            evicted = self._evict()
-        if evicted:
-            for i, d in enumerate(self.drafters):
-                d.forget([copies[i] for _, copies in evicted])
 
-    def _evict(self) -> list:
-        """Oldest documents out until the served text is within EVICT_TO of max_tokens (under the lock)."""
-        if self.tokens <= self.config.max_tokens:
-            return []
-        out = []
-        while self.docs and self.tokens > EVICT_TO * self.config.max_tokens:
-            doc, copies = self.docs.popleft()
-            self.tokens -= len(doc.ids)
-            out.append((doc, copies))
-        return out
+    def _new_generation(self) -> None:
+        """The young generation is full: the old one goes (documents and index), a new one starts."""
+        for d in self.drafters:
+            d.new_generation(keep=1)
+        with self._lock:
+            if len(self.generations) == 2:
+                for _ in range(self.generations.popleft()):
+                    self.tokens -= len(self.docs.popleft().ids)
+            self.generations.append(0)
+            self.young_tokens = 0
 
     def save(self) -> bool:
         """Write the file if anything was remembered since the last save; whether it wrote."""
@@ -111,7 +113,7 @@ class ServedCache:
         with self._lock:
             if not self.dirty:
                 return False
-            docs = [doc for doc, _ in self.docs]
+            docs = list(self.docs)
             self.dirty = False
         try:
             save_corpus_file(self.config.path, docs, self.fingerprint)
