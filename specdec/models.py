@@ -94,7 +94,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     layers kept in the file's blocks, ``specdec.quant``, and no fp32 copy of them ever built: the same
     outputs as fp32 up to summation order, a fraction of the memory; few-row forwards by the block
     kernel), or "q8_0" / "q4_0" /
-    "q4_1" (any model's linear layers quantized on load: a new target whose outputs are its own)."""
+    "q4_1" / "q4_k" (any model's linear layers quantized on load: a new target whose outputs are its own;
+    a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's 256-weight blocks, stays fp32)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
     gguf = None
@@ -110,7 +111,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
         elif path.is_dir():
             if weights == "packed":
                 raise ModelLoadError(f"weights='packed' keeps a GGUF file's blocks, and {spec!r} is not a GGUF "
-                                     "file (quantize on load instead: weights='q8_0', 'q4_0' or 'q4_1')")
+                                     f"file (quantize on load instead: weights={', '.join(repr(w) for w in WEIGHTS[2:])})")
             loaded = _load_hf_dir(path, dtype, trust_remote_code, path.name)
         else:
             raise ModelLoadError(f"no model at {spec!r}: expected 'default', a .gguf file, or a "
