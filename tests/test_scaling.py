@@ -9,11 +9,13 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import SpecDecoder
+from specdec import SpecDecoder, SpecDecoderConfig
+from specdec.config import RuntimeConfig, use
 from specdec.drafters import PromptLookupDrafter
 from specdec.quant import QuantEmbedding, QuantLinear
 from specdec.quant.write import SHAPES, WRITABLE, LlamaShape, cached_random_gguf, gguf_opens, write_random_gguf
 
+UNCALIBRATED = RuntimeConfig(calibrate=False)  # the kernel for every few-row forward: no full-size self-check here
 # one file holding every writable type, with a separate output layer: tiny, but every path of a large one
 MIXED = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_K", "output": "Q4_K"}
@@ -36,9 +38,12 @@ def test_random_gguf_of_every_type_loads_packed_and_speculative_greedy_is_its_ow
     assert model.config.vocab_size == 49152 and model.config.num_key_value_heads == 2
     base = torch.randint(17, 49152, (5,), generator=torch.Generator().manual_seed(0))
     prompt = torch.cat([base, base, base[:2]])  # repeats: prompt lookup drafts and is partly accepted
-    out = SpecDecoder(model, PromptLookupDrafter()).generate(prompt[None], max_new_tokens=10, eos_token_id=[])
-    ref = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                         max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    decoder = SpecDecoder(model, PromptLookupDrafter(), SpecDecoderConfig(runtime=UNCALIBRATED))
+    out = decoder.generate(prompt[None], max_new_tokens=10, eos_token_id=[])
+    with use(UNCALIBRATED):  # the target's own generate on the same routes
+        ref = model.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
+    assert sum(sum(s.num_drafted) for s in out.steps) > 0  # drafts were verified: a speculative run
     assert out.generated(0).tolist() == ref[0, len(prompt):].tolist()
 
 
@@ -85,9 +90,10 @@ def test_writer_names_an_unwritable_type_and_a_shape_of_partial_blocks(tmp_path)
     assert not list(tmp_path.iterdir())
 
 
-def test_bench_scaling_writes_its_json_for_a_tiny_shape(tmp_path, capsys):
+def test_bench_scaling_writes_its_json_for_a_tiny_shape(tmp_path, capsys, monkeypatch):
     from specdec.cli import main
 
+    monkeypatch.setenv("SPECDEC_KERNEL_CALIBRATE", "off")  # the measuring process: no full-size self-check
     out = tmp_path / "scaling.json"
     argv = ["bench-scaling", "--shapes", "tiny", "--quants", "q4_0", "--tokens", "4", "--prompt-tokens", "8",
             "--cache-dir", str(tmp_path / "gguf"), "--out", str(out)]

@@ -12,6 +12,7 @@ tensors; with no Q6_K quantizer here every tensor is Q4_K, and the file says Q4_
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,15 +81,18 @@ def _tensors(shape: LlamaShape):
         yield "output.weight", (shape.vocab, h)
 
 
-def _copy_tokenizer(writer, source: Path) -> None:
-    """The ``tokenizer.*`` keys of ``source`` (vocabulary, merges, special ids, chat template) into ``writer``."""
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(source: Path) -> tuple:
+    """(key, value, type, element type) of every ``tokenizer.*`` key of ``source`` (vocabulary, merges,
+    special ids, chat template); read once per process (parsing 49k strings takes seconds)."""
     from gguf import GGUFReader, GGUFValueType
 
+    out = []
     for key, field in GGUFReader(str(source)).fields.items():
         if key.startswith("tokenizer."):
             vtype = field.types[0]
-            sub = field.types[1] if vtype == GGUFValueType.ARRAY else None
-            writer.add_key_value(key, field.contents(), vtype, sub_type=sub)
+            out.append((key, field.contents(), vtype, field.types[1] if vtype == GGUFValueType.ARRAY else None))
+    return tuple(out)
 
 
 def _check_type(quant: str, shape: LlamaShape) -> str:
@@ -134,7 +138,8 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
         writer.add_vocab_size(shape.vocab)
         writer.add_file_type(FILE_TYPES[quant])
         writer.add_quantization_version(2)
-        _copy_tokenizer(writer, tokenizer_from)
+        for key, value, vtype, sub in _tokenizer_fields(Path(tokenizer_from)):
+            writer.add_key_value(key, value, vtype, sub_type=sub)
         rng = np.random.default_rng(seed)
         for name, (rows, cols) in _tensors(shape):
             if rows == 0:  # an RMS norm's scale: ones, F32
