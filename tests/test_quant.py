@@ -65,9 +65,9 @@ def test_k_scales_of_the_upper_sub_blocks_take_their_top_bits_from_the_lower_byt
 def test_unsupported_quantization_type_names_itself_and_the_supported_list():
     with pytest.raises(ValueError, match=r"unsupported quantization type 'IQ2_XS'.*Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
         block_format("IQ2_XS")
-    with pytest.raises(ValueError, match="quantizing to Q4_K is not supported"):
+    with pytest.raises(ValueError, match="quantizing to Q6_K is not supported; on load: Q8_0, Q4_0, Q4_1, Q4_K"):
         quantize_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-                                                    num_hidden_layers=1, num_attention_heads=2)), "Q4_K")
+                                                    num_hidden_layers=1, num_attention_heads=2)), "Q6_K")
 
 
 def test_blocks_of_the_wrong_shape_are_refused_by_name():

@@ -167,7 +167,8 @@ def run(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     entries = _read(out)
     g = torch.Generator().manual_seed(args.seed)
-    prompt = torch.randint(17, 49152, (args.prompt_tokens,), generator=g).tolist()  # past the special ids
+    vocab = min(SHAPES[s].vocab for s in args.shapes)
+    prompt = torch.randint(17, vocab, (args.prompt_tokens,), generator=g).tolist()  # past the 17 special ids
     for shape in args.shapes:
         for quant in quants:
             if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
