@@ -102,6 +102,8 @@ def test_bench_scaling_writes_its_json_for_a_tiny_shape(tmp_path, capsys, monkey
     assert entry["shape"] == "tiny" and entry["quant"] == "Q4_0" and entry["specdec"]["new_tokens"] == 4
     rss = entry["specdec"]["rss"]
     assert 0 < rss["before_load"] <= rss["after_load"] and entry["rss_growth_bytes"] > 0
+    assert set(rss) == set(entry["specdec"]["rss_anon"]) == {"before_load", "after_load", "after_warm_up",
+                                                              "after_decode", "after_trim"}
     assert entry["specdec"]["kv_bytes"] == 2 * 2 * 2 * 64 * 4 * (8 + 4)  # layers x K,V x heads x dim x 4 B x rows
     assert entry["llama.cpp"] == {"skipped": "no --peer-python given"}
     assert main(argv) == 0 and "already in" in capsys.readouterr().out  # resumed: the entry is not run again

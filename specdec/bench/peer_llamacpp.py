@@ -54,11 +54,12 @@ def greedy(llm, prompt: list[int], eos: set[int], max_new_tokens: int, clock: li
     return out
 
 
-def vm_rss_kib() -> int:
-    """This process's resident set (VmRSS of /proc/self/status), KiB; 0 where there is no /proc."""
+def vm_rss_kib(field: str = "VmRSS") -> int:
+    """This process's resident set (``field`` of /proc/self/status: VmRSS, or RssAnon, RssFile), KiB; 0
+    where there is no /proc."""
     try:
         with open("/proc/self/status", encoding="ascii") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
     except (OSError, StopIteration):
         return 0
 
