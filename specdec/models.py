@@ -94,7 +94,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     layers kept in the file's blocks, ``specdec.quant``, and no fp32 copy of them ever built: the same
     outputs as fp32 up to summation order, a fraction of the memory; few-row forwards by the block
     kernel), or "q8_0" / "q4_0" /
-    "q4_1" (any model's linear layers quantized on load: a new target whose outputs are its own)."""
+    "q4_1" / "q4_k" (any model's linear layers quantized on load: a new target whose outputs are its own;
+    a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's 256-weight blocks, stays fp32)."""
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
     gguf = None
@@ -110,7 +111,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
         elif path.is_dir():
             if weights == "packed":
                 raise ModelLoadError(f"weights='packed' keeps a GGUF file's blocks, and {spec!r} is not a GGUF "
-                                     "file (quantize on load instead: weights='q8_0', 'q4_0' or 'q4_1')")
+                                     f"file (quantize on load instead: weights={', '.join(repr(w) for w in WEIGHTS[2:])})")
             loaded = _load_hf_dir(path, dtype, trust_remote_code, path.name)
         else:
             raise ModelLoadError(f"no model at {spec!r}: expected 'default', a .gguf file, or a "
@@ -168,10 +169,12 @@ def _sha256(f: Path) -> str:
     return h.hexdigest()
 
 
-def _gguf_cache_dir(gguf: Path, dtype: torch.dtype) -> Path:
+def _gguf_cache_dir(gguf: Path, dtype: torch.dtype, kind: str = "fp32") -> Path:
+    """kind: "fp32" (the whole model dequantized) or "packed" (config, tokenizer, float tensors only)."""
     st = gguf.stat()
     key = f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}|{CACHE_FORMAT}"
-    return cache_root() / "gguf" / f"{gguf.stem}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+    suffix = "" if kind == "fp32" else f"-{kind}"
+    return cache_root() / "gguf" / f"{gguf.stem}{suffix}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
 def _cache_is_valid(d: Path) -> bool:
@@ -198,14 +201,16 @@ def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
 def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     """The GGUF as a target with its quantized layers in the file's blocks, never an fp32 copy of them:
     the model is built on the meta device, the quantized layers take the file's blocks
-    (``pack_gguf_weights``), and only the rest (norms, float tensors) is read from the fp32 cache."""
+    (``pack_gguf_weights``), and only the rest (norms, float tensors) is read from a small cache of the
+    file's config, tokenizer and float tensors (``_build_packed_cache``: no quantized tensor is
+    dequantized, so a file of any size loads in about its own size of memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
     from specdec.quant.gguf import pack_gguf_weights
 
-    d = _gguf_cache_dir(gguf, dtype)
+    d = _gguf_cache_dir(gguf, dtype, "packed")
     if not _cache_is_valid(d):
-        _build_gguf_cache(gguf, dtype, d)
+        _build_packed_cache(gguf, dtype, d)
     tokenizer = _load_hf_dir_tokenizer(d)
     with torch.device("meta"):  # shapes only: no weight is allocated or initialized
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)
@@ -213,6 +218,25 @@ def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     _materialize(model, d / "model.safetensors")
     model.generation_config = GenerationConfig.from_pretrained(d)
     return LoadedModel(model.eval(), tokenizer, name)
+
+
+def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
+    """The file's config, tokenizer and float tensors (norms), as transformers reads them, cached."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from specdec.quant.gguf import float_tensors
+
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        floats = {k: v.to(dtype) for k, v in float_tensors(model, gguf, config.model_type).items()}
+    except Exception as e:  # noqa: BLE001
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
+    _write_cache(dest, gguf, config, GenerationConfig.from_model_config(config), tokenizer,
+                 lambda f: save_file(floats, str(f)))
 
 
 def _load_hf_dir_tokenizer(d: Path):
@@ -258,19 +282,25 @@ def _build_gguf_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
+    # handles the tied embedding / lm_head
+    _write_cache(dest, gguf, model.config, model.generation_config, tokenizer, lambda f: save_model(model, str(f)))
+
+
+def _write_cache(dest: Path, gguf: Path, config, generation_config, tokenizer, save_weights) -> None:
+    """A cache folder at ``dest``: config, generation config, tokenizer, ``model.safetensors`` (written
+    by ``save_weights(path)``) and a manifest with its SHA-256, built aside and renamed into place."""
     # save_pretrained refuses a GGUF-loaded model; a plain config + safetensors of the same weights
     # reloads as the same model (the quantization entry only describes the source file).
-    config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
     try:
         config.save_pretrained(tmp)
-        model.generation_config.save_pretrained(tmp)
+        generation_config.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        save_model(model, str(tmp / "model.safetensors"))  # handles the tied embedding / lm_head
         weights = tmp / "model.safetensors"
+        save_weights(weights)
         manifest = {"format": CACHE_FORMAT, "source": str(gguf), "size": weights.stat().st_size,
                     "sha256": _sha256(weights)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))

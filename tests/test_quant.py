@@ -65,9 +65,9 @@ def test_k_scales_of_the_upper_sub_blocks_take_their_top_bits_from_the_lower_byt
 def test_unsupported_quantization_type_names_itself_and_the_supported_list():
     with pytest.raises(ValueError, match=r"unsupported quantization type 'IQ2_XS'.*Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K"):
         block_format("IQ2_XS")
-    with pytest.raises(ValueError, match="quantizing to Q4_K is not supported"):
+    with pytest.raises(ValueError, match="quantizing to Q6_K is not supported; on load: Q8_0, Q4_0, Q4_1, Q4_K"):
         quantize_model(LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=64, intermediate_size=64,
-                                                    num_hidden_layers=1, num_attention_heads=2)), "Q4_K")
+                                                    num_hidden_layers=1, num_attention_heads=2)), "Q6_K")
 
 
 def test_blocks_of_the_wrong_shape_are_refused_by_name():
@@ -190,8 +190,63 @@ def test_default_model_packed_weights_equal_transformers_fp32_weights():
 def test_load_model_names_a_bad_weights_choice():
     from specdec.models import load_model
 
-    with pytest.raises(ValueError, match=r"weights='q5': expected one of fp32, packed, q8_0, q4_0, q4_1"):
+    with pytest.raises(ValueError, match=r"weights='q5': expected one of fp32, packed, q8_0, q4_0, q4_1, q4_k"):
         load_model("default", weights="q5")
+
+
+def q4_k_input(rng: np.random.Generator) -> np.ndarray:
+    """float32 [16, 512]: Gaussian rows with the sub-blocks a quantizer can get wrong, made by hand: all
+    zeros, all positive (offset 0), all negative, one outlier far above its super-block's rest."""
+    x = rng.normal(0, 0.02, size=(16, 512)).astype(np.float32)
+    x[1, :32] = 0.0
+    x[2, :256] = np.abs(x[2, :256])
+    x[3, 32:64] = -np.abs(x[3, 32:64])
+    x[4, 300] = 1.0
+    return x
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_q4_k_quantizer_is_within_half_a_decoded_step_of_its_input(seed):
+    """Dequantized by specdec's reference, each weight is within half a step of its sub-block's range
+    / 15, plus the 6-bit rounding of the step against the super-block's largest (1/63 of it)."""
+    from specdec.quant.q4k import quantize_q4_k
+
+    x = q4_k_input(np.random.default_rng(seed))
+    got = dequantize(torch.from_numpy(quantize_q4_k(x)), FORMATS["Q4_K"]).numpy()  # [16, 512]
+    sub = x.reshape(-1, 8, 32)  # [super-blocks, sub-blocks, 32]
+    span = sub.max(axis=2) - np.minimum(sub.min(axis=2), 0)  # [n, 8]: the range a sub-block must cover
+    bound = 0.5 * span / 15 + span.max(axis=1, keepdims=True) / 900 + 1e-7
+    err = np.abs(got - x).reshape(-1, 8, 32).max(axis=2)
+    assert (err <= bound).all(), float((err / bound).max())
+    assert err[1 * 2, 0] == 0.0  # the all-zero sub-block (row 1, super-block 0, sub-block 0) is exact
+
+
+def test_q4_k_quantizer_bytes_read_the_same_through_the_gguf_package():
+    from gguf import GGMLQuantizationType, quants
+
+    from specdec.quant.q4k import quantize_q4_k
+
+    raw = quantize_q4_k(q4_k_input(np.random.default_rng(2)))
+    theirs = quants.dequantize(raw, GGMLQuantizationType.Q4_K)
+    ours = dequantize(torch.from_numpy(raw), FORMATS["Q4_K"]).numpy()
+    assert raw.shape == (16, 2 * 144) and np.array_equal(theirs.view(np.uint32), ours.view(np.uint32))
+
+
+def test_q4_k_quantizer_refuses_rows_of_partial_super_blocks():
+    from specdec.quant.q4k import quantize_q4_k
+
+    with pytest.raises(ValueError, match="a row of 96 weights is not a whole number of 256-weight super-blocks"):
+        quantize_q4_k(np.zeros((2, 96), dtype=np.float32))
+
+
+def test_quantize_model_writes_q4_k_through_specdecs_quantizer():
+    """Q4_K on load: every linear (inputs of whole 256-weight super-blocks) becomes Q4_K blocks."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = quantize_model(LlamaForCausalLM(cfg).eval(), "Q4_K")
+    quant = {n: m for n, m in model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(quant) == 8 and all(m.fmt.name == "Q4_K" for m in quant.values())  # 7 + lm_head
 
 
 def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypatch):

@@ -3,9 +3,10 @@
     python -m specdec.bench.peer_llamacpp REQUEST.json RESULT.json
 
 REQUEST  {"gguf": path, "prompts": [[id, ...], ...], "eos": [id, ...], "max_new_tokens": n,
-          "threads": t, "lookup_tokens": k}
+          "threads": t, "lookup_tokens": k, "modes": ["plain", "lookup"] (optional: these two by default)}
 RESULT   {"version": llama_cpp.__version__,
-          "modes": {"plain": [{"ids": [id, ...], "seconds": s}, ...], "lookup": [...]}}
+          "modes": {"plain": [{"ids": [id, ...], "seconds": s, "first_seconds": s1}, ...], "lookup": [...]},
+          "rss_kib": {"plain": {"before_load": kib, "after_load": kib, "after": kib}, ...}}
          or {"missing": "<the import error>"} when this interpreter cannot import llama_cpp.
 
 Each mode loads the file once, generates one untimed warm-up of a few tokens, then every prompt
@@ -38,20 +39,34 @@ def write_json(path: Path, obj) -> None:
     os.replace(tmp, path)
 
 
-def greedy(llm, prompt: list[int], eos: set[int], max_new_tokens: int) -> list[int]:
+def greedy(llm, prompt: list[int], eos: set[int], max_new_tokens: int, clock: list | None = None) -> list[int]:
     """llama.cpp's greedy reply to ``prompt``: up to and including the first EOS id, at most
-    ``max_new_tokens``. ``reset()`` first, so nothing of the previous prompt's cache is reused."""
+    ``max_new_tokens``. ``reset()`` first, so nothing of the previous prompt's cache is reused.
+    ``clock`` gets the time the first token arrived (prompt evaluated), for a decode-only rate."""
     llm.reset()
     out: list[int] = []
     for t in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
+        if not out and clock is not None:
+            clock.append(time.perf_counter())
         out.append(int(t))
         if out[-1] in eos or len(out) >= max_new_tokens:
             break
     return out
 
 
-def run_mode(llama_cpp, request: dict, lookup: bool) -> list[dict]:
-    """Every prompt of ``request`` on one freshly loaded model: [{"ids", "seconds"}] per prompt."""
+def vm_rss_kib(field: str = "VmRSS") -> int:
+    """This process's resident set (``field`` of /proc/self/status: VmRSS, or RssAnon, RssFile), KiB; 0
+    where there is no /proc."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+    except (OSError, StopIteration):
+        return 0
+
+
+def run_mode(llama_cpp, request: dict, lookup: bool, rss: dict) -> list[dict]:
+    """Every prompt of ``request`` on one freshly loaded model: [{"ids", "seconds"}] per prompt; ``rss``
+    gets the process's RSS before the load, after it and after the last prompt."""
     draft = None
     if lookup:
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
@@ -62,14 +77,17 @@ def run_mode(llama_cpp, request: dict, lookup: bool) -> list[dict]:
     # with a draft model, a prompt longer than n_batch fails in llama-cpp-python 0.3.36 ("could not broadcast
     # input array ... into shape (0,)"): the lookup mode evaluates each prompt in one batch
     batch = n_ctx if lookup else 512
+    rss["before_load"] = vm_rss_kib()
     llm = llama_cpp.Llama(model_path=request["gguf"], n_ctx=n_ctx, n_threads=request["threads"],
                           n_threads_batch=request["threads"], n_batch=batch, verbose=False, draft_model=draft)
+    rss["after_load"] = vm_rss_kib()
     greedy(llm, prompts[0], eos, WARM_UP_TOKENS)  # untimed
     runs = []
     for prompt in prompts:
-        t = time.perf_counter()
-        ids = greedy(llm, prompt, eos, n)
-        runs.append({"ids": ids, "seconds": time.perf_counter() - t})
+        t, first = time.perf_counter(), []
+        ids = greedy(llm, prompt, eos, n, first)
+        runs.append({"ids": ids, "seconds": time.perf_counter() - t, "first_seconds": first[0] - t})
+    rss["after"] = vm_rss_kib()
     return runs
 
 
@@ -81,8 +99,10 @@ def main(argv: list[str]) -> int:
     except (ImportError, OSError) as e:  # not installed, or its shared library does not load
         write_json(result_path, {"missing": f"{type(e).__name__}: {e}"})
         return 0
-    modes = {name: run_mode(llama_cpp, request, lookup) for name, lookup in (("plain", False), ("lookup", True))}
-    write_json(result_path, {"version": llama_cpp.__version__, "modes": modes})
+    wanted = request.get("modes", ["plain", "lookup"])
+    rss = {name: {} for name in wanted}
+    modes = {name: run_mode(llama_cpp, request, name == "lookup", rss[name]) for name in wanted}
+    write_json(result_path, {"version": llama_cpp.__version__, "modes": modes, "rss_kib": rss})
     return 0
 
 

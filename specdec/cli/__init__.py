@@ -18,6 +18,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "bench-longctx": ("specdec.bench.longctx", "long-context self-speculation (MagicDec) vs HF generate"),
     "bench-serve": ("specdec.bench.serve_load", "load on a running specdec serve vs the same load one at a time"),
     "bench-controller": ("specdec.bench.policy", "the draft-length controller vs every fixed length, on replayed steps"),
+    "bench-scaling": ("specdec.bench.scaling", "packed GGUF targets of 0.5B-1.5B Llama shapes: step time and RSS vs llama.cpp"),
     "bench-device": ("specdec.bench.device.command", "exactness, verify costs and priced traces on an accelerator"),
     "chat": ("specdec.cli.chat", "terminal chat with speculative decoding"),
     "serve": ("specdec.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),

@@ -20,7 +20,7 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
     p.add_argument("--weights", default="fp32", choices=WEIGHTS,
                    help="fp32; packed: a GGUF's quantized blocks kept as they are (same outputs, a fraction of "
-                        "the memory, few-row steps by the block kernel); q8_0/q4_0/q4_1: quantize on load")
+                        "the memory, few-row steps by the block kernel); q8_0/q4_0/q4_1/q4_k: quantize on load")
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")

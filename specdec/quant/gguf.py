@@ -96,3 +96,25 @@ def pack_gguf_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
             old = model.get_submodule(name)
             swap_module(model, name, QuantLinear(blocks, fmt, k, old.bias))
     return model
+
+
+def float_tensors(model: nn.Module, gguf_path: str | Path, architecture: str) -> dict[str, torch.Tensor]:
+    """The file's float tensors (F32 / F16 / BF16: norms, and any matrix stored unquantized) under
+    ``model``'s parameter names, as transformers' GGUF loading reads them (its name map and its
+    per-architecture processing, e.g. llama's q/k row order), without dequantizing any quantized
+    tensor. ``model``: the HF model of the file's config, still unpacked (on the meta device is fine)."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
+
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
+    names = get_gguf_hf_weights_map(model, processor)  # GGUF name -> HF parameter name
+    out = {}
+    for t in GGUFReader(str(gguf_path)).tensors:
+        if int(t.tensor_type) not in _FLOAT_TYPES:
+            continue
+        result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,
+                                   tensor_key_mapping=names, parsed_parameters={"config": model.config.to_dict()})
+        if result.name in names:
+            out[names[result.name]] = torch.from_numpy(np.array(result.weights, dtype=np.float32))
+    return out

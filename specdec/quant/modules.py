@@ -23,8 +23,9 @@ import torch.nn.functional as F
 from specdec.quant.formats import BlockFormat, block_format, dequantize
 from specdec.runtime import qlinear
 
-# the formats ``quantize_model`` can write (the gguf package's quantizers); K formats load from files
-QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1")
+# the formats ``quantize_model`` can write: the gguf package's quantizers and specdec's own Q4_K
+# (``specdec.quant.q4k``); the other K formats load from files
+QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
 CHUNK_FLOATS = 1 << 20  # QuantLinear's reference forward dequantizes at most this many weights at a time
 
 
@@ -102,12 +103,11 @@ def swap_module(model: nn.Module, path: str, module: nn.Module) -> None:
 
 
 def quantize_blocks(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """float [N, K] -> uint8 [N, row_bytes]: the weight quantized to ``fmt`` (Q8_0, Q4_0, Q4_1)."""
-    from gguf import GGMLQuantizationType, quants
+    """float [N, K] -> uint8 [N, row_bytes]: the weight quantized to ``fmt`` (QUANTIZE_ON_LOAD)."""
+    from specdec.quant.q4k import quantize_rows
 
     _check_quantizable(fmt)
-    data = weight.detach().to(torch.float32).cpu().numpy()
-    packed = quants.quantize(data, GGMLQuantizationType[fmt.name])
+    packed = quantize_rows(weight.detach().to(torch.float32).cpu().numpy(), fmt.name)
     return torch.from_numpy(np.ascontiguousarray(packed)).reshape(weight.shape[0], fmt.row_bytes(weight.shape[1]))
 
 

@@ -1,0 +1,183 @@
+"""Random-weight Llama GGUF files of a named shape: targets for scaling benchmarks at sizes no
+package ships (``specdec bench-scaling``).
+
+A file carries the default model's tokenizer (its ``tokenizer.*`` keys copied, vocabulary 49,152), so
+transformers, specdec and llama.cpp all open it as a Llama with that tokenizer; the weights are
+seeded N(0, std) (norms 1), quantized per tensor: Q8_0 / Q4_0 / Q4_1 by the gguf package's
+quantizers, Q4_K by ``specdec.quant.q4k`` (norms stay F32). llama.cpp's Q4_K_M mixes Q6_K into some
+tensors; with no Q6_K quantizer here every tensor is Q4_K, and the file says Q4_K.
+
+    path = cached_random_gguf(SHAPES["0.5b"], "Q4_0", cache_dir)   # written once, reused while it opens
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specdec.quant.formats import block_format
+from specdec.quant.q4k import quantize_rows
+
+WRITER_VERSION = 1  # bump when what a file holds for the same (shape, quant, seed) changes
+WRITABLE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+# general.file_type: llama.cpp's names; it has no all-Q4_K type, MOSTLY_Q4_K_S (14) is the nearest
+FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 14}
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    hidden: int  # embedding width (a multiple of 256 for Q4_K)
+    layers: int  # decoder blocks
+    intermediate: int  # MLP width (a multiple of 256 for Q4_K: the down projection's input)
+    heads: int  # query heads; head_dim = hidden / heads
+    kv_heads: int  # key/value heads (grouped-query attention)
+    tied: bool  # the output layer reads the embedding's blocks (no output.weight in the file)
+    vocab: int = 49152  # the default model's tokenizer
+    context: int = 8192  # llama.context_length
+    rope_theta: float = 100000.0  # the default model's
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def params(self) -> int:
+        """Weights in the file (norms included)."""
+        kv = self.kv_heads * self.head_dim
+        layer = self.hidden * (2 * self.hidden + 2 * kv) + 3 * self.hidden * self.intermediate + 2 * self.hidden
+        return self.layers * layer + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def check(self) -> None:
+        if self.hidden % self.heads or self.heads % self.kv_heads or self.head_dim % 2:
+            raise ValueError(f"{self}: heads must divide hidden into an even head_dim, kv_heads divide heads")
+
+
+SHAPES: dict[str, LlamaShape] = {
+    # close to Qwen2.5-0.5B / -1.5B with the 49,152-token vocabulary; 0.5b's hidden is 1024, not Qwen's
+    # 896, so that every row is whole 256-weight Q4_K super-blocks
+    "0.5b": LlamaShape(hidden=1024, layers=24, intermediate=4864, heads=16, kv_heads=2, tied=True),  # ~0.47B
+    "1.5b": LlamaShape(hidden=1536, layers=28, intermediate=8960, heads=12, kv_heads=2, tied=False),  # ~1.46B
+    "tiny": LlamaShape(hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2, tied=True),  # ~13M: tests
+}
+
+
+def _tensors(shape: LlamaShape):
+    """(GGUF name, [rows, columns]) of every tensor, in file order; a norm is [columns] (rows = 0)."""
+    h, kv = shape.hidden, shape.kv_heads * shape.head_dim
+    yield "token_embd.weight", (shape.vocab, h)
+    for i in range(shape.layers):
+        yield f"blk.{i}.attn_norm.weight", (0, h)
+        for name, rows, cols in (("attn_q", h, h), ("attn_k", kv, h), ("attn_v", kv, h), ("attn_output", h, h)):
+            yield f"blk.{i}.{name}.weight", (rows, cols)
+        yield f"blk.{i}.ffn_norm.weight", (0, h)
+        for name, rows, cols in (("ffn_gate", shape.intermediate, h), ("ffn_up", shape.intermediate, h),
+                                 ("ffn_down", h, shape.intermediate)):
+            yield f"blk.{i}.{name}.weight", (rows, cols)
+    yield "output_norm.weight", (0, h)
+    if not shape.tied:
+        yield "output.weight", (shape.vocab, h)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(source: Path) -> tuple:
+    """(key, value, type, element type) of every ``tokenizer.*`` key of ``source`` (vocabulary, merges,
+    special ids, chat template); read once per process (parsing 49k strings takes seconds)."""
+    from gguf import GGUFReader, GGUFValueType
+
+    out = []
+    for key, field in GGUFReader(str(source)).fields.items():
+        if key.startswith("tokenizer."):
+            vtype = field.types[0]
+            out.append((key, field.contents(), vtype, field.types[1] if vtype == GGUFValueType.ARRAY else None))
+    return tuple(out)
+
+
+def _check_type(quant: str, shape: LlamaShape) -> str:
+    quant = quant.upper()
+    if quant not in WRITABLE:
+        raise ValueError(f"cannot write {quant!r} weights: writable types are {', '.join(WRITABLE)}")
+    fmt = block_format(quant)
+    if shape.hidden % fmt.block_weights or shape.intermediate % fmt.block_weights:
+        raise ValueError(f"{quant} needs rows of whole {fmt.block_weights}-weight blocks: hidden {shape.hidden} "
+                         f"and intermediate {shape.intermediate} must be multiples of {fmt.block_weights}")
+    return quant
+
+
+def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, std: float = 0.02,
+                      tokenizer_from: Path | None = None, overrides: dict[str, str] | None = None) -> Path:
+    """Write a random-weight Llama of ``shape`` with every matrix in ``quant`` blocks to ``path``,
+    atomically (a temp file beside it, then a rename: a crash leaves no partial file under ``path``).
+    overrides: a tensor kind ("token_embd", "attn_q", "ffn_down", "output", ...) -> its own type."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    shape.check()
+    quant = _check_type(quant, shape)
+    types = {kind: _check_type(t, shape) for kind, t in (overrides or {}).items()}
+    if tokenizer_from is None:
+        from specdec.models import default_gguf_path
+
+        tokenizer_from = default_gguf_path()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), "llama")
+    try:
+        writer.add_name(f"random Llama {shape.params() / 1e9:.2f}B {quant} seed {seed}")
+        writer.add_context_length(shape.context)
+        writer.add_embedding_length(shape.hidden)
+        writer.add_block_count(shape.layers)
+        writer.add_feed_forward_length(shape.intermediate)
+        writer.add_head_count(shape.heads)
+        writer.add_head_count_kv(shape.kv_heads)
+        writer.add_rope_freq_base(shape.rope_theta)
+        writer.add_layer_norm_rms_eps(1e-5)
+        writer.add_rope_dimension_count(shape.head_dim)
+        writer.add_vocab_size(shape.vocab)
+        writer.add_file_type(FILE_TYPES[quant])
+        writer.add_quantization_version(2)
+        for key, value, vtype, sub in _tokenizer_fields(Path(tokenizer_from)):
+            writer.add_key_value(key, value, vtype, sub_type=sub)
+        rng = np.random.default_rng(seed)
+        for name, (rows, cols) in _tensors(shape):
+            if rows == 0:  # an RMS norm's scale: ones, F32
+                writer.add_tensor(name, np.ones(cols, dtype=np.float32))
+                continue
+            w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)  # [rows, cols]
+            t = types.get(name.split(".")[-2], quant)  # blk.3.ffn_up.weight -> ffn_up
+            writer.add_tensor(name, quantize_rows(w, t), raw_dtype=GGMLQuantizationType[t])
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+def gguf_opens(path: Path) -> bool:
+    """Whether ``path`` reads as a GGUF whose tensors all lie within the file (a truncated or garbled
+    file does not)."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+        return len(reader.tensors) > 0
+    except Exception:  # noqa: BLE001 - any failure to parse means: write it again
+        return False
+
+
+def cached_random_gguf(shape_name: str, quant: str, cache_dir: Path, seed: int = 0) -> Path:
+    """The random GGUF of (shape, quant, seed) under ``cache_dir``: reused when it opens, else (missing,
+    truncated, corrupt) written again. The name carries the writer's version: an older writer's file
+    is never taken for this one's."""
+    if shape_name not in SHAPES:
+        raise ValueError(f"unknown shape {shape_name!r}: known shapes are {', '.join(SHAPES)}")
+    path = Path(cache_dir) / f"random-llama-{shape_name}-{quant.upper()}-seed{seed}-w{WRITER_VERSION}.gguf"
+    if path.is_file() and gguf_opens(path):
+        return path
+    return write_random_gguf(path, SHAPES[shape_name], quant, seed)
