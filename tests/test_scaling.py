@@ -13,7 +13,8 @@ from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.config import RuntimeConfig, use
 from specdec.drafters import PromptLookupDrafter
 from specdec.quant import QuantEmbedding, QuantLinear
-from specdec.quant.write import SHAPES, WRITABLE, LlamaShape, cached_random_gguf, gguf_opens, write_random_gguf
+from specdec.quant.write import (SHAPES, WRITABLE, LlamaShape, cached_random_gguf, gguf_opens, write_f32_gguf,
+                                 write_random_gguf)
 
 UNCALIBRATED = RuntimeConfig(calibrate=False)  # the kernel for every few-row forward: no full-size self-check here
 # one file holding every writable type, with a separate output layer: tiny, but every path of a large one
@@ -45,6 +46,19 @@ def test_random_gguf_of_every_type_loads_packed_and_speculative_greedy_is_its_ow
                              max_new_tokens=10, min_new_tokens=10, do_sample=False, pad_token_id=0)
     assert sum(sum(s.num_drafted) for s in out.steps) > 0  # drafts were verified: a speculative run
     assert out.generated(0).tolist() == ref[0, len(prompt):].tolist()
+
+
+def test_an_f32_copy_holds_the_dequantized_weights_and_every_key(mixed_gguf, tmp_path):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    src, out = GGUFReader(str(mixed_gguf)), GGUFReader(str(write_f32_gguf(mixed_gguf, tmp_path / "f32.gguf")))
+    assert {t.tensor_type for t in out.tensors} == {GGMLQuantizationType.F32}
+    for a, b in zip(src.tensors, out.tensors, strict=True):
+        assert a.name == b.name and np.array_equal(dequantize(a.data, a.tensor_type), b.data), a.name
+    keys = lambda r: {k: f.contents() for k, f in r.fields.items() if not k.startswith("GGUF.")}  # noqa: E731
+    want = keys(src) | {"general.file_type": 0}
+    assert keys(out) == want
 
 
 def test_named_shapes_are_whole_q4_k_rows_and_near_their_names():

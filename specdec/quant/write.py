@@ -8,6 +8,11 @@ quantizers, Q4_K by ``specdec.quant.q4k`` (norms stay F32). llama.cpp's Q4_K_M m
 tensors; with no Q6_K quantizer here every tensor is Q4_K, and the file says Q4_K.
 
     path = cached_random_gguf(SHAPES["0.5b"], "Q4_0", cache_dir)   # written once, reused while it opens
+    write_f32_gguf(default_gguf_path(), Path("smollm2-f32.gguf"))     # the same weights, every tensor F32
+
+``write_f32_gguf`` (also ``python -m specdec.quant.write --f32 SRC DST``) rewrites a GGUF with each
+quantized tensor dequantized to F32 (the gguf package's dequantizer, the values transformers loads):
+what another engine needs to run specdec's fp32 target (e.g. llama.cpp's server in `bench-serve`).
 """
 
 from __future__ import annotations
@@ -82,14 +87,15 @@ def _tensors(shape: LlamaShape):
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer_fields(source: Path) -> tuple:
-    """(key, value, type, element type) of every ``tokenizer.*`` key of ``source`` (vocabulary, merges,
-    special ids, chat template); read once per process (parsing 49k strings takes seconds)."""
+def _fields(source: Path, prefix: str = "") -> tuple:
+    """(key, value, type, element type) of every key of ``source`` starting with ``prefix`` but the
+    reader's own (``GGUF.*``) and the file type (e.g. "tokenizer.": vocabulary, merges, special ids,
+    chat template); read once per process (parsing 49k strings takes seconds)."""
     from gguf import GGUFReader, GGUFValueType
 
     out = []
     for key, field in GGUFReader(str(source)).fields.items():
-        if key.startswith("tokenizer."):
+        if key.startswith(prefix) and not key.startswith("GGUF.") and key != "general.file_type":
             vtype = field.types[0]
             out.append((key, field.contents(), vtype, field.types[1] if vtype == GGUFValueType.ARRAY else None))
     return tuple(out)
@@ -138,7 +144,7 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
         writer.add_vocab_size(shape.vocab)
         writer.add_file_type(FILE_TYPES[quant])
         writer.add_quantization_version(2)
-        for key, value, vtype, sub in _tokenizer_fields(Path(tokenizer_from)):
+        for key, value, vtype, sub in _fields(Path(tokenizer_from), "tokenizer."):
             writer.add_key_value(key, value, vtype, sub_type=sub)
         rng = np.random.default_rng(seed)
         for name, (rows, cols) in _tensors(shape):
@@ -181,3 +187,43 @@ def cached_random_gguf(shape_name: str, quant: str, cache_dir: Path, seed: int =
     if path.is_file() and gguf_opens(path):
         return path
     return write_random_gguf(path, SHAPES[shape_name], quant, seed)
+
+
+def write_f32_gguf(source: Path, path: Path) -> Path:
+    """``source`` rewritten with every quantized tensor dequantized to F32 (its keys copied, file type
+    ALL_F32), atomically as ``write_random_gguf``."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(source))
+    fields = _fields(Path(source))
+    arch = next(v for k, v, _, _ in fields if k == "general.architecture")
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), arch)
+    try:
+        for key, value, vtype, sub in fields:
+            if key != "general.architecture":  # the writer wrote it
+                writer.add_key_value(key, value, vtype, sub_type=sub)
+        writer.add_file_type(0)  # ALL_F32
+        for t in reader.tensors:
+            data = t.data if t.tensor_type == GGMLQuantizationType.F32 else dequantize(t.data, t.tensor_type)
+            writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+    return path
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a GGUF's weights as F32 (every quantized tensor dequantized).")
+    parser.add_argument("--f32", nargs=2, metavar=("SRC", "DST"), required=True)
+    src, dst = parser.parse_args().f32
+    print(f"wrote {write_f32_gguf(Path(src), Path(dst))}")
