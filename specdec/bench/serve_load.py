@@ -30,6 +30,7 @@ import asyncio
 import itertools
 import json
 import math
+import statistics
 import time
 from dataclasses import asdict, dataclass
 from typing import Callable
@@ -192,15 +193,19 @@ async def _final_rss(url: str) -> float | None:
 
 
 def rss_growth(rss: list[tuple[float, float | None]], warmup: float) -> dict:
-    """Memory over a soak: the first sample at or after ``warmup`` seconds (the baseline), the largest
-    after it, and growth = largest / baseline - 1 (None without a sample after the warm-up).
-    Example: [(0, 100), (60, 150), (120, 153), (180, 151)], warmup 60 -> baseline 150, max 153, 2%."""
-    after = [(t, b) for t, b in rss if t >= warmup and b is not None]
+    """Memory over a soak, from the first sample at or after ``warmup`` seconds (the baseline): the
+    peak growth (largest sample after it / baseline - 1: transient working sets included, e.g. a batch
+    of long prompts) and the trend (median of the last third of the samples after the warm-up / median
+    of the first third - 1: what a leak shows as). None without samples after the warm-up.
+    Example: [(0, 100), (60, 150), (120, 160), (180, 151), (240, 152)], warmup 60 -> baseline 150,
+    peak 160 (+6.7%), trend 152 / 150 - 1 (+1.3%)."""
+    after = [b for t, b in rss if t >= warmup and b is not None]
     if not after:
-        return {"rss_baseline": None, "rss_max_after_warmup": None, "rss_growth": None}
-    base, top = after[0][1], max(b for _, b in after)
-    return {"rss_baseline": base, "rss_max_after_warmup": top, "rss_growth": top / base - 1.0,
-            "rss_first": next((b for _, b in rss if b is not None), None), "rss_last": after[-1][1]}
+        return {"rss_baseline": None, "rss_max_after_warmup": None, "rss_growth": None, "rss_trend": None}
+    third = max(1, len(after) // 3)
+    return {"rss_baseline": after[0], "rss_max_after_warmup": max(after), "rss_growth": max(after) / after[0] - 1.0,
+            "rss_trend": statistics.median(after[-third:]) / statistics.median(after[:third]) - 1.0,
+            "rss_first": next((b for _, b in rss if b is not None), None), "rss_last": after[-1]}
 
 
 def soak_summary(samples: list[Sample], rss: list, wall: float, warmup: float) -> dict:
@@ -319,7 +324,8 @@ def run(args) -> int:
     if "soak" in result and result["soak"]["rss_growth"] is not None:
         r = result["soak"]
         print(f"soak memory: {r['rss_baseline'] / 2**20:.0f} MB after {r['warmup_s']:.0f} s of warm-up, at most "
-              f"{r['rss_max_after_warmup'] / 2**20:.0f} MB after it ({100 * r['rss_growth']:+.1f}%)")
+              f"{r['rss_max_after_warmup'] / 2**20:.0f} MB after it ({100 * r['rss_growth']:+.1f}%), trend "
+              f"{100 * r['rss_trend']:+.1f}% (last third of the samples over the first), {r['rss_last'] / 2**20:.0f} MB at the end")
     elif "soak" in result:
         print(f"soak memory: no {RSS_METRIC} after the warm-up in the server's /metrics")
     if result.get("throughput_ratio") is not None:
