@@ -181,6 +181,26 @@ def test_models_health_and_metrics(server, client):
         assert name in metrics
 
 
+def test_malloc_trim_hands_the_freed_heap_back_to_the_system():
+    import os
+    import sys
+
+    from specdec.serve.app import malloc_trim
+
+    trim = malloc_trim()
+    if not sys.platform.startswith("linux") or trim is None:
+        pytest.skip("glibc's malloc_trim only")
+    page = os.sysconf("SC_PAGE_SIZE")
+    rss = lambda: int(open("/proc/self/statm").read().split()[1]) * page  # noqa: E731, SIM115
+    blocks = [bytearray(4096) for _ in range(40_000)]  # ~160 MB of malloc'd chunks in the heap
+    pin = bytearray(4096)  # allocated after them: the heap's top stays in use, so free() cannot shrink it
+    del blocks
+    before = rss()
+    trim()
+    assert before - rss() > 100 * 2**20
+    del pin
+
+
 def test_a_full_queue_answers_429_with_retry_after():
     live = LiveServer(tiny_decoder(), ServeConfig(model_name="tiny", engine=EngineConfig(max_batch=1, max_queue=1)))
     held, release = threading.Event(), threading.Event()

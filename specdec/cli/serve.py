@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import logging
 
-from specdec.arguments import non_negative_int, positive_int
+from specdec.arguments import non_negative_float, non_negative_int, positive_int
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.models import WEIGHTS
 
@@ -32,6 +32,8 @@ def add_arguments(p) -> None:
     p.add_argument("--save-every", type=positive_int, default=300, help="seconds between cache saves")
     p.add_argument("--shutdown-timeout", type=positive_int, default=10,
                    help="seconds in-flight answers get to finish on SIGTERM/SIGINT before they are cancelled")
+    p.add_argument("--trim-every", type=non_negative_float, default=10.0,
+                   help="seconds between returning freed memory to the system (glibc's malloc_trim; 0: never)")
 
 
 def run(args) -> int:
@@ -66,7 +68,7 @@ def run(args) -> int:
         if cache.active:
             log.info("suffix cache %s: %d answers loaded", path, cache.load())
     config = ServeConfig(args.model_name or args.model, args.default_max_tokens,
-                         EngineConfig(args.max_batch, args.max_queue), float(args.shutdown_timeout))
+                         EngineConfig(args.max_batch, args.max_queue), float(args.shutdown_timeout), args.trim_every)
     app = create_app(Service(decoder, loaded.tokenizer, config, cache))
     log.info("serving %s (drafter %s) on http://%s:%d/v1", config.model_name, args.drafter, args.host, args.port)
     # uvicorn handles SIGTERM / SIGINT: stop accepting, let open requests finish (up to the timeout),

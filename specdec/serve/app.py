@@ -18,6 +18,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -41,6 +42,10 @@ class ServeConfig:
     default_max_tokens: int = 512  # a request naming no max_tokens gets this, clipped to the context
     engine: EngineConfig = field(default_factory=EngineConfig)
     shutdown_deadline: float = 10.0  # seconds in-flight answers get to finish on shutdown, then cancelled
+    # seconds between handing the C allocator's free pages back to the system (glibc's malloc_trim; 0:
+    # never): joins reallocate the KV store, and freed buffers otherwise stay resident, scattered in the
+    # allocator's arenas (docs/decisions/016-server.md, the soak)
+    trim_every: float = 10.0
 
 
 class Service:
@@ -263,6 +268,26 @@ async def _periodic_save(service: Service) -> None:
             log.warning("suffix cache not saved: %s", e)
 
 
+def malloc_trim() -> Callable[[], int] | None:
+    """glibc's ``malloc_trim(0)`` (free pages of every arena back to the system) where the C library
+    has it, else None (another libc: nothing to do)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: fn(0)
+
+
+async def _periodic_trim(every: float, trim: Callable[[], int]) -> None:
+    while True:
+        await asyncio.sleep(every)
+        await asyncio.to_thread(trim)
+
+
 def create_app(service: Service) -> Starlette:
     """The ASGI app; its lifespan starts the engine, and on shutdown stops it (in-flight answers get
     ``shutdown_deadline`` seconds) and saves the suffix cache."""
@@ -270,12 +295,15 @@ def create_app(service: Service) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service.engine.start()
-        saver = asyncio.ensure_future(_periodic_save(service)) if service.cache is not None else None
+        tasks = [asyncio.ensure_future(_periodic_save(service))] if service.cache is not None else []
+        trim = malloc_trim() if service.config.trim_every > 0 else None
+        if trim is not None:
+            tasks.append(asyncio.ensure_future(_periodic_trim(service.config.trim_every, trim)))
         try:
             yield
         finally:
-            if saver is not None:
-                saver.cancel()
+            for task in tasks:
+                task.cancel()
             await asyncio.to_thread(service.engine.stop, service.config.shutdown_deadline)
             if service.cache is not None and service.cache.save():
                 log.info("suffix cache saved: %d answers", len(service.cache.docs))
