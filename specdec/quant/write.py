@@ -17,6 +17,7 @@ what another engine needs to run specdec's fp32 target (e.g. llama.cpp's server 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -117,7 +118,7 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
     """Write a random-weight Llama of ``shape`` with every matrix in ``quant`` blocks to ``path``,
     atomically (a temp file beside it, then a rename: a crash leaves no partial file under ``path``).
     overrides: a tensor kind ("token_embd", "attn_q", "ffn_down", "output", ...) -> its own type."""
-    from gguf import GGMLQuantizationType, GGUFWriter
+    from gguf import GGMLQuantizationType
 
     shape.check()
     quant = _check_type(quant, shape)
@@ -126,11 +127,7 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
         from specdec.models import default_gguf_path
 
         tokenizer_from = default_gguf_path()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    writer = GGUFWriter(str(tmp), "llama")
-    try:
+    with _gguf_writer(path, "llama") as writer:
         writer.add_name(f"random Llama {shape.params() / 1e9:.2f}B {quant} seed {seed}")
         writer.add_context_length(shape.context)
         writer.add_embedding_length(shape.hidden)
@@ -154,6 +151,21 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
             w = rng.standard_normal((rows, cols), dtype=np.float32) * np.float32(std)  # [rows, cols]
             t = types.get(name.split(".")[-2], quant)  # blk.3.ffn_up.weight -> ffn_up
             writer.add_tensor(name, quantize_rows(w, t), raw_dtype=GGMLQuantizationType[t])
+    return Path(path)
+
+
+@contextlib.contextmanager
+def _gguf_writer(path: Path, arch: str):
+    """A GGUFWriter on a temporary file beside ``path``, written out and renamed to ``path`` when the
+    block ends (a crash leaves no partial file under ``path``, and no temporary file)."""
+    from gguf import GGUFWriter
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    writer = GGUFWriter(str(tmp), arch)
+    try:
+        yield writer
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
@@ -162,7 +174,6 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
     finally:
         if tmp.exists():
             tmp.unlink()
-    return path
 
 
 def gguf_opens(path: Path) -> bool:
@@ -192,16 +203,13 @@ def cached_random_gguf(shape_name: str, quant: str, cache_dir: Path, seed: int =
 def write_f32_gguf(source: Path, path: Path) -> Path:
     """``source`` rewritten with every quantized tensor dequantized to F32 (its keys copied, file type
     ALL_F32), atomically as ``write_random_gguf``."""
-    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(source))
     fields = _fields(Path(source))
     arch = next(v for k, v, _, _ in fields if k == "general.architecture")
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    writer = GGUFWriter(str(tmp), arch)
-    try:
+    with _gguf_writer(path, arch) as writer:
         for key, value, vtype, sub in fields:
             if key != "general.architecture":  # the writer wrote it
                 writer.add_key_value(key, value, vtype, sub_type=sub)
@@ -209,15 +217,7 @@ def write_f32_gguf(source: Path, path: Path) -> Path:
         for t in reader.tensors:
             data = t.data if t.tensor_type == GGMLQuantizationType.F32 else dequantize(t.data, t.tensor_type)
             writer.add_tensor(t.name, np.ascontiguousarray(data, dtype=np.float32))
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    return path
+    return Path(path)
 
 
 if __name__ == "__main__":
