@@ -43,9 +43,9 @@ class ServeConfig:
     engine: EngineConfig = field(default_factory=EngineConfig)
     shutdown_deadline: float = 10.0  # seconds in-flight answers get to finish on shutdown, then cancelled
     # seconds between handing the C allocator's free pages back to the system (glibc's malloc_trim; 0:
-    # never): joins reallocate the KV store, and freed buffers otherwise stay resident, scattered in the
-    # allocator's arenas (docs/decisions/016-server.md, the soak)
-    trim_every: float = 10.0
+    # never, the default: under steady load the pages are faulted back in at the next joins and the
+    # throughput fell ~20%; docs/decisions/016-server.md, the soak)
+    trim_every: float = 0.0
 
 
 class Service:
