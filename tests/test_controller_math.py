@@ -91,27 +91,3 @@ def test_sources_are_asked_fresh_first_then_due_then_by_gain():
     pick = chooser.choose(["a", "b"], {k: states[k] for k in "ab"}, said.get, (), 3, 64,
                           lambda st: policies.pays(st.gain, st.gain_samples, 3))
     assert pick == ("b", 2) and states["a"].idle == 0 and states["b"].idle == 0
-
-
-@pytest.mark.parametrize("batch", [1, 8])
-def test_at_a_batch_classes_share_one_exploration_clock(batch):
-    """A class not yet measured drafts to be measured; at a batch, where a probe's extra rows cost most,
-    all classes together explore no more often than probe_share of the steps allows."""
-    from specdec.controller import DraftLengthController
-
-    c = DraftLengthController()
-    c.new_run(batch)
-    c.update([0] * batch, [0] * batch, 1.0)  # t(1)
-    c.update([1] * batch, [0] * batch, 2.0, 0.0, key="seen")  # t(2) = 2 t(1): a probe costs one plain step
-    explored = 0
-    for step in range(200):
-        key = ("new", step)  # a class never measured, every step
-        if c.gate(key):
-            explored += 1
-            c.update([1] * batch, [0] * batch, 2.0, 0.0, key=key)
-        else:
-            c.update([0] * batch, [0] * batch, 1.0)
-    if batch == 1:
-        assert explored == 200  # at batch 1 each new class is tried at once
-    else:
-        assert 3 <= explored <= 5  # every ceil(1 / 0.02) = 50 steps

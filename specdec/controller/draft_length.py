@@ -40,9 +40,6 @@ from specdec.controller.tables import ClassState, VerifyTimes, running_mean, run
 from specdec.tree import subtree_depth
 
 
-EXPLORE_DUE = 1 << 30  # an exploration clock that has run out: the first exploring draft comes at once
-
-
 @dataclass(frozen=True)
 class DraftLengthConfig:
     """The controller's knobs, by the part that reads them: the length schedule (initial, minimum,
@@ -82,10 +79,6 @@ class DraftLengthController:
         self.times = VerifyTimes()  # verify seconds per batch size and block size
         self.batch_size = 1
         self.draft_time: float = 0.0  # running seconds per drafted token over every class (an unseen class's price)
-        # at a batch: steps since a class last drafted to be measured (a probe, or a class not yet
-        # judged); one clock for all classes, so exploring stays under probe_share of the steps however
-        # many classes there are (docs/decisions/006-draft-length.md, "one exploration clock")
-        self.explore_clock = EXPLORE_DUE
 
     @property
     def step_time(self) -> dict[int, float]:
@@ -212,17 +205,7 @@ class DraftLengthController:
         return policies.best_size(st.values[: n_max + 1], self.step_time, self._draft_prices(key), self._share(st))
 
     def _pays(self, st: ClassState) -> bool:
-        """The class's measured gain pays; a class too little measured to judge drafts only when the
-        batch's exploration clock allows (``_may_explore``)."""
-        judged = st.gain is not None and st.gain_samples >= self.config.min_samples
-        return policies.pays(st.gain, st.gain_samples, self.config.min_samples) and (judged or self._may_explore())
-
-    def _may_explore(self) -> bool:
-        """At batch 1 always; at a batch once the steps since the last exploring draft (any class's
-        probe or first measurements) reach ``cost.probe_spacing`` of a one-token probe's cost."""
-        if self.batch_size == 1:
-            return True
-        return self.explore_clock >= cost.probe_spacing(self.probe_cost(), 0.0, self.config.probe_share)
+        return policies.pays(st.gain, st.gain_samples, self.config.min_samples)
 
     def _probe(self, st: ClassState) -> bool:
         """While drafting is off: True once every ``interval`` steps (the interval doubling to 8x
@@ -234,7 +217,7 @@ class DraftLengthController:
         t1 = self.step_time.get(1)
         catch_up = st.catch_up / t1 if t1 else 0.0
         spacing = cost.probe_spacing(self.probe_cost(), catch_up, self.config.probe_share)
-        if st.skipped < max(st.interval, spacing) or not self._may_explore():
+        if st.skipped < max(st.interval, spacing):
             return False
         st.skipped = 0
         st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off (reset if it wins)
@@ -252,7 +235,7 @@ class DraftLengthController:
         if 1 not in self.step_time:
             return 0  # time one plain step first: every cost is relative to it
         if st.alpha is None and self.batch_size > 1:
-            return 1 if self._may_explore() else 0
+            return 1
         priced = self._chain_length(key)
         k = policies.gain_floor(priced, st.gain)
         if k > 0 and self._pays(st):
@@ -353,8 +336,6 @@ class DraftLengthController:
         probe, st.probing = st.probing, False
         if verify_time is not None:
             self.times.record(1 + max(num_drafted, default=0), verify_time, grew, c.decay)
-        exploring = any(num_drafted) and (probe or st.gain is None or st.gain_samples < c.min_samples)
-        self.explore_clock = 0 if exploring else self.explore_clock + 1
         if not any(num_drafted):
             return  # nothing was drafted (gated off, or no n-gram match): nothing learned
         self._learn_costs(st, num_drafted, draft_time, catch_up)
