@@ -185,7 +185,7 @@ def test_malloc_trim_hands_the_freed_heap_back_to_the_system():
     import os
     import sys
 
-    from specdec.serve.app import malloc_trim
+    from specdec.runtime.memory import malloc_trim
 
     trim = malloc_trim()
     if not sys.platform.startswith("linux") or trim is None:

@@ -42,6 +42,7 @@ def measure_specdec(gguf: str, prompt: list[int], tokens: int, threads: int) -> 
 
     from specdec import SpecDecoder
     from specdec.models import attention_shape, load_model
+    from specdec.runtime.memory import malloc_trim
 
     torch.set_num_threads(threads)
     rss, anon = {}, {}  # VmRSS; RssAnon (the rest: the file's pages and the libraries')
@@ -60,7 +61,9 @@ def measure_specdec(gguf: str, prompt: list[int], tokens: int, threads: int) -> 
     start = time.perf_counter()
     out = decoder.generate(x, max_new_tokens=tokens, eos_token_id=[], callback=lambda e: stamps.append(time.perf_counter()))
     note("after_decode")
-    _trim_heap()
+    trim = malloc_trim()
+    if trim is not None:
+        trim()
     note("after_trim")  # diagnostic, not in the budget: what of the growth was freed heap glibc kept
     layers, kv_heads, head_dim = attention_shape(loaded.model)
     decode_s = stamps[-1] - stamps[0]
@@ -69,16 +72,6 @@ def measure_specdec(gguf: str, prompt: list[int], tokens: int, threads: int) -> 
             "decode_tokens_per_s": (len(stamps) - 1) / decode_s if decode_s > 0 else None,
             "ms_per_step": 1000 * decode_s / (len(stamps) - 1) if len(stamps) > 1 else None,
             "kv_bytes": layers * 2 * kv_heads * head_dim * 4 * (len(prompt) + tokens)}
-
-
-def _trim_heap() -> None:
-    """glibc's malloc_trim(0): hand freed heap pages back to the system (no-op elsewhere)."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def _child(fn, args, runtime, q) -> None:

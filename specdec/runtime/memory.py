@@ -1,4 +1,5 @@
-"""Memory for the packed weights: slabs of transparent huge pages (2 MB, x86-64 Linux).
+"""Memory for the packed weights: slabs of transparent huge pages (2 MB, x86-64 Linux); and the C
+allocator's freed pages handed back to the system (``malloc_trim``).
 
 A step streams every weight once; on 2 MB pages it takes fewer TLB misses than on 4 KB ones
 (docs/decisions/004-lean-forward.md). Linux hands huge pages to regions marked MADV_HUGEPAGE where
@@ -9,6 +10,7 @@ the slabs are ordinary memory.
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import sys
 from functools import cache
 
@@ -17,6 +19,18 @@ import torch
 HUGE_PAGE = 2 << 20  # bytes
 SLAB_BYTES = 64 << 20  # one slab holds many packed weights (past glibc's mmap threshold: fresh pages)
 _MADV_HUGEPAGE = 14
+
+
+@cache
+def malloc_trim():
+    """glibc's ``malloc_trim(0)`` as a function of no arguments (free pages of every arena back to the
+    system), or None where the C library has none."""
+    try:
+        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return lambda: fn(0)
 
 
 @cache

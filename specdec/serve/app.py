@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from specdec.prompting import chat_ids, context_window, eos_ids, has_chat_template
+from specdec.runtime.memory import malloc_trim
 from specdec.serve import protocol
 from specdec.serve.cache import ServedCache
 from specdec.serve.engine import Busy, Engine, EngineConfig, Request, Update
@@ -266,20 +267,6 @@ async def _periodic_save(service: Service) -> None:
             await asyncio.to_thread(service.cache.save)
         except OSError as e:
             log.warning("suffix cache not saved: %s", e)
-
-
-def malloc_trim() -> Callable[[], int] | None:
-    """glibc's ``malloc_trim(0)`` (free pages of every arena back to the system) where the C library
-    has it, else None (another libc: nothing to do)."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        fn = ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return lambda: fn(0)
 
 
 async def _periodic_trim(every: float, trim: Callable[[], int]) -> None:
