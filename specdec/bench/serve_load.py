@@ -180,16 +180,9 @@ async def run_soak(url: str, bodies: list[dict], clients: int, seconds: float, e
     limits = httpx.Limits(max_connections=clients + 4)
     async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
         await asyncio.gather(*(client_loop(client) for _ in range(clients)), sampler(client))
-    wall = time.perf_counter() - t0
-    rss.append((wall, await _final_rss(url)))
+        wall = time.perf_counter() - t0
+        rss.append((wall, await _server_rss(client, url)))  # after the last requests finished
     return samples, rss, wall
-
-
-async def _final_rss(url: str) -> float | None:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=httpx.Timeout(30.0)) as client:
-        return await _server_rss(client, url)
 
 
 def rss_growth(rss: list[tuple[float, float | None]], warmup: float) -> dict:
