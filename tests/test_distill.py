@@ -45,6 +45,19 @@ def test_answers_are_the_targets_greedy_answers_and_a_rerun_resumes(target, tmp_
     assert sorted(conv for conv, _, _ in read_answers(path)) == list(range(6))
 
 
+def test_sampled_answers_repeat_with_their_seed_and_differ_from_greedy(target, tmp_path):
+    prompts, quiet = _prompts(), (lambda *a: None)
+    runs = {}
+    for name, cfg in (("greedy", AnswerConfig(max_new_tokens=12)), ("a", AnswerConfig(max_new_tokens=12, temperature=1.0)),
+                      ("b", AnswerConfig(max_new_tokens=12, temperature=1.0)),
+                      ("c", AnswerConfig(max_new_tokens=12, temperature=1.0, seed=5))):
+        answer_prompts(target, prompts, tmp_path / f"{name}.jsonl", cfg, log=quiet)
+        runs[name] = sorted(read_answers(tmp_path / f"{name}.jsonl"))
+    assert runs["a"] == runs["b"]  # seeded: a rerun (or a resumed batch) draws the same answers
+    assert runs["a"] != runs["greedy"] and runs["a"] != runs["c"]
+    assert all(ids[:p] == prompts[conv] for conv, p, ids in runs["a"])
+
+
 def test_a_malformed_answer_line_is_named(tmp_path):
     path = tmp_path / "a.jsonl"
     path.write_text(json.dumps({"conv": 0, "prompt_len": 9, "ids": [1, 2]}) + "\n")

@@ -182,7 +182,7 @@ def _answers_in_memory(args, loaded, target, console):
 
     if args.stage in ("all", "data"):
         prompts = encode_prompts(loaded.tokenizer, read_prompts(args.prompts)[: args.num_prompts])
-        cfg = AnswerConfig(args.max_new_tokens, args.data_batch_size, args.data_minutes)
+        cfg = AnswerConfig(args.max_new_tokens, args.data_batch_size, args.data_minutes, args.temperature, args.seed)
         n = answer_prompts(target, prompts, args.answers, cfg, log=console.print)
         console.print(f"answers: {n} new in {args.answers}")
     answers = read_answers(args.answers)

@@ -24,8 +24,7 @@ import torch
 
 from specdec.forward import hidden_of
 from specdec.jsonl import read_jsonl
-from specdec.prompting import eos_ids
-from specdec.training.eagle_data import Conversation, _answer_of, _pad_id
+from specdec.training.eagle_data import Conversation, _answer_of, answer_batch
 
 
 @dataclass(frozen=True)
@@ -33,6 +32,8 @@ class AnswerConfig:
     max_new_tokens: int = 384  # answer length per prompt
     batch_size: int = 256  # prompts answered together (left-padded HF generate), similar lengths together
     minutes: float | None = None  # stop starting new batches after this long (None: answer every prompt)
+    temperature: float = 0.0  # 0: greedy answers; > 0: sampled from the target at this temperature (more varied text)
+    seed: int = 0  # sampling seed; a batch whose first prompt is conversation i uses seed + i
 
 
 def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
@@ -62,34 +63,23 @@ def _append(path: Path, rows: list[dict]) -> None:
 @torch.inference_mode()
 def answer_prompts(target, prompts: list[list[int]], path: str | os.PathLike, config: AnswerConfig = AnswerConfig(),
                    first_conv: int = 0, log=print, clock=time.monotonic) -> int:
-    """Greedy answers of ``target`` to ``prompts`` (token ids), appended to the answers file ``path`` as
-    conversations ``first_conv + i``; prompts already answered there are skipped. Returns how many were
-    answered by this call."""
+    """Answers of ``target`` to ``prompts`` (token ids; greedy, or sampled at ``config.temperature``),
+    appended to the answers file ``path`` as conversations ``first_conv + i``; prompts already answered
+    there are skipped. Returns how many were answered by this call."""
     path = Path(path)
     _drop_cut_line(path)
     done = {conv for conv, _, _ in read_answers(path)}
     todo = sorted((i for i in range(len(prompts)) if first_conv + i not in done), key=lambda i: len(prompts[i]))
-    pad, eos = _pad_id(target), set(eos_ids(target))
-    device, start, answered = target.device, clock(), 0
+    start, answered = clock(), 0
     for at in range(0, len(todo), config.batch_size):
         if config.minutes is not None and clock() - start > 60 * config.minutes:
             log(f"answers: stopped after {config.minutes:g} min, {len(todo) - at} prompts left for a later run")
             break
         chunk = todo[at : at + config.batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        x = torch.full((len(chunk), width), pad, dtype=torch.long, device=device)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long, device=device)
-        for row, i in enumerate(chunk):
-            x[row, width - len(prompts[i]):] = torch.tensor(prompts[i], dtype=torch.long, device=device)
-            mask[row, width - len(prompts[i]):] = 1
-        out = target.generate(x, attention_mask=mask, max_new_tokens=config.max_new_tokens, do_sample=False,
-                              temperature=None, top_p=None, top_k=None, pad_token_id=pad).tolist()
-        rows = []
-        for row, i in enumerate(chunk):
-            answer = out[row][width:]
-            ends = [k for k, t in enumerate(answer) if t in eos]
-            answer = answer[: ends[0] + 1] if ends else answer
-            rows.append({"conv": first_conv + i, "prompt_len": len(prompts[i]), "ids": prompts[i] + answer})
+        answers = answer_batch(target, [prompts[i] for i in chunk], config.max_new_tokens, config.temperature,
+                               config.seed + first_conv + chunk[0])
+        rows = [{"conv": first_conv + i, "prompt_len": len(prompts[i]), "ids": prompts[i] + answer}
+                for i, answer in zip(chunk, answers)]
         _append(path, rows)
         answered += len(chunk)
         log(f"answers: {answered}/{len(todo)} ({clock() - start:.0f} s)")

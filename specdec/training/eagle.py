@@ -14,7 +14,9 @@ here reads or writes pickles. The data it trains on: specdec.training.eagle_data
 from __future__ import annotations
 
 import json
+import hashlib
 import math
+from array import array
 import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -59,12 +61,15 @@ class TrainResult:
 # ----------------------------------------------------------------------------------- 2. train
 
 def split_held_out(convs: list[Conversation], fraction: float) -> tuple[list[Conversation], list[Conversation]]:
-    """Hold out every conversation of the last ``fraction`` of distinct prompts (in order of first
-    appearance): several answers to one prompt (sampled data) never sit on both sides."""
+    """Hold out every conversation of a ``fraction`` of the distinct prompts: those whose ids hash lowest.
+    Several answers to one prompt (greedy and sampled) never sit on both sides, and a prompt's side
+    depends on the set of prompts, not on the order of the data (files read in another order, sampled
+    answers added after greedy ones, keep the held-out set)."""
     keys = [tuple(c.ids[: c.prompt_len].tolist()) for c in convs]
     prompts = list(dict.fromkeys(keys))
     n_eval = min(len(prompts) - 1, math.ceil(len(prompts) * fraction)) if fraction > 0 else 0
-    held_prompts = set(prompts[len(prompts) - n_eval :])
+    rank = sorted(prompts, key=lambda k: hashlib.blake2b(array("q", k).tobytes(), digest_size=8).digest())
+    held_prompts = set(rank[:n_eval])
     split = [k in held_prompts for k in keys]
     return [c for c, h in zip(convs, split) if not h], [c for c, h in zip(convs, split) if h]
 

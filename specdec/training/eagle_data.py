@@ -69,6 +69,33 @@ def encode_prompts(tokenizer, prompts: list[str]) -> list[list[int]]:
     return [encode_prompt(tokenizer, p).tolist() for p in prompts]
 
 
+@torch.inference_mode()
+def answer_batch(target, prompts: list[list[int]], max_new_tokens: int, temperature: float = 0.0,
+                 seed: int = 0) -> list[list[int]]:
+    """The target's answers to ``prompts`` (token ids) generated together (HF ``generate``, left-padded),
+    each cut after its first end-of-sequence token: greedy at ``temperature`` 0, else sampled from the
+    target's own distribution at that temperature (no top-k / top-p), seeded by ``seed``."""
+    pad, eos, device = _pad_id(target), set(eos_ids(target)), target.device
+    width = max(len(p) for p in prompts)
+    x = torch.full((len(prompts), width), pad, dtype=torch.long, device=device)
+    mask = torch.zeros(len(prompts), width, dtype=torch.long, device=device)
+    for row, p in enumerate(prompts):
+        x[row, width - len(p):] = torch.tensor(p, dtype=torch.long, device=device)
+        mask[row, width - len(p):] = 1
+    sample = temperature > 0
+    if sample:
+        torch.manual_seed(seed)
+    out = target.generate(x, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=sample,
+                          temperature=temperature if sample else None, top_p=None, top_k=None,
+                          pad_token_id=pad).tolist()
+    answers = []
+    for row in out:
+        answer = row[width:]
+        ends = [k for k, t in enumerate(answer) if t in eos]
+        answers.append(answer[: ends[0] + 1] if ends else answer)
+    return answers
+
+
 def _conv_path(data_dir: Path, i: int) -> Path:
     return data_dir / f"conv_{i:05d}.safetensors"
 
@@ -88,23 +115,11 @@ def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
     todo = [i for i in range(len(prompts)) if not _conv_path(d, i).exists()]
     task = progress.add_task("data", total=len(prompts), completed=len(prompts) - len(todo)) \
         if progress is not None else None
-    pad, eos = _pad_id(target), set(eos_ids(target))
-    sample = config.temperature > 0
     for start in range(0, len(todo), config.batch_size):
         chunk = todo[start : start + config.batch_size]
-        width = max(len(prompts[i]) for i in chunk)
-        x = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=target.device)
-        mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk],
-                            device=target.device)
-        if sample:
-            torch.manual_seed(config.seed + chunk[0])
-        out = target.generate(x, attention_mask=mask, max_new_tokens=config.max_new_tokens,
-                              do_sample=sample, temperature=config.temperature if sample else None,
-                              top_p=None, top_k=None, pad_token_id=pad)
-        for row, i in enumerate(chunk):
-            answer = out[row, width:].tolist()
-            ends = [k for k, t in enumerate(answer) if t in eos]
-            answer = answer[: ends[0] + 1] if ends else answer
+        answers = answer_batch(target, [prompts[i] for i in chunk], config.max_new_tokens, config.temperature,
+                               config.seed + chunk[0])
+        for i, answer in zip(chunk, answers):
             _write_conv(target, _conv_path(d, i), prompts[i] + answer, len(prompts[i]), config.aux_layers)
             if task is not None:
                 progress.advance(task)
