@@ -239,7 +239,10 @@ void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, i
     const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
 #pragma GCC unroll 8
     for (int f = 0; f < NF; ++f) {
-      _mm_prefetch(reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes), _MM_HINT_T0);
+      // every cache line of the block kAhead groups ahead (a K block spans 3-4 lines; Q4_0's and Q8_0's one)
+      const char* ahead = reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes);
+#pragma GCC unroll 4
+      for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
       F::decode(block + f * row_bytes, [&](int off, vec w) {
 #pragma GCC unroll 16
         for (int m = 0; m < M; ++m) acc[f][m] += w * specdec_vec::load(x + m * K + k0 + off);
