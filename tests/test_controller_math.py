@@ -91,3 +91,34 @@ def test_sources_are_asked_fresh_first_then_due_then_by_gain():
     pick = chooser.choose(["a", "b"], {k: states[k] for k in "ab"}, said.get, (), 3, 64,
                           lambda st: policies.pays(st.gain, st.gain_samples, 3))
     assert pick == ("b", 2) and states["a"].idle == 0 and states["b"].idle == 0
+
+
+def test_a_batch_whose_cost_grows_as_fast_as_its_rows_drafts_nothing_but_a_periodic_retime():
+    from specdec.controller import DraftLengthConfig, DraftLengthController
+    from specdec.drafters.chooser import draft_step
+
+    c = DraftLengthController(DraftLengthConfig(retime_every=4))
+    c.times.by_batch[16] = {1: 0.10, 2: 0.21}  # 2 rows a sequence cost 2.1x: even a sure draft loses
+    c.times.by_batch[4] = {1: 0.10, 2: 0.12}  # a sure draft of 1 node: 2 / 1.2 = 1.67x, worth trying
+    c.times.by_batch[1] = {1: 0.10, 2: 0.50}  # batch 1 is the per-class gate's alone
+    c.set_batch(16)
+    assert [c.priced_out() for _ in range(8)] == [True, True, True, False] * 2
+    for b in (4, 1):
+        c.set_batch(b)
+        assert not any(c.priced_out() for _ in range(8))
+    c.set_batch(16)
+    c.times.live[3] = 0.25  # a 3-row block timed cheaper per row (3 x 0.10 / 0.25 = 1.2): worth trying again
+    assert not c.priced_out()
+    off = DraftLengthController(DraftLengthConfig(cost_aware=False))  # fixed drafts are never priced out
+    off.times.by_batch[16] = {1: 0.10, 2: 0.30}
+    off.set_batch(16)
+    assert not off.priced_out()
+
+    class Asked:  # a chooser that must not be asked while the batch is priced out
+        def choose(self, *a):
+            raise AssertionError("asked")
+
+    c.times.live.pop(3)
+    c._priced_out_steps = 0
+    key, tree, shadows = draft_step(Asked(), c, 16, wanted=8, shadow=True)
+    assert key is None and tree.width == 0 and tree.tokens.shape[0] == 16 and shadows == []

@@ -63,6 +63,9 @@ class DraftLengthConfig:
     revisit_every: int = 64  # several sources: a candidate passed over this many steps gets a turn
     min_samples: int = 3  # drafting steps measured before a class's gain is judged (and chosen first until then)
     tree_nodes: int = 0  # > 0 with cost_aware off: a fixed tree budget (a sweep's fixed setting)
+    # at a batch whose verify cost grows as fast as its rows (``priced_out``), one step in this many
+    # drafts as usual, re-timing a wider block; the others draft nothing
+    retime_every: int = 128
 
     @classmethod
     def bass(cls, **overrides) -> "DraftLengthConfig":
@@ -79,6 +82,7 @@ class DraftLengthController:
         self.times = VerifyTimes()  # verify seconds per batch size and block size
         self.batch_size = 1
         self.draft_time: float = 0.0  # running seconds per drafted token over every class (an unseen class's price)
+        self._priced_out_steps = 0  # steps ``priced_out`` said True since it last let one draft
 
     @property
     def step_time(self) -> dict[int, float]:
@@ -133,6 +137,27 @@ class DraftLengthController:
     @property
     def length(self) -> int:
         return self.state().length
+
+    def priced_out(self) -> bool:
+        """Draft nothing this step, whatever the classes measured? True at a batch where no draft can pay
+        even if every node were accepted: a block of q rows per sequence yields at most q tokens per
+        sequence, so while every wider block timed at this batch size has q * t(1) / t(q) <= PAYS
+        (the verify's cost grows as fast as its rows: a compute-bound CPU at a large batch) drafting
+        only loses, probes and fresh classes included. Once every ``retime_every`` such steps it says
+        False (that step drafts as usual and re-times a wider block: contexts grow, the cost may
+        change). False at batch 1, without the cost gate, or before a wider block was timed here.
+        Example: t = {1: 0.10, 2: 0.21} at batch 16 -> 2 * 0.10 / 0.21 = 0.95: priced out."""
+        t, c = self.step_time, self.config
+        wider = [q for q in t if q > 1]
+        if self.batch_size == 1 or not c.cost_aware or 1 not in t or not wider:
+            return False
+        if max(q * t[1] / t[q] for q in wider) > policies.PAYS:
+            return False
+        self._priced_out_steps += 1
+        if self._priced_out_steps >= c.retime_every:
+            self._priced_out_steps = 0
+            return False
+        return True
 
     # ---------------------------------------------------------------------------------- prices
 

@@ -261,7 +261,7 @@ def draft_step(chooser: Chooser | None, controller, batch_size: int, wanted: int
     (empty when drafting does not pay), and with ``shadow`` (greedy), the free classes' unchosen
     drafts. The decoder's step 1, shared with the replays of stored answers (``specdec.bench.replay``),
     so a replay drafts as the decoder does."""
-    if chooser is None or wanted <= 0:
+    if chooser is None or wanted <= 0 or controller.priced_out():
         return None, DraftTree.empty(batch_size), []
     key, budget, free = chooser.choose(controller, wanted, shadow)
     shadows = shadow_drafts(chooser, controller, free, wanted)
