@@ -122,3 +122,26 @@ def test_a_batch_whose_cost_grows_as_fast_as_its_rows_drafts_nothing_but_a_perio
     c._priced_out_steps = 0
     key, tree, shadows = draft_step(Asked(), c, 16, wanted=8, shadow=True)
     assert key is None and tree.width == 0 and tree.tokens.shape[0] == 16 and shadows == []
+
+
+def test_drafting_steps_at_a_batch_are_judged_together_from_the_nearest_well_measured_size():
+    from specdec.controller import DraftLengthConfig, DraftLengthController
+    from specdec.controller.tables import BatchGains
+
+    g = BatchGains()
+    for gain in (0.8, 1.0, 0.9):
+        g.add(8, gain, 0.95)
+    g.add(16, 1.2, 0.95)
+    assert g.by_batch[8] == (pytest.approx(0.9), 3) and g.near(16, 3) == pytest.approx(0.9)
+    assert g.near(16, 1) == 1.2 and g.near(4, 4) is None
+
+    c = DraftLengthController(DraftLengthConfig(retime_every=4, batch_samples=3))
+    c.times.by_batch[8] = {1: 0.10, 2: 0.12}  # a sure 1-node draft would pay: the ceiling alone says draft
+    c.set_batch(8)
+    for _ in range(3):  # 1.5 tokens a row of 8 in 1.6 plain steps: 0.94x, whatever the class
+        c.update([1] * 8, [1] * 4 + [0] * 4, verify_time=0.15, draft_time=0.01, key=("lookup", len(c.batch_gains.by_batch)))
+    assert c.batch_gains.by_batch[8][1] == 3 and c.batch_gains.by_batch[8][0] < 1
+    assert [c.priced_out() for _ in range(4)] == [True, True, True, False]
+    c.set_batch(1)
+    c.update([1], [1], verify_time=0.15, draft_time=0.01)  # batch 1: its own class gate, not pooled
+    assert 1 not in c.batch_gains.by_batch and not c.priced_out()

@@ -36,7 +36,7 @@ from dataclasses import dataclass, replace
 from typing import Callable, Collection, Hashable
 
 from specdec.controller import chooser, cost, policies
-from specdec.controller.tables import ClassState, VerifyTimes, running_mean, running_time
+from specdec.controller.tables import BatchGains, ClassState, VerifyTimes, running_mean, running_time
 from specdec.tree import subtree_depth
 
 
@@ -63,9 +63,10 @@ class DraftLengthConfig:
     revisit_every: int = 64  # several sources: a candidate passed over this many steps gets a turn
     min_samples: int = 3  # drafting steps measured before a class's gain is judged (and chosen first until then)
     tree_nodes: int = 0  # > 0 with cost_aware off: a fixed tree budget (a sweep's fixed setting)
-    # at a batch whose verify cost grows as fast as its rows (``priced_out``), one step in this many
-    # drafts as usual, re-timing a wider block; the others draft nothing
+    # at a batch where drafting does not pay (``priced_out``), one step in this many drafts as usual
+    # (re-measuring it); the others draft nothing
     retime_every: int = 128
+    batch_samples: int = 8  # drafting steps measured at a batch size before their pooled gain is judged
 
     @classmethod
     def bass(cls, **overrides) -> "DraftLengthConfig":
@@ -82,6 +83,7 @@ class DraftLengthController:
         self.times = VerifyTimes()  # verify seconds per batch size and block size
         self.batch_size = 1
         self.draft_time: float = 0.0  # running seconds per drafted token over every class (an unseen class's price)
+        self.batch_gains = BatchGains()  # every drafting step's gain per batch size > 1 (``priced_out``)
         self._priced_out_steps = 0  # steps ``priced_out`` said True since it last let one draft
 
     @property
@@ -139,19 +141,22 @@ class DraftLengthController:
         return self.state().length
 
     def priced_out(self) -> bool:
-        """Draft nothing this step, whatever the classes measured? True at a batch where no draft can pay
-        even if every node were accepted: a block of q rows per sequence yields at most q tokens per
-        sequence, so while every wider block timed at this batch size has q * t(1) / t(q) <= PAYS
-        (the verify's cost grows as fast as its rows: a compute-bound CPU at a large batch) drafting
-        only loses, probes and fresh classes included. Once every ``retime_every`` such steps it says
-        False (that step drafts as usual and re-times a wider block: contexts grow, the cost may
-        change). False at batch 1, without the cost gate, or before a wider block was timed here.
-        Example: t = {1: 0.10, 2: 0.21} at batch 16 -> 2 * 0.10 / 0.21 = 0.95: priced out."""
+        """Draft nothing this step, whatever the classes measured? At a batch every row pays for the
+        widest row's block, so the batch's drafting is judged as one: True while (1) the drafting steps
+        at this batch size (or the nearest one measured over ``batch_samples`` steps), whatever their
+        class, gained no more than PAYS on average (``tables.BatchGains``), or (2) no draft can pay
+        even if every node were accepted: a block of q rows a sequence yields at most q tokens a
+        sequence, and every wider block timed here has q * t(1) / t(q) <= PAYS (a compute-bound CPU
+        at a large batch). Once every ``retime_every`` such steps it says False (that step drafts as
+        usual, re-measuring). False at batch 1 (each class's own gate decides there) and without the
+        cost gate. Example: t = {1: 0.10, 2: 0.21} at batch 16 -> 2 * 0.10 / 0.21 = 0.95: priced out."""
         t, c = self.step_time, self.config
-        wider = [q for q in t if q > 1]
-        if self.batch_size == 1 or not c.cost_aware or 1 not in t or not wider:
+        if self.batch_size == 1 or not c.cost_aware or 1 not in t:
             return False
-        if max(q * t[1] / t[q] for q in wider) > policies.PAYS:
+        wider = [q for q in t if q > 1]
+        pooled = self.batch_gains.near(self.batch_size, c.batch_samples)
+        hopeless = bool(wider) and max(q * t[1] / t[q] for q in wider) <= policies.PAYS
+        if not hopeless and (pooled is None or pooled > policies.PAYS):
             return False
         self._priced_out_steps += 1
         if self._priced_out_steps >= c.retime_every:
@@ -369,6 +374,8 @@ class DraftLengthController:
             gain = cost.step_gain(sum(1 + a for a in num_accepted), len(num_accepted),
                                   verify_time + draft_time + resume, t1)
             st.add_gain(gain, c.gate_decay)
+            if self.batch_size > 1:
+                self.batch_gains.add(self.batch_size, gain, c.gate_decay)
             if probe and gain > 1.0:  # a probe that paid: the text changed, measure the gain afresh
                 st.gain, st.gain_samples = gain, 1
                 st.interval = c.explore_every

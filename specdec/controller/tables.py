@@ -32,6 +32,32 @@ def nearest_batch(sizes: Iterable[int], batch: int) -> int | None:
     return min(sizes, key=lambda b: (abs(math.log(b / batch)), -b), default=None)
 
 
+def gain_mean(mean: float | None, samples: int, gain: float, decay: float) -> tuple[float, int]:
+    """(mean, samples) after one more drafting step's gain: the plain mean of the first 1 / (1 - decay)
+    steps (weight 1 / (samples + 1)), the running mean with weight 1 - decay after.
+    Example: gains 0.5 then 2.0 -> 1.25; a good probe or two reopen a gate one poor step closed."""
+    w = max(1.0 - decay, 1.0 / (samples + 1))
+    return (gain if mean is None else (1.0 - w) * mean + w * gain), samples + 1
+
+
+class BatchGains:
+    """The measured gain of every drafting step at each batch size > 1, whatever its class: what drafting
+    has paid at that batch size (``DraftLengthController.priced_out``). At a batch every row pays for
+    the widest row's block, so the batch's drafting steps are judged together."""
+
+    def __init__(self) -> None:
+        self.by_batch: dict[int, tuple[float, int]] = {}  # batch size -> (mean gain, drafting steps)
+
+    def add(self, batch_size: int, gain: float, decay: float) -> None:
+        self.by_batch[batch_size] = gain_mean(*self.by_batch.get(batch_size, (None, 0)), gain, decay)
+
+    def near(self, batch_size: int, min_samples: int) -> float | None:
+        """The mean gain at the batch size nearest ``batch_size`` measured over ``min_samples`` steps or
+        more (``nearest_batch``), None if none is. Example: {8: (0.9, 12), 16: (1.2, 2)}, 16, 8 -> 0.9."""
+        b = nearest_batch([b for b, (_, n) in self.by_batch.items() if n >= min_samples], batch_size)
+        return None if b is None else self.by_batch[b][0]
+
+
 class VerifyTimes:
     """Mean verify seconds per block size q (rows per sequence: the pending token plus the drafted
     nodes), one table per batch size: at batch B a verify runs B x q rows, so each batch size has its
@@ -182,9 +208,5 @@ class ClassState:
         self.gain, self.gain_samples = self.gains[near] if near is not None else (None, 0)
 
     def add_gain(self, gain: float, gate_decay: float) -> None:
-        """One drafting step's gain into the mean: the plain mean of the first 1 / (1 - gate_decay)
-        steps (weight 1 / (samples + 1)), the running mean with weight 1 - gate_decay after.
-        Example: gains 0.5 then 2.0 -> 1.25; a good probe or two reopen a gate one poor step closed."""
-        w = max(1.0 - gate_decay, 1.0 / (self.gain_samples + 1))
-        self.gain = gain if self.gain is None else (1.0 - w) * self.gain + w * gain
-        self.gain_samples += 1
+        """One drafting step's gain into the mean (``gain_mean``)."""
+        self.gain, self.gain_samples = gain_mean(self.gain, self.gain_samples, gain, gate_decay)
