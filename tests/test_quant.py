@@ -172,12 +172,11 @@ def test_truncated_gguf_is_refused_before_any_generation(tmp_path):
 
 
 @pytest.mark.real_model
-def test_default_model_packed_weights_equal_transformers_fp32_weights():
+def test_default_model_packed_weights_equal_transformers_fp32_weights(real):
     from specdec.models import default_gguf_path, load_model
 
-    fp32 = load_model("default").model
-    packed = pack_gguf_weights(load_model("default").model, default_gguf_path())
-    ref = dict(fp32.named_parameters())
+    packed = pack_gguf_weights(load_model("default").model, default_gguf_path())  # a copy of its own: packed in place
+    ref = dict(real.model.named_parameters())
     checked = 0
     for name, mod in packed.named_modules():
         if isinstance(mod, QuantLinear) or type(mod).__name__ == "QuantEmbedding":
@@ -263,7 +262,7 @@ def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypat
 
 
 @pytest.mark.real_model
-def test_default_model_loaded_packed_has_no_fp32_layers_and_computes_the_fp32_logits():
+def test_default_model_loaded_packed_has_no_fp32_layers_and_computes_the_fp32_logits(real):
     from specdec.models import load_model
 
     try:
@@ -272,7 +271,7 @@ def test_default_model_loaded_packed_has_no_fp32_layers_and_computes_the_fp32_lo
         pytest.skip(f"default model unavailable: {e}")
     assert not any(t.is_meta for t in [*packed.parameters(), *packed.buffers()])  # everything materialized
     assert not any(type(m) is torch.nn.Linear for m in packed.modules())  # built on meta, never in fp32
-    fp32 = load_model("default").model
+    fp32 = real.model  # the session's fp32 load (read only)
     ids = torch.arange(1, 131, dtype=torch.long)[None]  # 130 rows, past the kernel's 128: the reference
     with torch.no_grad():
         assert torch.equal(packed(ids).logits, fp32(ids).logits)  # the same weights, the same GEMMs

@@ -4,6 +4,8 @@ writes its JSON for a tiny shape."""
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,14 @@ MIXED = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8
 def mixed_gguf(tmp_path_factory):
     shape = LlamaShape(hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2, tied=False)
     return write_random_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", shape, "Q4_K", seed=1, overrides=MIXED)
+
+
+@pytest.fixture(scope="module")
+def tiny_cache(tmp_path_factory):
+    """A cache folder holding the tiny Q4_0 file, written once for the tests that read it."""
+    cache = tmp_path_factory.mktemp("random-gguf")
+    cached_random_gguf("tiny", "Q4_0", cache)
+    return cache
 
 
 def test_random_gguf_of_every_type_loads_packed_and_speculative_greedy_is_its_own_generate(mixed_gguf):
@@ -68,8 +78,9 @@ def test_named_shapes_are_whole_q4_k_rows_and_near_their_names():
     assert 0.4e9 < SHAPES["0.5b"].params() < 0.6e9 and 1.3e9 < SHAPES["1.5b"].params() < 1.7e9
 
 
-def test_a_damaged_cached_gguf_is_written_again_not_reused(tmp_path):
-    path = cached_random_gguf("tiny", "Q4_0", tmp_path)
+def test_a_damaged_cached_gguf_is_written_again_not_reused(tiny_cache, tmp_path):
+    [whole] = tiny_cache.iterdir()
+    path = Path(shutil.copy(whole, tmp_path))  # a damaged copy; the shared file stays whole
     size = path.stat().st_size
     with open(path, "r+b") as f:
         f.truncate(size // 2)  # a copy cut short
@@ -104,13 +115,28 @@ def test_writer_names_an_unwritable_type_and_a_shape_of_partial_blocks(tmp_path)
     assert not list(tmp_path.iterdir())
 
 
-def test_bench_scaling_writes_its_json_for_a_tiny_shape(tmp_path, capsys, monkeypatch):
+def _calibrates(_: str) -> bool:
+    from specdec.config import current
+
+    return current().calibrate
+
+
+def test_a_measurement_in_a_fresh_process_runs_under_this_ones_runtime():
+    from specdec.bench.scaling import in_fresh_process
+
+    assert RuntimeConfig().calibrate  # the default: a child that did not get this runtime would calibrate
+    with use(UNCALIBRATED):
+        assert in_fresh_process(_calibrates, "x") is False
+
+
+def test_bench_scaling_writes_its_json_for_a_tiny_shape(tiny_cache, tmp_path, capsys, monkeypatch):
     from specdec.cli import main
 
-    monkeypatch.setenv("SPECDEC_KERNEL_CALIBRATE", "off")  # the measuring process: no full-size self-check
+    monkeypatch.setenv("SPECDEC_KERNEL_CALIBRATE", "off")  # the measurement: no full-size self-check
     out = tmp_path / "scaling.json"
+    # in this process: the harness is what is checked here, not a figure (a fresh one re-imports torch)
     argv = ["bench-scaling", "--shapes", "tiny", "--quants", "q4_0", "--tokens", "4", "--prompt-tokens", "8",
-            "--cache-dir", str(tmp_path / "gguf"), "--out", str(out)]
+            "--cache-dir", str(tiny_cache), "--out", str(out), "--in-process"]
     assert main(argv) == 0
     [entry] = json.loads(out.read_text())["entries"]
     assert entry["shape"] == "tiny" and entry["quant"] == "Q4_0" and entry["specdec"]["new_tokens"] == 4

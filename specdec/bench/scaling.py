@@ -4,7 +4,8 @@ ships, beside llama.cpp on the same files.
     specdec bench-scaling --shapes 0.5b,1.5b --quants q4_0,q4_k --tokens 64 --peer-python PYTHON
 
 For each shape x quant: a random-weight GGUF (``specdec.quant.write``, written once into the cache
-folder); then, in a fresh process each (so its RSS is that model's alone), specdec loads it packed and
+folder); then, in a fresh process each (so its RSS is that model's alone; ``--in-process``: in this
+one, a quick check of the harness), specdec loads it packed and
 decodes N tokens greedily without a drafter (plain decoding through SpecDecoder, EOS ignored so both
 engines decode the same count), and llama.cpp decodes the same prompt ids in its own process. RSS is
 read before the load (torch, transformers and specdec already imported), after it, after a warm-up
@@ -109,6 +110,18 @@ def in_fresh_process(fn, *args):
     return value
 
 
+def in_this_process(fn, *args):
+    """``fn(*args)`` here, torch's thread count restored after (the measurement sets its own): quick, but
+    the RSS then counts whatever this process already held (a check of the harness, not a figure)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(threads)
+
+
 def measure_peer(python: str, gguf: Path, prompt: list[int], tokens: int, threads: int) -> dict:
     """llama.cpp's plain decoding of the same ids in its own process, or {"skipped": why}."""
     from specdec.bench.peers import LLAMA_CPP, PeerSetup, PeerUnavailable, call_peer
@@ -127,11 +140,12 @@ def measure_peer(python: str, gguf: Path, prompt: list[int], tokens: int, thread
 
 
 def entry_for(shape: str, quant: str, gguf: Path, prompt: list[int], tokens: int, threads: int,
-              peer_python: str | None) -> dict:
+              peer_python: str | None, isolate=in_fresh_process) -> dict:
+    """isolate: how specdec's measurement runs (``in_fresh_process``, or ``in_this_process``)."""
     from specdec.quant.write import SHAPES
 
     size = gguf.stat().st_size
-    ours = in_fresh_process(measure_specdec, str(gguf), prompt, tokens, threads)
+    ours = isolate(measure_specdec, str(gguf), prompt, tokens, threads)
     growth = ours["rss"]["after_decode"] - ours["rss"]["before_load"]
     entry = {"shape": shape, "quant": quant, "params": SHAPES[shape].params(), "file": gguf.name,
              "file_bytes": size, "tokens": tokens, "prompt_tokens": len(prompt), "threads": threads,
@@ -155,6 +169,9 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-dir", default=None, help="where the random GGUFs are kept (default: specdec's cache)")
     p.add_argument("--max-seconds", type=positive_int, default=None,
                    help="start no new (shape, quant) after this many seconds")
+    p.add_argument("--in-process", action="store_true",
+                   help="measure specdec in this process, not a fresh one: quicker, but its RSS then counts what "
+                        "this process already held (checks the harness; not for figures)")
     p.add_argument("--out", default="results/scaling.json")
 
 
@@ -183,6 +200,7 @@ def run(args) -> int:
     g = torch.Generator().manual_seed(args.seed)
     vocab = min(SHAPES[s].vocab for s in args.shapes)
     prompt = torch.randint(17, vocab, (args.prompt_tokens,), generator=g).tolist()  # past the 17 special ids
+    isolate = in_this_process if args.in_process else in_fresh_process
     for shape in args.shapes:
         for quant in quants:
             if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
@@ -194,7 +212,8 @@ def run(args) -> int:
             if done:
                 console.print(f"{shape} {quant}: already in {out}, skipped")
                 continue
-            entry = entry_for(shape, quant, gguf, prompt, args.tokens, args.runtime.bench_threads, args.peer_python)
+            entry = entry_for(shape, quant, gguf, prompt, args.tokens, args.runtime.bench_threads, args.peer_python,
+                              isolate)
             if "skipped" in entry["llama.cpp"]:
                 console.print(entry["llama.cpp"]["skipped"])
             entries.append(entry)

@@ -89,13 +89,20 @@ def _tensors(shape: LlamaShape):
 
 @functools.lru_cache(maxsize=2)
 def _fields(source: Path, prefix: str = "") -> tuple:
-    """(key, value, type, element type) of every key of ``source`` starting with ``prefix`` but the
-    reader's own (``GGUF.*``) and the file type (e.g. "tokenizer.": vocabulary, merges, special ids,
-    chat template); read once per process (parsing 49k strings takes seconds)."""
-    from gguf import GGUFReader, GGUFValueType
+    """``_reader_fields`` of ``source``, read once per process (parsing 49k strings takes seconds)."""
+    from gguf import GGUFReader
+
+    return _reader_fields(GGUFReader(str(source)), prefix)
+
+
+def _reader_fields(reader, prefix: str = "") -> tuple:
+    """(key, value, type, element type) of every key of a GGUFReader's file starting with ``prefix`` but
+    the reader's own (``GGUF.*``) and the file type (e.g. "tokenizer.": vocabulary, merges, special ids,
+    chat template)."""
+    from gguf import GGUFValueType
 
     out = []
-    for key, field in GGUFReader(str(source)).fields.items():
+    for key, field in reader.fields.items():
         if key.startswith(prefix) and not key.startswith("GGUF.") and key != "general.file_type":
             vtype = field.types[0]
             out.append((key, field.contents(), vtype, field.types[1] if vtype == GGUFValueType.ARRAY else None))
@@ -207,7 +214,7 @@ def write_f32_gguf(source: Path, path: Path) -> Path:
     from gguf.quants import dequantize
 
     reader = GGUFReader(str(source))
-    fields = _fields(Path(source))
+    fields = _reader_fields(reader)  # the reader's own keys: the file is parsed once
     arch = next(v for k, v, _, _ in fields if k == "general.architecture")
     with _gguf_writer(path, arch) as writer:
         for key, value, vtype, sub in fields:
