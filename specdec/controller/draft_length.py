@@ -149,7 +149,8 @@ class DraftLengthController:
         sequence, and every wider block timed here has q * t(1) / t(q) <= PAYS (a compute-bound CPU
         at a large batch). Once every ``retime_every`` such steps it says False (that step drafts as
         usual, re-measuring). False at batch 1 (each class's own gate decides there) and without the
-        cost gate. Example: t = {1: 0.10, 2: 0.21} at batch 16 -> 2 * 0.10 / 0.21 = 0.95: priced out."""
+        cost gate (why: docs/decisions/006-draft-length.md). Example: t = {1: 0.10, 2: 0.21} at batch 16
+        -> 2 * 0.10 / 0.21 = 0.95: priced out."""
         t, c = self.step_time, self.config
         if self.batch_size == 1 or not c.cost_aware or 1 not in t:
             return False
