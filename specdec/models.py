@@ -206,21 +206,25 @@ def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     dequantized, so a file of any size loads in about its own size of memory)."""
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    from specdec.quant.gguf import pack_gguf_weights
+    from specdec.quant.gguf import open_reader, pack_gguf_weights
 
     d = _gguf_cache_dir(gguf, dtype, "packed")
+    try:
+        reader = open_reader(gguf)  # parsed once for both (seconds for a 49k-token vocabulary)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     if not _cache_is_valid(d):
-        _build_packed_cache(gguf, dtype, d)
+        _build_packed_cache(gguf, dtype, d, reader)
     tokenizer = _load_hf_dir_tokenizer(d)
     with torch.device("meta"):  # shapes only: no weight is allocated or initialized
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)
-    pack_gguf_weights(model, gguf)
+    pack_gguf_weights(model, gguf, reader)
     _materialize(model, d / "model.safetensors")
     model.generation_config = GenerationConfig.from_pretrained(d)
     return LoadedModel(model.eval(), tokenizer, name)
 
 
-def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
+def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path, reader=None) -> None:
     """The file's config, tokenizer and float tensors (norms), as transformers reads them, cached."""
     from safetensors.torch import save_file
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -232,7 +236,7 @@ def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        floats = {k: v.to(dtype) for k, v in float_tensors(model, gguf, config.model_type).items()}
+        floats = {k: v.to(dtype) for k, v in float_tensors(model, gguf, config.model_type, reader).items()}
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
     _write_cache(dest, gguf, config, GenerationConfig.from_model_config(config), tokenizer,

@@ -59,16 +59,22 @@ def _blocks(tensor) -> torch.Tensor:
         return torch.from_numpy(np.asarray(tensor.data))
 
 
-def pack_gguf_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
-    """Replace ``model``'s layers (a Llama-family HF model loaded from the same file) by the file's
-    quantized blocks, in place. A quantized type specdec does not keep packed is named with the
-    supported list; a float tensor stays as loaded."""
+def open_reader(gguf_path: str | Path):
+    """The file parsed by the gguf package (its tokenizer arrays make this seconds for a 49k vocabulary:
+    parse once, pass the reader on); a truncated or corrupt file is named."""
     from gguf import GGUFReader
 
     try:
-        reader = GGUFReader(str(gguf_path))
-    except Exception as e:  # noqa: BLE001 - a truncated or corrupt file, named
+        return GGUFReader(str(gguf_path))
+    except Exception as e:  # noqa: BLE001
         raise ValueError(f"could not read GGUF file {gguf_path}: {e}") from e
+
+
+def pack_gguf_weights(model: nn.Module, gguf_path: str | Path, reader=None) -> nn.Module:
+    """Replace ``model``'s layers (a Llama-family HF model loaded from the same file) by the file's
+    quantized blocks, in place. A quantized type specdec does not keep packed is named with the
+    supported list; a float tensor stays as loaded. ``reader``: the file already parsed (``open_reader``)."""
+    reader = open_reader(gguf_path) if reader is None else reader
     cfg = model.config
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
     tied = model.get_output_embeddings() is not None and \
@@ -98,19 +104,19 @@ def pack_gguf_weights(model: nn.Module, gguf_path: str | Path) -> nn.Module:
     return model
 
 
-def float_tensors(model: nn.Module, gguf_path: str | Path, architecture: str) -> dict[str, torch.Tensor]:
+def float_tensors(model: nn.Module, gguf_path: str | Path, architecture: str, reader=None) -> dict[str, torch.Tensor]:
     """The file's float tensors (F32 / F16 / BF16: norms, and any matrix stored unquantized) under
     ``model``'s parameter names, as transformers' GGUF loading reads them (its name map and its
     per-architecture processing, e.g. llama's q/k row order), without dequantizing any quantized
-    tensor. ``model``: the HF model of the file's config, still unpacked (on the meta device is fine)."""
-    from gguf import GGUFReader
+    tensor. ``model``: the HF model of the file's config, still unpacked (on the meta device is fine);
+    ``reader``: the file already parsed (``open_reader``)."""
     from gguf.quants import dequantize
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map
 
     processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     names = get_gguf_hf_weights_map(model, processor)  # GGUF name -> HF parameter name
     out = {}
-    for t in GGUFReader(str(gguf_path)).tensors:
+    for t in (open_reader(gguf_path) if reader is None else reader).tensors:
         if int(t.tensor_type) not in _FLOAT_TYPES:
             continue
         result = processor.process(weights=dequantize(t.data, t.tensor_type), name=t.name,

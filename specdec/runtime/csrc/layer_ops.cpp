@@ -22,7 +22,11 @@
 #pragma GCC optimize("fp-contract=off")
 #endif
 
-#include <ATen/ATen.h>
+#define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
+#include <ATen/core/Tensor.h>  // the Tensor and its methods, and each op used from its own header: ATen.h
+                                // declares every op (a build of the five files: 45 s with it, 33 s without)
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_like.h>
 #include <torch/library.h>
 
 #include <cmath>
