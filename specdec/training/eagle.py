@@ -13,11 +13,11 @@ here reads or writes pickles. The data it trains on: specdec.training.eagle_data
 
 from __future__ import annotations
 
-import json
 import hashlib
+import json
 import math
-from array import array
 import os
+from array import array
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 

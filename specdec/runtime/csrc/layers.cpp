@@ -20,8 +20,8 @@
 // ops, same order, same arguments as specdec/runtime/fastpath.py's loop: the results are the loop's, bit
 // for bit.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
-#include <ATen/core/Tensor.h>  // the Tensor and its methods, and each op used from its own header: ATen.h
-                                // declares every op (a build of the five files: 45 s with it, 33 s without)
+#include <ATen/core/Tensor.h>  // the Tensor, its methods, and each op used from its own header
+                                // (ATen.h declares every op: docs/decisions/015-quant-kernels.md)
 #include <ATen/TensorOperators.h>
 #include <ATen/ops/cat.h>
 #include <ATen/ops/zeros.h>

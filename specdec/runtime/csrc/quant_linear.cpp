@@ -16,8 +16,8 @@
 // each output feature's row of blocks, which the passes after the first read from L1. Threads: torch's
 // pool over output features (at::parallel_for, as packed_linear.cpp).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
-#include <ATen/core/Tensor.h>  // the Tensor and its methods, and each op used from its own header: ATen.h
-                                // declares every op (a build of the five files: 45 s with it, 33 s without)
+#include <ATen/core/Tensor.h>  // the Tensor, its methods, and each op used from its own header
+                                // (ATen.h declares every op: docs/decisions/015-quant-kernels.md)
 #include <ATen/ops/empty.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
