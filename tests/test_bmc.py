@@ -201,3 +201,98 @@ def test_allocations_are_ceil_n_over_t_through_the_one_call(period, n):
         cache.commit([[0]])
     assert cache.num_allocations == math.ceil(n / period)
     assert cache.capacity == math.ceil(n / period) * period
+
+
+# -- a server's batch: rows leave and join between steps ------------------------------------------
+
+H, D, LAYERS = 2, 3, 2
+
+
+def _kv(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    return torch.randn(H, n, D, generator=gen), torch.randn(H, n, D, generator=gen)
+
+
+def _store(lengths: list[int], gen: torch.Generator, rows: list) -> BMCCache:
+    """A store of len(lengths) rows prefilled with random K/V; appends each row's content to ``rows``."""
+    cache = BMCCache(LAYERS, len(lengths), BMCConfig(4))
+    for b, n in enumerate(lengths):
+        kvs = [_kv(n, gen) for _ in range(LAYERS)]
+        cache.load_prefill(b, kvs, max(lengths))
+        rows.append([(k.clone(), v.clone()) for k, v in kvs])
+    return cache
+
+
+def _step(cache: BMCCache, gen: torch.Generator, rows: list) -> None:
+    """One chain block of q rows per batch row; each row keeps a random prefix of it."""
+    B, q = cache.batch_size, int(torch.randint(1, 4, (1,), generator=gen))
+    cache.prepare_chain(q)
+    blocks = [(torch.randn(B, H, q, D, generator=gen), torch.randn(B, H, q, D, generator=gen)) for _ in range(LAYERS)]
+    for layer, (k, v) in zip(cache.layers, blocks):
+        layer.update(k, v)
+    kept = [int(torch.randint(1, q + 1, (1,), generator=gen)) for _ in range(B)]
+    cache.commit([list(range(a)) for a in kept])
+    for b, a in enumerate(kept):
+        rows[b] = [(torch.cat([k0, k[b, :, :a]], 1), torch.cat([v0, v[b, :, :a]], 1))
+                   for (k0, v0), (k, v) in zip(rows[b], blocks)]
+
+
+def _check(cache: BMCCache, rows: list) -> None:
+    assert cache.batch_size == len(rows)
+    for b, row in enumerate(rows):
+        n = cache.lengths[b]
+        for layer, (k, v) in zip(cache.layers, row):
+            assert n == k.shape[1]
+            assert torch.equal(layer.keys[b, :, :n], k) and torch.equal(layer.values[b, :, :n], v)
+    for layer in cache.layers:  # padding stays finite (a masked row still enters q.k^T)
+        assert torch.isfinite(layer.keys).all() and torch.isfinite(layer.values).all()
+    assert cache.capacity <= 2 * (math.ceil(cache.max_length / cache.period) + 1) * cache.period + 3 * cache.period
+
+
+@pytest.mark.parametrize("seed", range(40))
+@torch.inference_mode()  # as the decoder runs it
+def test_rows_leaving_and_joining_keep_every_rows_committed_kv(seed):
+    """Random steps, leaves and joins against a plain list of each row's K/V: every live row holds
+    exactly its own committed rows, in batch order, and the buffers never hold more than a shrink allows."""
+    gen = torch.Generator().manual_seed(seed)
+    rows: list = []
+    cache = _store([int(x) for x in torch.randint(1, 12, (3,), generator=gen)], gen, rows)
+    for _ in range(12):
+        op = int(torch.randint(0, 3, (1,), generator=gen))
+        if op == 0:
+            _step(cache, gen, rows)
+        elif op == 1 and cache.batch_size > 1:
+            keep = sorted(torch.randperm(cache.batch_size, generator=gen)[: max(1, cache.batch_size // 2)].tolist())
+            cache.select(keep)
+            rows[:] = [rows[b] for b in keep]
+        else:
+            joined: list = []
+            other = _store([int(x) for x in torch.randint(1, 30, (int(torch.randint(1, 3, (1,), generator=gen)),),
+                                                         generator=gen)], gen, joined)
+            if torch.rand(1, generator=gen) < 0.5:
+                _step(other, gen, joined)
+            cache.append(other)
+            rows += joined
+        _check(cache, rows)
+
+
+@torch.inference_mode()
+def test_a_join_that_fits_reuses_the_buffers_and_a_long_rows_leaving_shrinks_them():
+    gen = torch.Generator().manual_seed(0)
+    rows: list = []
+    cache = _store([5, 6, 7], gen, rows)
+    cache.select([0, 2])  # a row leaves: room for one
+    rows[:] = [rows[0], rows[2]]
+    buffer = cache.layers[0].keys.data_ptr()
+    joined: list = []
+    cache.append(_store([3], gen, joined))
+    rows += joined
+    assert cache.layers[0].keys.data_ptr() == buffer and cache.batch_size == 3
+    _check(cache, rows)
+    long: list = []
+    cache.append(_store([200], gen, long))  # past the room and the capacity: new buffers
+    rows += long
+    assert cache.layers[0].keys.data_ptr() != buffer and cache.capacity >= 200
+    cache.select([0, 1, 2])
+    rows[:] = rows[:3]
+    assert cache.capacity <= 2 * (math.ceil(cache.max_length / cache.period) + 1) * cache.period
+    _check(cache, rows)

@@ -81,14 +81,6 @@ def _causal_bias(q: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.full((q, q), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
 
 
-def _pad_capacity(x: torch.Tensor, capacity: int) -> torch.Tensor:
-    """x [B, H, C, D] with zero rows up to ``capacity`` (padding must be finite: see ``_grow``)."""
-    B, H, C, D = x.shape
-    if C >= capacity:
-        return x
-    return torch.cat([x, torch.zeros(B, H, capacity - C, D, dtype=x.dtype, device=x.device)], dim=2)
-
-
 class BMCLayer(CacheLayerMixin):
     """One layer's K/V buffers. All bookkeeping lives in the owning ``BMCCache``."""
 
@@ -100,6 +92,7 @@ class BMCLayer(CacheLayerMixin):
         super().__init__()
         self.store = store
         self.layer_idx = layer_idx
+        self._room_kv: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # see ``reshape``
 
     @property
     def capacity(self) -> int:
@@ -135,22 +128,60 @@ class BMCLayer(CacheLayerMixin):
         store = self.store
         if self.layer_idx == 0 and store.period_policy is not None:  # layer 0 grows first: it sets T
             store.set_period(store.period_policy(store.max_length))
-        T = store.period
-        new_cap = math.ceil(needed / T) * T
-        keep = self.store.max_length  # rows worth copying: everything past is padding
-        B, H, _, Dk = k.shape
-        Dv = v.shape[-1]
-        new_k = torch.empty(B, H, new_cap, Dk, dtype=k.dtype, device=k.device)
-        new_v = torch.empty(B, H, new_cap, Dv, dtype=v.dtype, device=v.device)
-        if keep:
-            new_k[:, :, :keep] = self.keys[:, :, :keep]
-            new_v[:, :, :keep] = self.values[:, :, :keep]
-        # Padding must be finite: a masked row still enters q.k^T and weights * V (0 * NaN = NaN).
-        new_k[:, :, keep:].zero_()
-        new_v[:, :, keep:].zero_()
-        self.keys, self.values = new_k, new_v
+        capacity = math.ceil(needed / store.period) * store.period
+        if self.keys is None:  # no prefill loaded: the first forward makes the buffers
+            B, H, _, Dk = k.shape
+            self.adopt(torch.zeros(B, H, capacity, Dk, dtype=k.dtype, device=k.device),
+                       torch.zeros(B, H, capacity, v.shape[-1], dtype=v.dtype, device=v.device), B)
+        else:
+            self.reshape(self.room_rows, capacity)
         if self.layer_idx == 0:
             self.store.num_allocations += 1
+
+    # -- buffers with room for batch rows: the live rows are a view of the first B, so rows that
+    # leave are compacted in place and rows that join are copied into the room, where a server's
+    # batch would otherwise reallocate (and fragment the C heap) at every join and leave
+
+    @property
+    def batch_rows(self) -> int:
+        return 0 if self.keys is None else self.keys.shape[0]
+
+    @property
+    def room_rows(self) -> int:
+        """Batch rows the buffers hold (live rows and spare room)."""
+        room = self._room()
+        return self.batch_rows if room is None else room[0].shape[0]
+
+    def _room(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The whole buffers [R, H, C, D] (R >= B) the live rows view, or None if ``keys`` is not such
+        a view (a subclass assigned buffers of its own)."""
+        rk, rv = self._room_kv
+        if rk is None or self.keys is None or self.keys.data_ptr() != rk.data_ptr() \
+                or self.keys.shape[1:] != rk.shape[1:]:
+            self._room_kv = (None, None)  # stale: not kept alive beside the buffers in use
+            return None
+        return rk, rv
+
+    def reshape(self, room: int, capacity: int) -> None:
+        """New buffers of ``room`` batch rows x ``capacity`` rows holding the live rows' committed rows
+        (the rest zeros: padding must be finite, a masked row still enters q.k^T and weights * V)."""
+        B, H, _, Dk = self.keys.shape
+        Dv = self.values.shape[-1]
+        keep = min(self.store.max_length, capacity)  # rows worth copying: everything past is padding
+        rk = torch.empty(room, H, capacity, Dk, dtype=self.keys.dtype, device=self.keys.device)
+        rv = torch.empty(room, H, capacity, Dv, dtype=self.values.dtype, device=self.values.device)
+        rk[:B, :, :keep] = self.keys[:, :, :keep]
+        rv[:B, :, :keep] = self.values[:, :, :keep]
+        rk[:B, :, keep:].zero_()
+        rv[:B, :, keep:].zero_()
+        rk[B:].zero_()
+        rv[B:].zero_()
+        self.adopt(rk, rv, B)
+
+    def adopt(self, rk: torch.Tensor, rv: torch.Tensor, rows: int) -> None:
+        """Hold buffers [R, H, C, D]; the first ``rows`` batch rows are the live ones."""
+        self._room_kv = (rk, rv)
+        self.keys, self.values = rk[:rows], rv[:rows]
 
     def load_prefix(self, b: int, keys: torch.Tensor, values: torch.Tensor, capacity: int) -> None:
         """Write a prefill's K/V [H, P, D] as batch row b's first P rows (buffers made on first use)."""
@@ -159,24 +190,44 @@ class BMCLayer(CacheLayerMixin):
                 B, (H, _, Dk), Dv = self.store.batch_size, keys.shape, values.shape[-1]
                 self.dtype, self.device = keys.dtype, keys.device
                 self.is_initialized = True
-                # zeros, not empty: padding must be finite (see _grow)
-                self.keys = torch.zeros(B, H, capacity, Dk, dtype=keys.dtype, device=keys.device)
-                self.values = torch.zeros(B, H, capacity, Dv, dtype=values.dtype, device=values.device)
+                # zeros, not empty: padding must be finite (see reshape)
+                self.adopt(torch.zeros(B, H, capacity, Dk, dtype=keys.dtype, device=keys.device),
+                            torch.zeros(B, H, capacity, Dv, dtype=values.dtype, device=values.device), B)
             self.keys[b, :, : keys.shape[1]] = keys
             self.values[b, :, : values.shape[1]] = values
 
-    def select(self, rows: torch.Tensor) -> None:
-        """Keep batch rows ``rows`` [B'] only (one gather per buffer: finished sequences leave)."""
-        if self.keys is not None:
-            with torch.inference_mode():
-                self.keys, self.values = self.keys[rows], self.values[rows]
+    def select(self, rows: list[int]) -> None:
+        """Keep batch rows ``rows`` (ascending) only: finished sequences leave. Rows move down in place
+        (their committed rows only); buffers not of this layer's making are gathered instead."""
+        if self.keys is None:
+            return
+        room = self._room()
+        with torch.inference_mode():
+            if room is None:
+                idx = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
+                self.keys, self.values = self.keys[idx], self.values[idx]
+                return
+            keep = self.store.max_length  # before the select: covers every moving row
+            for i, r in enumerate(rows):  # r >= i: a row is read before any write reaches it
+                if r != i:
+                    room[0][i, :, :keep] = room[0][r, :, :keep]
+                    room[1][i, :, :keep] = room[1][r, :, :keep]
+            self.adopt(*room, len(rows))
 
     def append(self, other: "BMCLayer") -> None:
-        """Add ``other``'s batch rows after this layer's, in buffers of the larger capacity."""
+        """Add ``other``'s batch rows after this layer's: copied into the room when it has enough batch
+        rows and capacity, else into new buffers of the larger capacity (made with no spare room)."""
+        B, n = self.batch_rows, other.batch_rows
+        C = max(self.capacity, other.capacity)
         with torch.inference_mode():
-            C = max(self.capacity, other.capacity)
-            self.keys = torch.cat([_pad_capacity(self.keys, C), _pad_capacity(other.keys, C)])
-            self.values = torch.cat([_pad_capacity(self.values, C), _pad_capacity(other.values, C)])
+            room = self._room()
+            if room is None or room[0].shape[0] < B + n or self.capacity < C:
+                self.reshape(B + n, C)
+                room = self._room()
+            P = other.store.max_length
+            for mine, theirs in zip(room, (other.keys, other.values)):  # past P: the rows' old, finite content
+                mine[B : B + n, :, :P] = theirs[:, :, :P]
+        self.adopt(*room, B + n)
 
     def gather_rows(self, src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
         """Move rows ``src`` to rows ``dst`` of batch rows ``batch`` (all [M]); reads happen first."""
@@ -198,6 +249,7 @@ class BMCLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = None
+        self._room_kv = (None, None)
         self.is_initialized = False
 
 
@@ -344,10 +396,17 @@ class BMCCache(Cache):
         later forward computes them (compaction, not masking). Example: lengths [5, 9, 7], rows [0, 2]
         -> lengths [5, 7]; the attended view shrinks to 7 + Q rows."""
         assert self._plan is None, "select() between forwards only"
-        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         for layer in self.layers:
-            layer.select(idx)
+            layer.select(rows)
         self.lengths = [self.lengths[b] for b in rows]
+        # a long sequence gone: buffers far longer than the rows still held shrink (memory stays
+        # bounded by the live rows, not by the longest sequence the batch ever held)
+        fit = (math.ceil(self.max_length / self.period) + 1) * self.period
+        if self.capacity > 2 * fit:
+            with torch.inference_mode():
+                for layer in self.layers:
+                    layer.reshape(layer.room_rows, fit)
+            self.num_allocations += 1
 
     def append(self, other: "BMCCache") -> None:
         """Add ``other``'s batch rows after this store's (sequences joining a running batch, prefilled

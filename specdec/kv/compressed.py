@@ -205,7 +205,7 @@ class CompressedCache(BMCCache):
             if keep:
                 k[:, :, :keep] = dst.keys[:, :, :keep]
                 v[:, :, :keep] = dst.values[:, :, :keep]
-            dst.keys, dst.values = k, v  # zeros: a masked row still enters q.k^T (0 * NaN = NaN)
+            dst.adopt(k, v, self.batch_size)  # zeros: a masked row still enters q.k^T (0 * NaN = NaN)
             if not dst.is_initialized:
                 dst.dtype, dst.device, dst.is_initialized = k.dtype, k.device, True
         self.num_allocations += 1
@@ -237,10 +237,8 @@ class CompressedCache(BMCCache):
     @torch.inference_mode()
     def select(self, rows: list[int]) -> None:
         """Keep batch rows ``rows`` (finished sequences leave): one gather per buffer."""
-        idx = torch.tensor(rows, device=self.device)
         for layer in self.layers:
-            if layer.keys is not None:
-                layer.keys, layer.values = layer.keys[idx], layer.values[idx]
+            layer.select(rows)
         for name in ("lengths", "shift", "protected", "budgets"):
             setattr(self, name, [getattr(self, name)[b] for b in rows])
 
