@@ -188,10 +188,23 @@ def _cache_is_valid(d: Path) -> bool:
         return False
 
 
+def _ensure_cache(d: Path, build) -> None:
+    """Run ``build()`` to make cache folder ``d`` unless it is valid. One process builds at a time (a
+    lock file beside the folder): a second one waits, then finds it valid, so two processes starting
+    at once never replace the folder under each other's load."""
+    from filelock import FileLock
+
+    if _cache_is_valid(d):
+        return
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(d.parent / f".{d.name}.lock")):
+        if not _cache_is_valid(d):
+            build()
+
+
 def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     d = _gguf_cache_dir(gguf, dtype)
-    if not _cache_is_valid(d):
-        _build_gguf_cache(gguf, dtype, d)
+    _ensure_cache(d, lambda: _build_gguf_cache(gguf, dtype, d))
     loaded = _load_hf_dir(d, dtype, False, name)
     if loaded.tokenizer is None:
         raise ModelLoadError(f"cached tokenizer missing in {d}; delete the folder to rebuild it")
@@ -213,8 +226,7 @@ def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
         reader = open_reader(gguf)  # parsed once for both (seconds for a 49k-token vocabulary)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
-    if not _cache_is_valid(d):
-        _build_packed_cache(gguf, dtype, d, reader)
+    _ensure_cache(d, lambda: _build_packed_cache(gguf, dtype, d, reader))
     tokenizer = _load_hf_dir_tokenizer(d)
     with torch.device("meta"):  # shapes only: no weight is allocated or initialized
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)

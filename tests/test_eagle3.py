@@ -9,6 +9,7 @@ import torch
 
 from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, ragged_blocks, tiny_llama
 from specdec import SpecDecoder
+from specdec.bench.runner import fixed_setting
 from specdec.config import RuntimeConfig, use
 from specdec.drafters import PromptLookupDrafter, Sources
 from specdec.drafters.base import Prompt
@@ -152,7 +153,9 @@ def test_a_configured_head_drafts_by_name_and_takes_eagles_place_in_auto(target,
 
 def _drafts(target, head) -> torch.Tensor:
     drafter = Eagle3Drafter(target, head, CONFIG)
-    out = SpecDecoder(target, drafter).generate(_prompts()[:2], max_new_tokens=6, eos_token_id=None)
+    # trees of a fixed size: the controller's choices follow measured times (they differ run to run)
+    fixed = fixed_setting(f"n={CONFIG.total_tokens}")
+    out = SpecDecoder(target, drafter, fixed).generate(_prompts()[:2], max_new_tokens=6, eos_token_id=None)
     return torch.tensor([sum(s.num_accepted) for s in out.steps] + [sum(s.num_drafted) for s in out.steps])
 
 

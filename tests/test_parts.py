@@ -670,3 +670,31 @@ def test_a_step_that_grew_the_store_is_not_a_sample_of_its_verify_cost():
     assert c.step_time[1] == pytest.approx(1.0)
     c.update([0], [0], verify_time=1.5)
     assert c.step_time[1] > 1.0
+
+
+def test_a_cache_folder_is_built_once_by_processes_starting_together(tmp_path):
+    """Two processes asking for an invalid cache at once: one builds it, the other waits and uses it."""
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import json, time
+        from pathlib import Path
+        from specdec import models
+        d = Path({str(tmp_path / 'cache')!r})
+        def build():
+            with open(Path({str(tmp_path)!r}) / 'builds', 'a') as f:
+                f.write('x')
+            time.sleep(1.0)
+            d.mkdir(parents=True, exist_ok=True)
+            w = d / 'model.safetensors'
+            w.write_bytes(b'weights')
+            (d / 'manifest.json').write_text(json.dumps(
+                {{'format': models.CACHE_FORMAT, 'size': 7, 'sha256': models._sha256(w)}}))
+        models._ensure_cache(d, build)
+        assert models._cache_is_valid(d)
+    """)
+    procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    assert [p.wait(timeout=60) for p in procs] == [0, 0]
+    assert (tmp_path / "builds").read_text() == "x"

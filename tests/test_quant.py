@@ -275,4 +275,6 @@ def test_default_model_loaded_packed_has_no_fp32_layers_and_computes_the_fp32_lo
     ids = torch.arange(1, 131, dtype=torch.long)[None]  # 130 rows, past the kernel's 128: the reference
     with torch.no_grad():
         assert torch.equal(packed(ids).logits, fp32(ids).logits)  # the same weights, the same GEMMs
-        torch.testing.assert_close(packed(ids[:, :5]).logits, fp32(ids[:, :5]).logits, rtol=1e-4, atol=1e-4)
+        # 5 rows: the block kernel against MKL, which sums in another order (by its thread count too:
+        # 3e-4 apart on one thread over 30 layers); a wrong block value moves logits by tenths
+        torch.testing.assert_close(packed(ids[:, :5]).logits, fp32(ids[:, :5]).logits, rtol=1e-4, atol=1e-3)
