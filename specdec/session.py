@@ -6,12 +6,12 @@
         events = session.step()          # draft -> verify -> accept -> commit, every live row
         session.remove([ids[0]])         # a cancelled sequence leaves at the step boundary
 
-``add`` prefills new prompts in their own store, then joins their rows to the running batch (one copy
-of both stores' buffers, ``BMCCache.append``) and restarts the drafters from every live row's
+``add`` prefills new prompts in their own store, then joins their rows to the running batch (copied
+into the store's room for batch rows, ``BMCCache.append``) and restarts the drafters from every live row's
 committed text (``begin`` + ``accept`` of the pending tokens: the state a text-matching or
 self-speculating drafter would hold anyway). A drafter that reads the target's hidden states (EAGLE)
 cannot restart so: ``joins`` is False for it and a caller adds only to an empty session. Sequences
-stop on their own EOS or max_new and leave (compaction: one gather per buffer); ``remove`` drops rows
+stop on their own EOS or max_new and leave (compaction: later rows move down in place); ``remove`` drops rows
 the same way. Each row is judged by ``judge``'s rule for it: one rule for a ``generate`` run
 (``Acceptance``), or one per row for a server (``specdec.serve.acceptance``).
 

@@ -4,7 +4,8 @@ After "BMC: Accelerating LLM inference via Balanced Memory and Compute" (iterati
 the cache every step, upfront allocation attends over a full-length buffer; BMC allocates T rows at a
 time and lets speculative tokens use the padding).
 
-Per layer the store keeps K/V buffers [B, H, C, D] whose capacity C is a multiple of T. Each batch row
+Per layer the store keeps K/V buffers [B, H, C, D] (a view of the first B of R >= B batch rows: room
+for rows joining a server's batch) whose capacity C is a multiple of T. Each batch row
 b has its own committed length ``lengths[b]``. One target forward writes its Q new rows (pending
 token + draft nodes) at rows ``lengths[b] + [0, Q)`` of every layer and attends over a *view* of the
 first ``max(lengths) + Q`` rows, never the whole buffer. When that view would pass C, the buffer is
@@ -410,8 +411,9 @@ class BMCCache(Cache):
 
     def append(self, other: "BMCCache") -> None:
         """Add ``other``'s batch rows after this store's (sequences joining a running batch, prefilled
-        in a store of their own); one copy of both stores' buffers. Example: lengths [5, 9] + [7]
-        -> [5, 9, 7]; capacities 64 and 128 -> 128 for every row."""
+        in a store of their own): copied into this store's room for batch rows where it fits, else
+        both into new buffers (``BMCLayer.append``). Example: lengths [5, 9] + [7] -> [5, 9, 7];
+        capacities 64 and 128 -> 128 for every row."""
         assert self._plan is None and other._plan is None, "append() between forwards only"
         assert len(other.layers) == len(self.layers), "stores of different models"
         for layer, theirs in zip(self.layers, other.layers):
