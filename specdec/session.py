@@ -181,6 +181,10 @@ class DecodeSession:
         self.judge = None  # the acceptance rule of the live rows
         self.steps: list[StepStats] = []  # every step so far, prefills included
         self._next_id = 0
+        # rows joined since the drafters last began: they restart at the next step that drafts (a batch
+        # whose drafting is priced out pays no restart per join, and no accept or select per step)
+        self._drafters_behind = False
+        self._restart_seconds = 0.0  # spent restarting them in the current step's draft
 
     @property
     def rows(self) -> list[int]:
@@ -219,8 +223,11 @@ class DecodeSession:
         # drafts are scored against the committed text: greedy only (a sampled token that differs
         # from a draft does not mean the draft would have been rejected)
         shadow = d.config.shadow_drafts and judge.greedy
-        key, tree, shadows = draft_step(d.chooser, controller, len(batch.rows), batch.wanted(), shadow)
+        self._restart_seconds = 0.0
+        key, tree, shadows = draft_step(d.chooser, controller, len(batch.rows), batch.wanted(), shadow,
+                                        ready=self._catch_up_drafters)
         t1 = time.perf_counter()
+        t0 += self._restart_seconds  # a join's restart is not the price of this step's draft
         # 2.-4. one target forward over [pending, nodes] per row, the acceptance rule, commit the kept rows
         allocations = self.cache.num_allocations
         ver, hidden, split = self._verify(tree)
@@ -267,6 +274,7 @@ class DecodeSession:
         states if they read them), as one ``generate`` call."""
         self.judge = judge
         self.batch.rows = list(ids)
+        self._drafters_behind = False  # they begin on these prompts
         self.decoder.controller.new_run(len(ids))
         self.cache = self._new_store(len(ids), max(len(p) for p in prompts))
         t0 = time.perf_counter()
@@ -292,16 +300,22 @@ class DecodeSession:
             self.judge = self.judge.joined(judge)
             batch.rows += [ids[k] for k in keep]
             self.pending = torch.cat([self.pending, ver.next_token[keep, None].to(self.pending.device)])
-            self._restart_drafters()
+            self._drafters_behind = self.decoder.chooser is not None
             d.controller.set_batch(len(batch.rows))
         return events
+
+    def _catch_up_drafters(self) -> None:
+        """Before a step drafts: restart the drafters if rows joined since they began."""
+        if self._drafters_behind:
+            t0 = time.perf_counter()
+            self._restart_drafters()
+            self._drafters_behind = False
+            self._restart_seconds = time.perf_counter() - t0
 
     def _restart_drafters(self) -> None:
         """begin() on every live row's committed text but the pending token (what the store holds),
         then accept() of the pending tokens: the state the drafters reach in a run of their own."""
         chooser = self.decoder.chooser
-        if chooser is None:
-            return
         texts = [self.batch.text(s) for s in self.rows]
         B, P = len(texts), max(len(t) for t in texts) - 1
         ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
@@ -393,8 +407,8 @@ class DecodeSession:
         self._record(stats)
         events, keep = self.batch.extend(self.rows, commit, stats)
         chooser = self.decoder.chooser
-        if chooser is not None:  # also after the last step: a drafter's state ends in step
-            chooser.accept(commit)
+        if chooser is not None and not self._drafters_behind:  # also after the last step: a drafter's
+            chooser.accept(commit)  # state ends in step
         self.pending = next_token[:, None].to(self.decoder.target.device)
         self._keep(keep)
         return events
@@ -414,7 +428,7 @@ class DecodeSession:
             return
         self.cache.select(keep)
         chooser = self.decoder.chooser
-        if chooser is not None:
+        if chooser is not None and not self._drafters_behind:
             chooser.select(keep)
         self.judge.select(keep)
         self.pending = self.pending[keep]

@@ -183,3 +183,44 @@ def test_a_drafter_reading_hidden_states_takes_requests_in_waves(target):
     assert engine.counters.joins == 0  # the later ones waited for the batch to empty
     for p, m, c in zip(prompts, max_new, [first] + later):
         assert c.tokens == SpecDecoder(target, None).generate(torch.tensor(p), max_new_tokens=m).generated(0).tolist()
+
+
+def test_rows_joining_a_priced_out_batch_restart_the_drafters_only_when_a_step_drafts(target, monkeypatch):
+    """A join marks the drafters behind instead of restarting them: a batch whose drafting is priced out
+    pays no restart per join (nor an accept per step); the first step that drafts restarts them on every
+    live row, and every answer is still the target's greedy output."""
+    from specdec.serve.acceptance import RowAcceptance, RowRule
+    from specdec.session import DecodeSession
+
+    decoder = SpecDecoder(target, PromptLookupDrafter())
+    prompts, max_new = _prompts(3), [16, 16, 12]
+    priced_out = [True]
+    monkeypatch.setattr(decoder.controller, "priced_out", lambda: priced_out[0])
+    begins, begin = [], decoder.chooser.begin
+    monkeypatch.setattr(decoder.chooser, "begin", lambda p: begins.append(p.input_ids.shape[0]) or begin(p))
+    tokens: dict[int, list[int]] = {}
+
+    def collect(events):
+        for e in events:
+            tokens.setdefault(e.sequence, []).extend(e.tokens)
+
+    def judge(n):
+        return RowAcceptance([RowRule.make(None, None) for _ in range(n)])
+
+    with decoder.running():
+        session = DecodeSession(decoder, eos=set())
+        collect(session.add([torch.tensor(p) for p in prompts[:2]], max_new[:2], judge(2))[1])
+        collect(session.step())
+        collect(session.add([torch.tensor(prompts[2])], max_new[2:], judge(1))[1])  # joins, priced out
+        for _ in range(2):
+            collect(session.step())
+        assert begins == [2]  # the prompts' begin only
+        priced_out[0] = False
+        collect(session.step())
+        assert begins == [2, 3]  # restarted once, on the three live rows, before drafting
+        while session.rows:
+            collect(session.step())
+        assert begins == [2, 3]
+    assert any(s.num_drafted and max(s.num_drafted) > 0 for s in session.steps)
+    for i, (p, m) in enumerate(zip(prompts, max_new)):
+        assert tokens[i] == hf_greedy(target, torch.tensor([p]), m)[0, len(p):].tolist()

@@ -256,13 +256,16 @@ class Shadow:
 
 
 def draft_step(chooser: Chooser | None, controller, batch_size: int, wanted: int,
-               shadow: bool = False) -> tuple[object, DraftTree, list[Shadow]]:
+               shadow: bool = False, ready=None) -> tuple[object, DraftTree, list[Shadow]]:
     """One step's draft through ``chooser`` (a DraftLengthController sizes it): its class, the tree
     (empty when drafting does not pay), and with ``shadow`` (greedy), the free classes' unchosen
-    drafts. The decoder's step 1, shared with the replays of stored answers (``specdec.bench.replay``),
-    so a replay drafts as the decoder does."""
+    drafts. ``ready()`` runs first where the step may draft (a session brings its drafters up to date).
+    The decoder's step 1, shared with the replays of stored answers (``specdec.bench.replay``), so a
+    replay drafts as the decoder does."""
     if chooser is None or wanted <= 0 or controller.priced_out():
         return None, DraftTree.empty(batch_size), []
+    if ready is not None:
+        ready()
     key, budget, free = chooser.choose(controller, wanted, shadow)
     shadows = shadow_drafts(chooser, controller, free, wanted)
     if budget <= 0:  # nobody drafts (key None), or the class's rule says not now
