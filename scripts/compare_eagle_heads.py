@@ -19,17 +19,17 @@ import json
 import sys
 from pathlib import Path
 
+import _bench_setup
 import torch
 
 from specdec import SpecDecoder
-from specdec.bench.questions import load_questions, select_questions
 from specdec.bench.runner import fixed_setting
 from specdec.drafters.eagle import PACKAGED_HEAD, EagleConfig, load_head, make_eagle
 from specdec.drafters.eagle3 import PACKAGED_HEAD3, make_eagle3
 from specdec.drafters.eagle3_head import default_aux_layers
 from specdec.drafters.eagle3_io import load_eagle3
-from specdec.models import load_model, text_config
-from specdec.prompting import chat_ids, eos_ids, user_turn
+from specdec.models import text_config
+from specdec.prompting import chat_ids, user_turn
 from specdec.training.distill import features
 from specdec.training.eagle import TrainConfig, evaluate
 from specdec.training.eagle3 import Train3Config, evaluate3
@@ -53,20 +53,11 @@ def acceptance(steps, depth: int) -> tuple[list[float], int]:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--questions", required=True)
-    ap.add_argument("--per-category", type=int, default=1)
+    _bench_setup.add_arguments(ap)
     ap.add_argument("--heads", nargs="+", required=True, help="KIND:PATH, KIND eagle or eagle3, PATH a dir or 'packaged'")
     ap.add_argument("--nodes", type=int, default=6)
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None, help="JSON file for the table's figures")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
-    target, tok = loaded.model.eval(), loaded.tokenizer
-    eos = eos_ids(target, tok)
-    questions = select_questions(load_questions(args.questions), None, args.per_category)
+    target, tok, eos, questions = _bench_setup.load(args)
     prompts = [chat_ids(tok, user_turn(q.turns[0])) for q in questions]
     heads = [(spec, *spec.split(":", 1)) for spec in args.heads]
     rows, answers = {}, None

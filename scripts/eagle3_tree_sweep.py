@@ -18,17 +18,14 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+import _bench_setup
 
 from specdec import SpecDecoder
 from specdec.bench.generation import Method, run_bench, summarize
-from specdec.bench.questions import load_questions, select_questions
 from specdec.bench.runner import make_decoder
 from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.eagle import EagleConfig
 from specdec.drafters.eagle3 import make_eagle3
-from specdec.models import load_model
-from specdec.prompting import eos_ids
 
 
 def shape_of(text: str) -> tuple[int, int, int]:
@@ -53,19 +50,10 @@ def timed_method(name: str, decoder: SpecDecoder, eos, times: dict) -> Method:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="default")
-    ap.add_argument("--questions", required=True)
-    ap.add_argument("--per-category", type=int, default=1)
+    _bench_setup.add_arguments(ap)
     ap.add_argument("--shapes", nargs="+", required=True, help="NODES,DEPTH,TOP_K")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--out", default=None, help="JSON file for the table's figures")
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
-    target, tok = loaded.model.eval(), loaded.tokenizer
-    eos = eos_ids(target, tok)
-    questions = select_questions(load_questions(args.questions), None, args.per_category)
+    target, tok, eos, questions = _bench_setup.load(args)
     times: dict = {}
     methods = [timed_method("none", make_decoder(target, "none"), eos, times)]
     for text in args.shapes:
