@@ -164,8 +164,9 @@ class BMCLayer(CacheLayerMixin):
         return rk, rv
 
     def reshape(self, room: int, capacity: int) -> None:
-        """New buffers of ``room`` batch rows x ``capacity`` rows holding the live rows' committed rows
-        (the rest zeros: padding must be finite, a masked row still enters q.k^T and weights * V)."""
+        """New buffers of ``room`` batch rows x ``capacity`` rows holding the live rows' committed rows,
+        their padding zeros (it must be finite: a masked row still enters q.k^T and weights * V). The
+        spare rows are left untouched (no pages until a join writes them; ``append`` zeroes their padding)."""
         B, H, _, Dk = self.keys.shape
         Dv = self.values.shape[-1]
         keep = min(self.store.max_length, capacity)  # rows worth copying: everything past is padding
@@ -175,8 +176,6 @@ class BMCLayer(CacheLayerMixin):
         rv[:B, :, :keep] = self.values[:, :, :keep]
         rk[:B, :, keep:].zero_()
         rv[:B, :, keep:].zero_()
-        rk[B:].zero_()
-        rv[B:].zero_()
         self.adopt(rk, rv, B)
 
     def adopt(self, rk: torch.Tensor, rv: torch.Tensor, rows: int) -> None:
@@ -226,8 +225,9 @@ class BMCLayer(CacheLayerMixin):
                 self.reshape(B + n, C)
                 room = self._room()
             P = other.store.max_length
-            for mine, theirs in zip(room, (other.keys, other.values)):  # past P: the rows' old, finite content
+            for mine, theirs in zip(room, (other.keys, other.values)):
                 mine[B : B + n, :, :P] = theirs[:, :, :P]
+                mine[B : B + n, :, P:].zero_()  # a spare row may never have been written (see reshape)
         self.adopt(*room, B + n)
 
     def gather_rows(self, src: torch.Tensor, dst: torch.Tensor, batch: torch.Tensor) -> None:
