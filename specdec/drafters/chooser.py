@@ -256,7 +256,7 @@ class Shadow:
 
 
 def draft_step(chooser: Chooser | None, controller, batch_size: int, wanted: int,
-               shadow: bool = False, ready=None) -> tuple[object, DraftTree, list[Shadow]]:
+               shadow: bool = False, ready: Callable[[], None] | None = None) -> tuple[object, DraftTree, list[Shadow]]:
     """One step's draft through ``chooser`` (a DraftLengthController sizes it): its class, the tree
     (empty when drafting does not pay), and with ``shadow`` (greedy), the free classes' unchosen
     drafts. ``ready()`` runs first where the step may draft (a session brings its drafters up to date).
