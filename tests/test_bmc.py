@@ -283,7 +283,7 @@ def test_a_join_that_fits_reuses_the_buffers_and_a_long_rows_leaving_shrinks_the
     cache.select([0, 2])  # a row leaves: room for one
     rows[:] = [rows[0], rows[2]]
     for layer in cache.layers:  # a spare row as a fresh buffer may hold it: never written, any bits
-        for buffer in layer._room():
+        for buffer in layer._room_kv:
             buffer[2:] = float("nan")
     buffer = cache.layers[0].keys.data_ptr()
     joined: list = []

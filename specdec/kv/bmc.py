@@ -93,7 +93,9 @@ class BMCLayer(CacheLayerMixin):
         super().__init__()
         self.store = store
         self.layer_idx = layer_idx
-        self._room_kv: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)  # see ``reshape``
+        # the whole buffers [R, H, C, D] (R >= B batch rows) whose first B rows ``keys`` / ``values`` view;
+        # every buffer this layer holds comes through ``adopt`` (None before the first)
+        self._room_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def capacity(self) -> int:
@@ -129,13 +131,7 @@ class BMCLayer(CacheLayerMixin):
         store = self.store
         if self.layer_idx == 0 and store.period_policy is not None:  # layer 0 grows first: it sets T
             store.set_period(store.period_policy(store.max_length))
-        capacity = math.ceil(needed / store.period) * store.period
-        if self.keys is None:  # no prefill loaded: the first forward makes the buffers
-            B, H, _, Dk = k.shape
-            self.adopt(torch.zeros(B, H, capacity, Dk, dtype=k.dtype, device=k.device),
-                       torch.zeros(B, H, capacity, v.shape[-1], dtype=v.dtype, device=v.device), B)
-        else:
-            self.reshape(self.room_rows, capacity)
+        self.resize(math.ceil(needed / store.period) * store.period, k, v, k.shape[0])
         if self.layer_idx == 0:
             self.store.num_allocations += 1
 
@@ -150,18 +146,18 @@ class BMCLayer(CacheLayerMixin):
     @property
     def room_rows(self) -> int:
         """Batch rows the buffers hold (live rows and spare room)."""
-        room = self._room()
-        return self.batch_rows if room is None else room[0].shape[0]
+        return 0 if self._room_kv is None else self._room_kv[0].shape[0]
 
-    def _room(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The whole buffers [R, H, C, D] (R >= B) the live rows view, or None if ``keys`` is not such
-        a view (a subclass assigned buffers of its own)."""
-        rk, rv = self._room_kv
-        if rk is None or self.keys is None or self.keys.data_ptr() != rk.data_ptr() \
-                or self.keys.shape[1:] != rk.shape[1:]:
-            self._room_kv = (None, None)  # stale: not kept alive beside the buffers in use
-            return None
-        return rk, rv
+    def resize(self, capacity: int, like_k: torch.Tensor, like_v: torch.Tensor, rows: int) -> None:
+        """Buffers of ``capacity`` rows keeping the committed rows (``reshape``); where there are none yet,
+        zeros for ``rows`` batch rows with the heads, width and dtype of ``like_k`` / ``like_v`` [*, H, *, D]."""
+        if self.keys is not None:
+            self.reshape(self.room_rows, capacity)
+            return
+        H, Dk, Dv = like_k.shape[1], like_k.shape[-1], like_v.shape[-1]
+        self.adopt(torch.zeros(rows, H, capacity, Dk, dtype=like_k.dtype, device=like_k.device),
+                   torch.zeros(rows, H, capacity, Dv, dtype=like_v.dtype, device=like_v.device), rows)
+        self.dtype, self.device, self.is_initialized = like_k.dtype, like_k.device, True
 
     def reshape(self, room: int, capacity: int) -> None:
         """New buffers of ``room`` batch rows x ``capacity`` rows holding the live rows' committed rows,
@@ -198,15 +194,11 @@ class BMCLayer(CacheLayerMixin):
 
     def select(self, rows: list[int]) -> None:
         """Keep batch rows ``rows`` (ascending) only: finished sequences leave. Rows move down in place
-        (their committed rows only); buffers not of this layer's making are gathered instead."""
-        if self.keys is None:
+        (their committed rows only)."""
+        room = self._room_kv
+        if room is None:
             return
-        room = self._room()
         with torch.inference_mode():
-            if room is None:
-                idx = torch.tensor(rows, dtype=torch.long, device=self.keys.device)
-                self.keys, self.values = self.keys[idx], self.values[idx]
-                return
             keep = self.store.max_length  # before the select: covers every moving row
             for i, r in enumerate(rows):  # r >= i: a row is read before any write reaches it
                 if r != i:
@@ -220,10 +212,9 @@ class BMCLayer(CacheLayerMixin):
         B, n = self.batch_rows, other.batch_rows
         C = max(self.capacity, other.capacity)
         with torch.inference_mode():
-            room = self._room()
-            if room is None or room[0].shape[0] < B + n or self.capacity < C:
+            if self.room_rows < B + n or self.capacity < C:
                 self.reshape(B + n, C)
-                room = self._room()
+            room = self._room_kv
             P = other.store.max_length
             for mine, theirs in zip(room, (other.keys, other.values)):
                 mine[B : B + n, :, :P] = theirs[:, :, :P]
@@ -250,7 +241,7 @@ class BMCLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.keys = self.values = None
-        self._room_kv = (None, None)
+        self._room_kv = None
         self.is_initialized = False
 
 

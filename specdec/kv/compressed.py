@@ -194,20 +194,9 @@ class CompressedCache(BMCCache):
         """Make every layer hold at least ``needed`` slots, keeping the slots in use (BMC growth)."""
         if needed <= self.capacity:
             return
-        T = self.period
-        cap = math.ceil(needed / T) * T
-        keep = self.max_length if self.capacity else 0
+        cap = math.ceil(needed / self.period) * self.period
         for dst, src in zip(self.layers, source.layers):
-            B, H, _, Dk = src.keys.shape
-            k = torch.zeros(self.batch_size, H, cap, Dk, dtype=src.keys.dtype, device=src.keys.device)
-            v = torch.zeros(self.batch_size, H, cap, src.values.shape[-1], dtype=src.values.dtype,
-                            device=src.values.device)
-            if keep:
-                k[:, :, :keep] = dst.keys[:, :, :keep]
-                v[:, :, :keep] = dst.values[:, :, :keep]
-            dst.adopt(k, v, self.batch_size)  # zeros: a masked row still enters q.k^T (0 * NaN = NaN)
-            if not dst.is_initialized:
-                dst.dtype, dst.device, dst.is_initialized = k.dtype, k.device, True
+            dst.resize(cap, src.keys, src.values, self.batch_size)  # padding zeros: a masked row still enters q.k^T
         self.num_allocations += 1
 
     # -- eviction --------------------------------------------------------------------------------
