@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec.quant.formats import block_format
+from specdec.quant.gguf import open_reader
 from specdec.quant.q4k import quantize_rows
 
 WRITER_VERSION = 1  # bump when what a file holds for the same (shape, quant, seed) changes
@@ -90,9 +91,7 @@ def _tensors(shape: LlamaShape):
 @functools.lru_cache(maxsize=2)
 def _fields(source: Path, prefix: str = "") -> tuple:
     """``_reader_fields`` of ``source``, read once per process (parsing 49k strings takes seconds)."""
-    from gguf import GGUFReader
-
-    return _reader_fields(GGUFReader(str(source)), prefix)
+    return _reader_fields(open_reader(source), prefix)
 
 
 def _reader_fields(reader, prefix: str = "") -> tuple:
@@ -186,12 +185,9 @@ def _gguf_writer(path: Path, arch: str):
 def gguf_opens(path: Path) -> bool:
     """Whether ``path`` reads as a GGUF whose tensors all lie within the file (a truncated or garbled
     file does not)."""
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
-        return len(reader.tensors) > 0
-    except Exception:  # noqa: BLE001 - any failure to parse means: write it again
+        return len(open_reader(path).tensors) > 0
+    except ValueError:  # any failure to parse means: write it again
         return False
 
 
@@ -210,10 +206,10 @@ def cached_random_gguf(shape_name: str, quant: str, cache_dir: Path, seed: int =
 def write_f32_gguf(source: Path, path: Path) -> Path:
     """``source`` rewritten with every quantized tensor dequantized to F32 (its keys copied, file type
     ALL_F32), atomically as ``write_random_gguf``."""
-    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(source))
+    reader = open_reader(source)
     fields = _reader_fields(reader)  # the reader's own keys: the file is parsed once
     arch = next(v for k, v, _, _ in fields if k == "general.architecture")
     with _gguf_writer(path, arch) as writer:
