@@ -9,10 +9,10 @@
 ``add`` prefills new prompts in their own store, then joins their rows to the running batch (copied
 into the store's room for batch rows, ``BMCCache.append``); the drafters restart from every live row's
 committed text (``begin`` + ``accept`` of the pending tokens: the state a text-matching or
-self-speculating drafter would hold anyway) at the next step that drafts, not at the join. A drafter that reads the target's hidden states (EAGLE)
-cannot restart so: ``joins`` is False for it and a caller adds only to an empty session. Sequences
-stop on their own EOS or max_new and leave (compaction: later rows move down in place); ``remove`` drops rows
-the same way. Each row is judged by ``judge``'s rule for it: one rule for a ``generate`` run
+self-speculating drafter would hold anyway) at the next step that drafts, not at the join. A drafter
+that reads the target's hidden states (EAGLE) cannot restart so: ``joins`` is False for it and a
+caller adds only to an empty session. Sequences stop on their own EOS or max_new and leave
+(compaction: later rows move down in place); ``remove`` drops rows the same way. Each row is judged by ``judge``'s rule for it: one rule for a ``generate`` run
 (``Acceptance``), or one per row for a server (``specdec.serve.acceptance``).
 
 Invariant between steps: the target's BMC store holds every committed token of each live sequence

@@ -8,14 +8,15 @@ import torch  # noqa: E402
 from specdec.bench.device.tiny import hf_greedy, perturbed, tiny_llama  # noqa: E402,F401  (the tests import them from here)
 from transformers import LlamaForCausalLM  # noqa: E402
 
+CORES = max(1, min(2, os.cpu_count() or 1))  # the cores the suite uses: at most two (CI has two)
 # one torch thread per xdist worker (the suite runs a worker per core: more threads than cores stall
-# on each other), else up to two
-torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
+# on each other), else one per core
+torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else CORES)
 
 
 def pytest_xdist_auto_num_workers(config):
-    """``-n auto``: a worker per core, at most two (each loads models; CI has two cores)."""
-    return max(1, min(2, os.cpu_count() or 1))
+    """``-n auto``: a worker per core (each loads models)."""
+    return CORES
 
 
 def shared_file(rel: str):
