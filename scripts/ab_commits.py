@@ -78,6 +78,7 @@ def main() -> None:
     ap.add_argument("--methods", default="none,auto")
     ap.add_argument("--batch-size", type=int, default=0, help="also run batches of this size (0: none)")
     ap.add_argument("--no-batch-1", action="store_true", help="only the batches (with --batch-size)")
+    ap.add_argument("--weights", default="fp32", help="the targets' weights (load_model's: fp32, packed, q8_0, ...)")
     ap.add_argument("--out", default="results/ab.jsonl")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -105,7 +106,8 @@ def main() -> None:
     hf = new_models.load_model("default")
     tok = hf.tokenizer
     eos = hf.model.generation_config.eos_token_id
-    old_m, new_m = old_models.load_model("default").model, new_models.load_model("default").model
+    old_m = old_models.load_model("default", weights=args.weights).model
+    new_m = new_models.load_model("default", weights=args.weights).model
     methods = args.methods.split(",")
     decoders = {}
     for name in methods:

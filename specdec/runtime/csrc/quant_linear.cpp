@@ -8,13 +8,12 @@
 // F.linear(x, dequantize(W)) up to summation order. The weights stream at 4.5-8.5 bits a weight instead
 // of 32, so a step is bound by the decoding arithmetic and the blocks' arrival, not by bandwidth.
 //
-// Shape: one output feature at a time (four for one row, two for two: independent FMA chains), its row
-// of blocks against M rows of x: M vector accumulators (one per row), a block's weights decoded one vector at a time and each vector fed to all M rows
-// before the next (so a decoded weight lives in one register); a horizontal sum per (row, feature) at
-// the end. AVX-512: vectors of 16, up to 16 rows a pass (16 accumulators + decode temporaries < 32
-// registers); AVX2: vectors of 8, up to 8 rows a pass (16 registers). More rows: balanced passes over
-// each output feature's row of blocks, which the passes after the first read from L1. Threads: torch's
-// pool over output features (at::parallel_for, as packed_linear.cpp).
+// Shape: a few output features at a time (``Shape``: NF of them), their rows of blocks against a pass of
+// rows of x: one vector accumulator per (row, feature), each decoded vector fed to every row of the pass
+// (AVX-512 with 32-weight blocks: the NF features' blocks decoded whole first, so each vector of x is
+// loaded once for all NF); a horizontal sum per (row, feature) at the end. More rows than a pass holds:
+// balanced passes over the same features, which the passes after the first read from L1. Threads:
+// torch's pool over output features (at::parallel_for, as packed_linear.cpp).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
 #include <ATen/core/Tensor.h>  // the Tensor, its methods, and each op used from its own header
                                 // (ATen.h declares every op: docs/decisions/015-quant-kernels.md)
@@ -23,6 +22,7 @@
 #include <torch/library.h>
 
 #include <utility>
+#include <vector>
 
 #include "ops.h"
 #include "vec.h"
@@ -31,12 +31,10 @@ namespace {
 
 using specdec_vec::hsum;
 using specdec_vec::kLanes;
-using specdec_vec::splat;
 using specdec_vec::vec;
 typedef uint8_t bytes __attribute__((vector_size(kLanes)));  // kLanes bytes: one vector's worth of quants
 typedef int8_t sbytes __attribute__((vector_size(kLanes)));
 
-constexpr int kMaxRows = kLanes == 16 ? 16 : 8;  // rows per pass: accumulators that fit the registers
 constexpr int64_t kGrain = 16;  // output features per parallel work item, at least
 // prefetch the feature group this many groups ahead: in a step the blocks come from outside L2 (a
 // distance tuned on one machine: docs/decisions/015-quant-kernels.md)
@@ -70,10 +68,30 @@ inline vec to_float(bytes b) { return from_ints(as_m128i(&b, sizeof(b)), false);
 
 inline vec to_float(sbytes b) { return from_ints(as_m128i(&b, sizeof(b)), true); }
 
+// f16 -> fp32 through a table of all 65,536 values (256 KB, filled when the library loads; a model's
+// scales touch a few lines of it): a block's scale then reaches a vector register by a broadcast from
+// memory, a load, where converting it (vpinsrw, vcvtph2ps, vbroadcastss) takes the shuffle port that the
+// lookups (vpermps) and half the FMAs also need. The same value as _cvtsh_ss, bit for bit.
+alignas(64) float kHalf[1 << 16];
+const bool kHalfFilled = [] {
+  for (int h = 0; h < (1 << 16); ++h) kHalf[h] = _cvtsh_ss(static_cast<uint16_t>(h));
+  return true;
+}();
+
 inline float f16(const uint8_t* p) {
   uint16_t h;
   std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
+  return kHalf[h];
+}
+
+// x in every lane by a broadcast (from memory where x was just loaded: a table's scale), not vec.h's
+// ``vec{} + x``, which GCC computes as a scalar add and a broadcast from a register (the shuffle port)
+inline vec splat(float x) {
+#if defined(__AVX512F__)
+  return reinterpret_cast<vec>(_mm512_set1_ps(x));
+#else
+  return reinterpret_cast<vec>(_mm256_set1_ps(x));
+#endif
 }
 
 // a * q, rounded on its own before the caller adds to it (as torch computes d * q + m: two roundings;
@@ -227,10 +245,28 @@ struct Q6_K {
   }
 };
 
+// Rows per pass and output features per call (NF) of a format: NF x rows accumulators beside the
+// decoding's registers. AVX-512, 32-weight blocks (two vectors): a block of each of the NF features is
+// decoded whole, then each vector of x is loaded once for the NF features; passes of at most 5 rows, 8
+// features for 1-2 rows, 4 for 3-5 (passes of 8-16 rows ran slower per row). K formats (a block is 16
+// vectors, each fed to the rows as it is decoded) and AVX2 (16 registers): passes of 16 / 8 rows, 4
+// features for one row, 2 for two, else 1. Measured: docs/decisions/015-quant-kernels.md.
+template <class F>
+struct Shape {
+#if defined(__AVX512F__)
+  static constexpr bool kWhole = F::kWeights == 32;
+#else
+  static constexpr bool kWhole = false;
+#endif
+  static constexpr int kRows = kWhole ? 5 : (kLanes == 16 ? 16 : 8);
+  static constexpr int features(int m) { return kWhole ? (m <= 2 ? 8 : 4) : (m == 1 ? 4 : m == 2 ? 2 : 1); }
+};
+
 // M rows of x [M, K] (row stride K) against NF output features' rows of blocks (``row``, then every
 // ``row_bytes``) -> y[m * N + f]. Each (row, feature) has its own accumulator, summed in block order
-// whatever M and NF are, so a row's result is the same bit for bit in any pass (decode, verify, batch).
-// NF > 1 for few rows: independent accumulators for the FMA pipes, which one row alone cannot fill.
+// and within a block in the order its vectors are decoded, whatever M and NF are, so a row's result is
+// the same bit for bit in any pass (decode, verify, batch). NF > 1: independent accumulators for the
+// FMA pipes (one row alone cannot fill them) and, for whole blocks, one load of x for NF features.
 template <class F, int M, int NF>
 void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, int64_t K, int64_t N) {
   vec acc[NF][M];
@@ -238,18 +274,34 @@ void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, i
   for (int f = 0; f < NF; ++f)
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[f][m] = vec{};
+  constexpr int kVectors = F::kWeights / kLanes;
   for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
     const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
+    [[maybe_unused]] vec w[NF][Shape<F>::kWhole ? kVectors : 1];
 #pragma GCC unroll 8
     for (int f = 0; f < NF; ++f) {
       // every cache line of the block kAhead groups ahead (a K block spans 3-4 lines; Q4_0's and Q8_0's one)
       const char* ahead = reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes);
 #pragma GCC unroll 4
       for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      F::decode(block + f * row_bytes, [&](int off, vec w) {
+      F::decode(block + f * row_bytes, [&](int off, vec v) {
+        if constexpr (Shape<F>::kWhole) {
+          w[f][off / kLanes] = v;  // kept for the rows below (offsets come in ascending order)
+        } else {
 #pragma GCC unroll 16
-        for (int m = 0; m < M; ++m) acc[f][m] += w * specdec_vec::load(x + m * K + k0 + off);
+          for (int m = 0; m < M; ++m) acc[f][m] += v * specdec_vec::load(x + m * K + k0 + off);
+        }
       });
+    }
+    if constexpr (Shape<F>::kWhole) {
+#pragma GCC unroll 4
+      for (int v = 0; v < kVectors; ++v)
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) {
+          const vec a = specdec_vec::load(x + m * K + k0 + v * kLanes);
+#pragma GCC unroll 8
+          for (int f = 0; f < NF; ++f) acc[f][m] += w[f][v] * a;
+        }
     }
   }
 #pragma GCC unroll 8
@@ -258,14 +310,11 @@ void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, i
     for (int m = 0; m < M; ++m) y[m * N + f] = hsum(acc[f][m]);
 }
 
-// output features per call for M rows: accumulators for 4+ independent chains where registers allow
-constexpr int features_for(int m) { return m == 1 ? 4 : m == 2 ? 2 : 1; }
-
 using RowsFn = void (*)(const float*, const uint8_t*, int64_t, float*, int64_t, int64_t);
 template <class F, int... Ms>
 RowsFn pick(int m, bool several, std::integer_sequence<int, Ms...>) {
   static constexpr RowsFn one[] = {rows_dot<F, Ms + 1, 1>...};
-  static constexpr RowsFn wide[] = {rows_dot<F, Ms + 1, features_for(Ms + 1)>...};
+  static constexpr RowsFn wide[] = {rows_dot<F, Ms + 1, Shape<F>::features(Ms + 1)>...};
   return (several ? wide : one)[m - 1];
 }
 
@@ -281,25 +330,25 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& blocks) {
   const uint8_t* wp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
   const int64_t row_bytes = bc.size(1);
+  // balanced passes of at most kMaxRows rows (12 -> 4 + 4 + 4), each a row block of its own
+  constexpr int kMaxRows = Shape<F>::kRows;
   const int passes = static_cast<int>((M + kMaxRows - 1) / kMaxRows);
+  std::vector<int64_t> first(passes + 1, 0);  // pass c: rows first[c] .. first[c + 1] - 1
+  for (int c = 0; c < passes; ++c) first[c + 1] = first[c] + (M - first[c]) / (passes - c);
+  const int nf = Shape<F>::features(static_cast<int>(first[1]));  // every pass's row count calls for the same nf
+  for (int c = 1; c < passes; ++c)
+    TORCH_CHECK(Shape<F>::features(static_cast<int>(first[c + 1] - first[c])) == nf, "quant_linear: passes differ in nf");
   const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    if (passes == 1) {  // NF features at a time, the rest one by one
-      const int nf = features_for(static_cast<int>(M));
-      int64_t n = n0;
-      for (const RowsFn fn = pick<F>(static_cast<int>(M), true, rows); n + nf <= n1; n += nf)
-        fn(xp, wp + n * row_bytes, row_bytes, yp + n, K, N);
-      for (const RowsFn fn = pick<F>(static_cast<int>(M), false, rows); n < n1; ++n)
-        fn(xp, wp + n * row_bytes, row_bytes, yp + n, K, N);
-      return;
-    }
-    for (int64_t n = n0; n < n1; ++n) {
-      int64_t m0 = 0;
-      for (int c = 0; c < passes; ++c) {  // balanced passes: 20 rows -> 10 + 10
-        const int mc = static_cast<int>((M - m0) / (passes - c));
-        pick<F>(mc, false, rows)(xp + m0 * K, wp + n * row_bytes, row_bytes, yp + m0 * N + n, K, N);
-        m0 += mc;
-      }
+    // nf features at a time, every pass over them while their blocks are in L1; the rest one by one
+    int64_t n = n0;
+    for (; n < n1; n += nf) {
+      const bool several = n + nf <= n1;
+      for (int64_t f = n; f < (several ? n + 1 : n1); ++f)
+        for (int c = 0; c < passes; ++c) {
+          const int mc = static_cast<int>(first[c + 1] - first[c]);
+          pick<F>(mc, several, rows)(xp + first[c] * K, wp + f * row_bytes, row_bytes, yp + first[c] * N + f, K, N);
+        }
     }
   });
   return y;
