@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -188,32 +189,67 @@ inline void k_scale(const uint8_t* s, int j, int* sc, int* mn) {
 template <bool Five>
 struct QK4or5 {
   static constexpr int kWeights = 256, kBytes = Five ? 176 : 144;
-  template <class Emit>
-  static void decode(const uint8_t* b, Emit&& emit) {
+  // d * scale and dmin * min of the 8 sub-blocks (as floats in memory: ``sub`` broadcasts them from there)
+  static void scales(const uint8_t* b, float* scale, float* min) {
     const float d = f16(b), dmin = f16(b + 2);
-    const uint8_t* qs = b + (Five ? 48 : 16);
+#if defined(__AVX2__)
+    // k_scale for all 8 at once, four 6-bit values a 32-bit word: words w0 w1 w2 are bytes 0-3, 4-7, 8-11
+    uint32_t w[3];
+    std::memcpy(w, b + 4, 12);
+    const uint32_t low6 = 0x3f3f3f3f, low4 = 0x0f0f0f0f, top2 = 0x03030303;
+    const uint64_t sc = (w[0] & low6) | static_cast<uint64_t>((w[2] & low4) | (((w[0] >> 6) & top2) << 4)) << 32;
+    const uint64_t mn = (w[1] & low6) | static_cast<uint64_t>(((w[2] >> 4) & low4) | (((w[1] >> 6) & top2) << 4)) << 32;
+    const auto floats = [](uint64_t q) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128(q))); };
+    _mm256_store_ps(scale, _mm256_mul_ps(_mm256_set1_ps(d), floats(sc)));  // d * scale, as the scalar product
+    _mm256_store_ps(min, _mm256_mul_ps(_mm256_set1_ps(dmin), floats(mn)));
+#else
     for (int j = 0; j < 8; ++j) {
       int sc, mn;
       k_scale(b + 4, j, &sc, &mn);
-      const vec a = splat(d * static_cast<float>(sc)), m = splat(dmin * static_cast<float>(mn));
+      scale[j] = d * static_cast<float>(sc);
+      min[j] = dmin * static_cast<float>(mn);
+    }
+#endif
+  }
 #if defined(__AVX512F__)
-      // the sub-block's 16 (Q4_K) or 32 (Q5_K: two registers, vpermt2ps) values looked up as Q4_1's
-      const vec low = product(a, iota()) - m;
-      const vec high = Five ? product(a, iota() + 16.f) - m : low;
-      for (int c = 0; c < 32; c += 16) {
-        __m512i idx = widen16(qs + (j / 2) * 32 + c);
-        if (j & 1) idx = _mm512_srli_epi32(idx, 4);
-        if (Five) {
-          const __m512i top = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen16(b + 16 + c), j),
-                                                                 _mm512_set1_epi32(1)), 4);
-          idx = _mm512_or_si512(_mm512_and_si512(idx, _mm512_set1_epi32(15)), top);
-          emit(j * 32 + c, reinterpret_cast<vec>(_mm512_permutex2var_ps(
-                               reinterpret_cast<__m512>(low), idx, reinterpret_cast<__m512>(high))));
-        } else {
-          emit(j * 32 + c, lookup(idx, low));
-        }
+  static constexpr bool kSubBlocks = true;  // rows_dot decodes sub-block by sub-block (``sub``)
+  // sub-block j's 32 weights as 2 vectors: its 16 (Q4_K) or 32 (Q5_K: two registers, vpermt2ps) values
+  // looked up as Q4_1's
+  static void sub(const uint8_t* b, int j, const float* scale, const float* min, vec* w) {
+    const uint8_t* qs = b + (Five ? 48 : 16);
+    const vec a = splat(scale[j]), m = splat(min[j]);
+    const vec low = product(a, iota()) - m;
+    const vec high = Five ? product(a, iota() + 16.f) - m : low;
+    for (int c = 0; c < 32; c += 16) {
+      __m512i idx = widen16(qs + (j / 2) * 32 + c);
+      if (j & 1) idx = _mm512_srli_epi32(idx, 4);
+      if (Five) {
+        const __m512i top = _mm512_slli_epi32(_mm512_and_si512(_mm512_srli_epi32(widen16(b + 16 + c), j),
+                                                               _mm512_set1_epi32(1)), 4);
+        idx = _mm512_or_si512(_mm512_and_si512(idx, _mm512_set1_epi32(15)), top);
+        w[c / 16] = reinterpret_cast<vec>(_mm512_permutex2var_ps(reinterpret_cast<__m512>(low), idx,
+                                                                  reinterpret_cast<__m512>(high)));
+      } else {
+        w[c / 16] = lookup(idx, low);
       }
+    }
+  }
 #else
+  static constexpr bool kSubBlocks = false;
+#endif
+  template <class Emit>
+  static void decode(const uint8_t* b, Emit&& emit) {
+    alignas(32) float scale[8], min[8];
+    scales(b, scale, min);
+    for (int j = 0; j < 8; ++j) {
+#if defined(__AVX512F__)
+      vec w[2];
+      sub(b, j, scale, min, w);
+      emit(j * 32, w[0]);
+      emit(j * 32 + 16, w[1]);
+#else
+      const vec a = splat(scale[j]), m = splat(min[j]);
+      const uint8_t* qs = b + (Five ? 48 : 16);
       const int shift = (j & 1) * 4;
       for (int c = 0; c < 32; c += kLanes) {
         bytes q = (load_bytes(qs + (j / 2) * 32 + c) >> shift) & 15;
@@ -251,15 +287,23 @@ struct Q6_K {
 // features for 1-2 rows, 4 for 3-5 (passes of 8-16 rows ran slower per row). K formats (a block is 16
 // vectors, each fed to the rows as it is decoded) and AVX2 (16 registers): passes of 16 / 8 rows, 4
 // features for one row, 2 for two, else 1. Measured: docs/decisions/015-quant-kernels.md.
+template <class F, class = void>
+struct SubBlocks : std::false_type {};
+template <class F>
+struct SubBlocks<F, std::void_t<decltype(F::kSubBlocks)>> : std::bool_constant<F::kSubBlocks> {};
+
 template <class F>
 struct Shape {
+  static constexpr bool kSub = SubBlocks<F>::value;  // 256-weight blocks decoded 32 weights at a time
 #if defined(__AVX512F__)
-  static constexpr bool kWhole = F::kWeights == 32;
+  static constexpr bool kWhole = F::kWeights == 32 || kSub;
 #else
   static constexpr bool kWhole = false;
 #endif
-  static constexpr int kRows = kWhole ? 5 : (kLanes == 16 ? 16 : 8);
-  static constexpr int features(int m) { return kWhole ? (m <= 2 ? 8 : 4) : (m == 1 ? 4 : m == 2 ? 2 : 1); }
+  static constexpr int kRows = kWhole && !kSub ? 5 : (kLanes == 16 ? 16 : 8);
+  static constexpr int features(int m) {
+    return kWhole ? (m <= 2 ? 8 : m <= 5 || !kSub ? 4 : 1) : (m == 1 ? 4 : m == 2 ? 2 : 1);
+  }
 };
 
 // M rows of x [M, K] (row stride K) against NF output features' rows of blocks (``row``, then every
@@ -267,6 +311,39 @@ struct Shape {
 // and within a block in the order its vectors are decoded, whatever M and NF are, so a row's result is
 // the same bit for bit in any pass (decode, verify, batch). NF > 1: independent accumulators for the
 // FMA pipes (one row alone cannot fill them) and, for whole blocks, one load of x for NF features.
+// rows_dot's loop for K formats on AVX-512: per block the NF features' sub-block scales, then each
+// sub-block (2 vectors) of the NF features decoded whole and fed to the rows, each vector of x loaded
+// once for the NF features; the same summation order as decoding the block at once.
+template <class F, int M, int NF>
+void rows_dot_sub(const float* x, const uint8_t* row, int64_t row_bytes, vec (&acc)[NF][M], int64_t K) {
+  if constexpr (Shape<F>::kSub) {
+    for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
+      const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
+      alignas(32) float scale[NF][8], min[NF][8];
+#pragma GCC unroll 8
+      for (int f = 0; f < NF; ++f) {
+        const char* ahead = reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes);
+#pragma GCC unroll 4
+        for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+        F::scales(block + f * row_bytes, scale[f], min[f]);
+      }
+      for (int j = 0; j < 8; ++j) {
+        vec w[NF][2];
+#pragma GCC unroll 8
+        for (int f = 0; f < NF; ++f) F::sub(block + f * row_bytes, j, scale[f], min[f], w[f]);
+#pragma GCC unroll 2
+        for (int v = 0; v < 2; ++v)
+#pragma GCC unroll 16
+          for (int m = 0; m < M; ++m) {
+            const vec a = specdec_vec::load(x + m * K + k0 + j * 32 + v * kLanes);
+#pragma GCC unroll 8
+            for (int f = 0; f < NF; ++f) acc[f][m] += w[f][v] * a;
+          }
+      }
+    }
+  }
+}
+
 template <class F, int M, int NF>
 void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, int64_t K, int64_t N) {
   vec acc[NF][M];
@@ -274,6 +351,9 @@ void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, i
   for (int f = 0; f < NF; ++f)
 #pragma GCC unroll 16
     for (int m = 0; m < M; ++m) acc[f][m] = vec{};
+  if constexpr (Shape<F>::kSub) {
+    rows_dot_sub<F, M, NF>(x, row, row_bytes, acc, K);
+  } else {
   constexpr int kVectors = F::kWeights / kLanes;
   for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
     const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
@@ -303,6 +383,7 @@ void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, i
           for (int f = 0; f < NF; ++f) acc[f][m] += w[f][v] * a;
         }
     }
+  }
   }
 #pragma GCC unroll 8
   for (int f = 0; f < NF; ++f)
