@@ -66,6 +66,26 @@ def test_a_rows_result_is_the_same_bit_for_bit_in_any_pass(variant, name):
         assert torch.equal(ops.quant_linear(x[:rows], w, fmt.ggml_type), alone[:rows]), (variant, name, rows)
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_several_weights_in_one_call_equal_each_alone_bit_for_bit(variant):
+    """quant_linear_parts (a layer's q/k/v or gate/up in one parallel region) puts each weight's output
+    beside the others exactly as its own call computes it, whatever the formats and row counts; a weight
+    whose blocks are not rows of K is refused by name."""
+    ops = _ops(variant)
+    g = torch.Generator().manual_seed(11)
+    K = 512  # whole blocks of every format
+    for names in (("Q4_1", "Q4_1", "Q4_1"), ("Q4_K", "Q6_K"), ("Q8_0", "Q5_K", "Q4_0")):
+        fmts = [FORMATS[n] for n in names]
+        ws = [random_blocks(f, n, K, g) for f, n in zip(fmts, (37, 16, 9))]  # group remainders at part edges
+        for rows in (1, 2, 3, 5, 6, 9, 17, 40):
+            x = torch.randn(rows, K, generator=g)
+            alone = torch.cat([ops.quant_linear(x, w, f.ggml_type) for w, f in zip(ws, fmts)], dim=1)
+            together = ops.quant_linear_parts(x, ws, [f.ggml_type for f in fmts])
+            assert torch.equal(together, alone), (variant, names, rows)
+    with pytest.raises(RuntimeError, match="are not rows of 512 weights"):
+        ops.quant_linear_parts(torch.randn(2, K), [ws[0], ws[1][:, :-1]], [fmts[0].ggml_type, fmts[1].ggml_type])
+
+
 @pytest.mark.parametrize("quant", ["Q4_1", "Q4_K"])
 def test_one_call_over_quantized_blocks_is_the_loop_bit_for_bit(quant, monkeypatch):
     """All layers of a quantized target in one compiled call (csrc/layers.cpp over the parts' blocks) give

@@ -60,7 +60,7 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&)> silu_mul;
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>
       attention;
-  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, int64_t)> quant_linear;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)> quant_linear_parts;
 };
 
 const Ops& ops() {
@@ -70,7 +70,7 @@ const Ops& ops() {
       op("add_rms_norm").typed<Pair(const Tensor&, const Tensor&, const Tensor&, double)>(),
       op("silu_mul").typed<Tensor(const Tensor&)>(),
       op("attention").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>(),
-      op("quant_linear").typed<Tensor(const Tensor&, const Tensor&, int64_t)>(),
+      op("quant_linear_parts").typed<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)>(),
   };
   return o;
 }
@@ -112,14 +112,12 @@ QuantParts quant_parts(at::IntArrayRef quant, at::TensorList blocks, int64_t lin
   return q;
 }
 
-// x [..., K] through linear l's parts by the block kernel, outputs side by side -> [..., sum of N_p]
+// x [..., K] through linear l's parts by the block kernel in one call, outputs side by side -> [..., sum of N_p]
 Tensor quant_linear(const Tensor& x, const QuantParts& q, int64_t l) {
   const int64_t K = x.size(-1), rows = x.numel() / K;
-  const Tensor x2 = x.reshape({rows, K});
-  std::vector<Tensor> outs;
-  for (int64_t p = q.first[l]; p < q.first[l] + q.count[l]; ++p)
-    outs.push_back(ops().quant_linear.call(x2, q.blocks[p], q.types[p]));
-  Tensor y = outs.size() == 1 ? outs[0] : at::cat(outs, 1);
+  const auto parts = at::TensorList(q.blocks).slice(q.first[l], q.count[l]);
+  const auto types = at::IntArrayRef(q.types).slice(q.first[l], q.count[l]);
+  Tensor y = ops().quant_linear_parts.call(x.reshape({rows, K}), parts, types);
   auto sizes = x.sizes().vec();
   sizes.back() = y.size(1);
   return y.view(sizes);

@@ -399,60 +399,118 @@ RowsFn pick(int m, bool several, std::integer_sequence<int, Ms...>) {
   return (several ? wide : one)[m - 1];
 }
 
+// Output features [n0, n1) of one weight (``w``: its blocks, ``row_bytes`` a feature) against x [M, K]
+// -> y[m * ldy + n] (y at the weight's first output column; ldy: the output's row stride)
 template <class F>
-at::Tensor run(const at::Tensor& x, const at::Tensor& blocks) {
-  const int64_t M = x.size(0), K = x.size(1), N = blocks.size(0);
-  TORCH_CHECK(K % F::kWeights == 0 && blocks.size(1) == K / F::kWeights * F::kBytes, "quant_linear: blocks [",
-              N, ", ", blocks.size(1), "] are not rows of ", K, " weights in this format (", F::kBytes,
+void feature_range(const float* x, int64_t M, int64_t K, const uint8_t* w, int64_t row_bytes, float* y,
+                   int64_t ldy, int64_t n0, int64_t n1) {
+  // balanced passes of at most kRows rows (12 -> 4 + 4 + 4), each a row block of its own
+  constexpr int kRows = Shape<F>::kRows;
+  const int passes = static_cast<int>((M + kRows - 1) / kRows);
+  const int nf = Shape<F>::features(static_cast<int>(M / passes));  // every pass's (one_nf_per_call)
+  const auto rows = std::make_integer_sequence<int, kRows>{};
+  // nf features at a time, every pass over them while their blocks are in L1; the rest one by one
+  for (int64_t n = n0; n < n1; n += nf) {
+    const bool several = n + nf <= n1;
+    for (int64_t f = n; f < (several ? n + 1 : n1); ++f)
+      for (int64_t c = 0, m0 = 0; c < passes; ++c) {
+        const int mc = static_cast<int>((M - m0) / (passes - c));
+        pick<F>(mc, several, rows)(x + m0 * K, w + f * row_bytes, row_bytes, y + m0 * ldy + f, K, ldy);
+        m0 += mc;
+      }
+  }
+}
+
+// One weight of ``fmt`` (the GGML type number: formats.py's BlockFormat.ggml_type), x [M, K]
+struct Part {
+  const uint8_t* w;
+  int64_t row_bytes, N, fmt;
+};
+
+// Balanced passes (more rows than kRows) each hold at least (kRows + 1) / 2 rows: from there on one nf
+template <class F>
+constexpr bool one_nf_per_call() {
+  for (int m = (Shape<F>::kRows + 1) / 2; m <= Shape<F>::kRows; ++m)
+    if (Shape<F>::features(m) != Shape<F>::features(Shape<F>::kRows)) return false;
+  return true;
+}
+
+template <class F>
+void check(const Part& p, int64_t K) {
+  static_assert(one_nf_per_call<F>(), "the passes of one call must share their features per call");
+  TORCH_CHECK(K % F::kWeights == 0 && p.row_bytes == K / F::kWeights * F::kBytes, "quant_linear: blocks [",
+              p.N, ", ", p.row_bytes, "] are not rows of ", K, " weights in this format (", F::kBytes,
               " bytes per ", F::kWeights, ")");
-  const at::Tensor xc = x.contiguous(), bc = blocks.contiguous();
+}
+
+// fn<F>(args...) for the format named by ``fmt``
+template <template <class> class Fn, class... Args>
+void by_format(int64_t fmt, Args&&... args) {
+  switch (fmt) {
+    case 8: return Fn<Q8_0>::call(args...);
+    case 2: return Fn<Q4_0>::call(args...);
+    case 3: return Fn<Q4_1>::call(args...);
+    case 12: return Fn<QK4or5<false>>::call(args...);
+    case 13: return Fn<QK4or5<true>>::call(args...);
+    case 14: return Fn<Q6_K>::call(args...);
+    default: TORCH_CHECK(false, "quant_linear: GGML type ", fmt, " has no kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K do)");
+  }
+}
+
+template <class F>
+struct Check {
+  static void call(const Part& p, int64_t K) { check<F>(p, K); }
+};
+
+template <class F>
+struct Range {
+  static void call(const float* x, int64_t M, int64_t K, const Part& p, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+    feature_range<F>(x, M, K, p.w, p.row_bytes, y, ldy, n0, n1);
+  }
+};
+
+// x [M, K] through the weights ``blocks`` (uint8 [N_p, row_bytes_p], GGML types ``fmts``) -> [M, sum of N_p],
+// their outputs side by side: one parallel region over every part's output features
+at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef fmts) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1, "quant_linear: x float32 [M >= 1, K]");
+  TORCH_CHECK(!blocks.empty() && blocks.size() == fmts.size(), "quant_linear: ", blocks.size(), " weights and ",
+              fmts.size(), " formats");
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<at::Tensor> kept;  // contiguous blocks, alive for the call
+  std::vector<Part> parts;
+  std::vector<int64_t> start{0};  // part p: output columns start[p] .. start[p + 1] - 1
+  for (size_t p = 0; p < blocks.size(); ++p) {
+    TORCH_CHECK(blocks[p].dim() == 2 && blocks[p].scalar_type() == at::kByte, "quant_linear: blocks uint8 [N, row_bytes]");
+    kept.push_back(blocks[p].contiguous());
+    parts.push_back({kept.back().data_ptr<uint8_t>(), kept.back().size(1), kept.back().size(0), fmts[p]});
+    by_format<Check>(fmts[p], parts.back(), K);
+    start.push_back(start.back() + parts.back().N);
+  }
+  const at::Tensor xc = x.contiguous();
+  const int64_t N = start.back();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
-  const uint8_t* wp = bc.data_ptr<uint8_t>();
   float* yp = y.data_ptr<float>();
-  const int64_t row_bytes = bc.size(1);
-  // balanced passes of at most kMaxRows rows (12 -> 4 + 4 + 4), each a row block of its own
-  constexpr int kMaxRows = Shape<F>::kRows;
-  const int passes = static_cast<int>((M + kMaxRows - 1) / kMaxRows);
-  std::vector<int64_t> first(passes + 1, 0);  // pass c: rows first[c] .. first[c + 1] - 1
-  for (int c = 0; c < passes; ++c) first[c + 1] = first[c] + (M - first[c]) / (passes - c);
-  const int nf = Shape<F>::features(static_cast<int>(first[1]));  // every pass's row count calls for the same nf
-  for (int c = 1; c < passes; ++c)
-    TORCH_CHECK(Shape<F>::features(static_cast<int>(first[c + 1] - first[c])) == nf, "quant_linear: passes differ in nf");
-  const auto rows = std::make_integer_sequence<int, kMaxRows>{};
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    // nf features at a time, every pass over them while their blocks are in L1; the rest one by one
-    int64_t n = n0;
-    for (; n < n1; n += nf) {
-      const bool several = n + nf <= n1;
-      for (int64_t f = n; f < (several ? n + 1 : n1); ++f)
-        for (int c = 0; c < passes; ++c) {
-          const int mc = static_cast<int>(first[c + 1] - first[c]);
-          pick<F>(mc, several, rows)(xp + first[c] * K, wp + f * row_bytes, row_bytes, yp + first[c] * N + f, K, N);
-        }
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const int64_t a = std::max(n0, start[p]), b = std::min(n1, start[p + 1]);
+      if (a < b) by_format<Range>(parts[p].fmt, xp, M, K, parts[p], yp + start[p], N, a - start[p], b - start[p]);
     }
   });
   return y;
 }
 
-// fmt: the GGML type number (formats.py's BlockFormat.ggml_type)
 at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t fmt) {
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1, "quant_linear: x float32 [M >= 1, K]");
-  TORCH_CHECK(blocks.dim() == 2 && blocks.scalar_type() == at::kByte, "quant_linear: blocks uint8 [N, row_bytes]");
-  switch (fmt) {
-    case 8: return run<Q8_0>(x, blocks);
-    case 2: return run<Q4_0>(x, blocks);
-    case 3: return run<Q4_1>(x, blocks);
-    case 12: return run<QK4or5<false>>(x, blocks);
-    case 13: return run<QK4or5<true>>(x, blocks);
-    case 14: return run<Q6_K>(x, blocks);
-    default: TORCH_CHECK(false, "quant_linear: GGML type ", fmt, " has no kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K do)");
-  }
+  return quant_linear_parts(x, {blocks}, {fmt});
 }
 
 }  // namespace
 
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("quant_linear(Tensor x, Tensor blocks, int fmt) -> Tensor");
+  m.def("quant_linear_parts(Tensor x, Tensor[] blocks, int[] fmts) -> Tensor");
 }
-SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("quant_linear", &quant_linear); }
+SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
+  m.impl("quant_linear", &quant_linear);
+  m.impl("quant_linear_parts", &quant_linear_parts);
+}
