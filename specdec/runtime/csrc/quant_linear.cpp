@@ -282,11 +282,12 @@ struct Q6_K {
 };
 
 // Rows per pass and output features per call (NF) of a format: NF x rows accumulators beside the
-// decoding's registers. AVX-512, 32-weight blocks (two vectors): a block of each of the NF features is
-// decoded whole, then each vector of x is loaded once for the NF features; passes of at most 5 rows, 8
-// features for 1-2 rows, 4 for 3-5 (passes of 8-16 rows ran slower per row). K formats (a block is 16
-// vectors, each fed to the rows as it is decoded) and AVX2 (16 registers): passes of 16 / 8 rows, 4
-// features for one row, 2 for two, else 1. Measured: docs/decisions/015-quant-kernels.md.
+// decoding's registers (docs/decisions/015-quant-kernels.md). AVX-512, 32-weight blocks (two vectors): a
+// block of each of the NF features is decoded whole, then each vector of x is loaded once for the NF
+// features; passes of at most 5 rows, 8 features for 1-2 rows, 4 for 3-5. Q4_K / Q5_K on AVX-512 the
+// same a 32-weight sub-block at a time for up to 5 rows, then passes of 16 at one feature. Q6_K, and every
+// format on AVX2 (16 registers): each vector fed to the rows as it is decoded, passes of 16 / 8 rows, 4
+// features for one row, 2 for two, else 1.
 template <class F, class = void>
 struct SubBlocks : std::false_type {};
 template <class F>
@@ -306,44 +307,51 @@ struct Shape {
   }
 };
 
+// every cache line of the block ``block`` of each of the NF features kAhead groups ahead (a K block spans
+// 3-4 lines; Q4_0's and Q8_0's one)
+template <class F, int NF>
+inline void prefetch_ahead(const uint8_t* block, int64_t row_bytes) {
+#pragma GCC unroll 8
+  for (int f = 0; f < NF; ++f) {
+    const char* ahead = reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes);
+#pragma GCC unroll 4
+    for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+  }
+}
+
+// acc[f][m] += sum over the K weights of NF features' rows of blocks times x's M rows, for Q4_K / Q5_K
+// on AVX-512: per block the NF features' sub-block scales, then each sub-block (2 vectors) of the NF
+// features decoded whole and fed to the rows, each vector of x loaded once for the NF features; the
+// same summation order as decoding the block at once.
+template <class F, int M, int NF>
+void rows_dot_sub(const float* x, const uint8_t* row, int64_t row_bytes, vec (&acc)[NF][M], int64_t K) {
+  for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
+    const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
+    prefetch_ahead<F, NF>(block, row_bytes);
+    alignas(32) float scale[NF][8], min[NF][8];
+#pragma GCC unroll 8
+    for (int f = 0; f < NF; ++f) F::scales(block + f * row_bytes, scale[f], min[f]);
+    for (int j = 0; j < 8; ++j) {
+      vec w[NF][2];
+#pragma GCC unroll 8
+      for (int f = 0; f < NF; ++f) F::sub(block + f * row_bytes, j, scale[f], min[f], w[f]);
+#pragma GCC unroll 2
+      for (int v = 0; v < 2; ++v)
+#pragma GCC unroll 16
+        for (int m = 0; m < M; ++m) {
+          const vec a = specdec_vec::load(x + m * K + k0 + j * 32 + v * kLanes);
+#pragma GCC unroll 8
+          for (int f = 0; f < NF; ++f) acc[f][m] += w[f][v] * a;
+        }
+    }
+  }
+}
+
 // M rows of x [M, K] (row stride K) against NF output features' rows of blocks (``row``, then every
 // ``row_bytes``) -> y[m * N + f]. Each (row, feature) has its own accumulator, summed in block order
 // and within a block in the order its vectors are decoded, whatever M and NF are, so a row's result is
 // the same bit for bit in any pass (decode, verify, batch). NF > 1: independent accumulators for the
 // FMA pipes (one row alone cannot fill them) and, for whole blocks, one load of x for NF features.
-// rows_dot's loop for K formats on AVX-512: per block the NF features' sub-block scales, then each
-// sub-block (2 vectors) of the NF features decoded whole and fed to the rows, each vector of x loaded
-// once for the NF features; the same summation order as decoding the block at once.
-template <class F, int M, int NF>
-void rows_dot_sub(const float* x, const uint8_t* row, int64_t row_bytes, vec (&acc)[NF][M], int64_t K) {
-  if constexpr (Shape<F>::kSub) {
-    for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
-      const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
-      alignas(32) float scale[NF][8], min[NF][8];
-#pragma GCC unroll 8
-      for (int f = 0; f < NF; ++f) {
-        const char* ahead = reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes);
-#pragma GCC unroll 4
-        for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-        F::scales(block + f * row_bytes, scale[f], min[f]);
-      }
-      for (int j = 0; j < 8; ++j) {
-        vec w[NF][2];
-#pragma GCC unroll 8
-        for (int f = 0; f < NF; ++f) F::sub(block + f * row_bytes, j, scale[f], min[f], w[f]);
-#pragma GCC unroll 2
-        for (int v = 0; v < 2; ++v)
-#pragma GCC unroll 16
-          for (int m = 0; m < M; ++m) {
-            const vec a = specdec_vec::load(x + m * K + k0 + j * 32 + v * kLanes);
-#pragma GCC unroll 8
-            for (int f = 0; f < NF; ++f) acc[f][m] += w[f][v] * a;
-          }
-      }
-    }
-  }
-}
-
 template <class F, int M, int NF>
 void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, int64_t K, int64_t N) {
   vec acc[NF][M];
@@ -354,36 +362,32 @@ void rows_dot(const float* x, const uint8_t* row, int64_t row_bytes, float* y, i
   if constexpr (Shape<F>::kSub) {
     rows_dot_sub<F, M, NF>(x, row, row_bytes, acc, K);
   } else {
-  constexpr int kVectors = F::kWeights / kLanes;
-  for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
-    const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
-    [[maybe_unused]] vec w[NF][Shape<F>::kWhole ? kVectors : 1];
+    constexpr int kVectors = F::kWeights / kLanes;
+    for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
+      const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
+      prefetch_ahead<F, NF>(block, row_bytes);
+      [[maybe_unused]] vec w[NF][Shape<F>::kWhole ? kVectors : 1];
 #pragma GCC unroll 8
-    for (int f = 0; f < NF; ++f) {
-      // every cache line of the block kAhead groups ahead (a K block spans 3-4 lines; Q4_0's and Q8_0's one)
-      const char* ahead = reinterpret_cast<const char*>(block + (f + kAhead * NF) * row_bytes);
-#pragma GCC unroll 4
-      for (int line = 0; line < F::kBytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
-      F::decode(block + f * row_bytes, [&](int off, vec v) {
-        if constexpr (Shape<F>::kWhole) {
-          w[f][off / kLanes] = v;  // kept for the rows below (offsets come in ascending order)
-        } else {
+      for (int f = 0; f < NF; ++f)
+        F::decode(block + f * row_bytes, [&](int off, vec v) {
+          if constexpr (Shape<F>::kWhole) {
+            w[f][off / kLanes] = v;  // kept for the rows below (offsets come in ascending order)
+          } else {
 #pragma GCC unroll 16
-          for (int m = 0; m < M; ++m) acc[f][m] += v * specdec_vec::load(x + m * K + k0 + off);
-        }
-      });
-    }
-    if constexpr (Shape<F>::kWhole) {
+            for (int m = 0; m < M; ++m) acc[f][m] += v * specdec_vec::load(x + m * K + k0 + off);
+          }
+        });
+      if constexpr (Shape<F>::kWhole) {
 #pragma GCC unroll 4
-      for (int v = 0; v < kVectors; ++v)
+        for (int v = 0; v < kVectors; ++v)
 #pragma GCC unroll 16
-        for (int m = 0; m < M; ++m) {
-          const vec a = specdec_vec::load(x + m * K + k0 + v * kLanes);
+          for (int m = 0; m < M; ++m) {
+            const vec a = specdec_vec::load(x + m * K + k0 + v * kLanes);
 #pragma GCC unroll 8
-          for (int f = 0; f < NF; ++f) acc[f][m] += w[f][v] * a;
-        }
+            for (int f = 0; f < NF; ++f) acc[f][m] += w[f][v] * a;
+          }
+      }
     }
-  }
   }
 #pragma GCC unroll 8
   for (int f = 0; f < NF; ++f)
@@ -443,31 +447,24 @@ void check(const Part& p, int64_t K) {
               " bytes per ", F::kWeights, ")");
 }
 
-// fn<F>(args...) for the format named by ``fmt``
-template <template <class> class Fn, class... Args>
-void by_format(int64_t fmt, Args&&... args) {
+template <class F>
+struct Format {
+  using type = F;
+};
+
+// fn(Format<F>{}) for the format F named by ``fmt``
+template <class Fn>
+void by_format(int64_t fmt, Fn&& fn) {
   switch (fmt) {
-    case 8: return Fn<Q8_0>::call(args...);
-    case 2: return Fn<Q4_0>::call(args...);
-    case 3: return Fn<Q4_1>::call(args...);
-    case 12: return Fn<QK4or5<false>>::call(args...);
-    case 13: return Fn<QK4or5<true>>::call(args...);
-    case 14: return Fn<Q6_K>::call(args...);
+    case 8: return fn(Format<Q8_0>{});
+    case 2: return fn(Format<Q4_0>{});
+    case 3: return fn(Format<Q4_1>{});
+    case 12: return fn(Format<QK4or5<false>>{});
+    case 13: return fn(Format<QK4or5<true>>{});
+    case 14: return fn(Format<Q6_K>{});
     default: TORCH_CHECK(false, "quant_linear: GGML type ", fmt, " has no kernel (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K do)");
   }
 }
-
-template <class F>
-struct Check {
-  static void call(const Part& p, int64_t K) { check<F>(p, K); }
-};
-
-template <class F>
-struct Range {
-  static void call(const float* x, int64_t M, int64_t K, const Part& p, float* y, int64_t ldy, int64_t n0, int64_t n1) {
-    feature_range<F>(x, M, K, p.w, p.row_bytes, y, ldy, n0, n1);
-  }
-};
 
 // x [M, K] through the weights ``blocks`` (uint8 [N_p, row_bytes_p], GGML types ``fmts``) -> [M, sum of N_p],
 // their outputs side by side: one parallel region over every part's output features
@@ -483,7 +480,7 @@ at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::In
     TORCH_CHECK(blocks[p].dim() == 2 && blocks[p].scalar_type() == at::kByte, "quant_linear: blocks uint8 [N, row_bytes]");
     kept.push_back(blocks[p].contiguous());
     parts.push_back({kept.back().data_ptr<uint8_t>(), kept.back().size(1), kept.back().size(0), fmts[p]});
-    by_format<Check>(fmts[p], parts.back(), K);
+    by_format(fmts[p], [&](auto f) { check<typename decltype(f)::type>(parts.back(), K); });
     start.push_back(start.back() + parts.back().N);
   }
   const at::Tensor xc = x.contiguous();
@@ -494,7 +491,11 @@ at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::In
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
     for (size_t p = 0; p < parts.size(); ++p) {
       const int64_t a = std::max(n0, start[p]), b = std::min(n1, start[p + 1]);
-      if (a < b) by_format<Range>(parts[p].fmt, xp, M, K, parts[p], yp + start[p], N, a - start[p], b - start[p]);
+      if (a >= b) continue;
+      const Part& q = parts[p];
+      by_format(q.fmt, [&](auto f) {
+        feature_range<typename decltype(f)::type>(xp, M, K, q.w, q.row_bytes, yp + start[p], N, a - start[p], b - start[p]);
+      });
     }
   });
   return y;
