@@ -257,7 +257,7 @@ def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypat
                         bias=torch.randn(40, generator=g))
     x = torch.randn(3, 64, generator=g)
     whole = torch.nn.functional.linear(x, layer.dequantized(), layer.bias)
-    monkeypatch.setattr(qm, "CHUNK_FLOATS", 64 * 7)  # 7 output features a slice: 6 slices, the last of 5
+    monkeypatch.setattr(qm.formats, "CHUNK_FLOATS", 64 * 7)  # 7 output features a slice: 6 slices, the last of 5
     torch.testing.assert_close(layer.reference(x), whole, rtol=1e-6, atol=1e-6)
 
 

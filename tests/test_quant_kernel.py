@@ -116,42 +116,93 @@ def test_block_kernel_names_a_format_it_has_no_decoder_for():
 
 
 def test_self_check_keeps_the_reference_where_the_kernel_is_wrong(monkeypatch):
-    """A kernel that returns wrong numbers is never routed to, however fast."""
+    """A kernel that returns wrong numbers is never routed to, however fast; a dequantization that is
+    wrong turns the GEMM off (the reference runs for many rows instead)."""
     real = _ops("native")
 
     class Wrong:
+        def __init__(self, kernel_off=0.0, weights_off=0.0):
+            self.kernel_off, self.weights_off = kernel_off, weights_off
+
         def quant_linear(self, x, blocks, fmt):
-            return real.quant_linear(x, blocks, fmt) + 1.0
+            return real.quant_linear(x, blocks, fmt) + self.kernel_off
 
-    rt = state.Active(RuntimeConfig(), Wrong(), state.uncalibrated(True))
-    found = qlinear.self_check(rt, FORMATS["Q4_1"])
-    assert found == qlinear.QuantRoutes((False,) * MAX_ROWS, False)
-    right = qlinear.self_check(state.Active(RuntimeConfig(), real, state.uncalibrated(True)), FORMATS["Q4_1"])
-    assert right.kernel[0]  # one row: the kernel reads each block once, the reference dequantizes the matrix
+        def quant_dequantize(self, blocks, fmts, out):
+            real.quant_dequantize(blocks, fmts, out)
+            out.view(-1)[-1] += self.weights_off  # one weight of the matrix
+
+    def check(ops):
+        return qlinear.self_check(state.Active(RuntimeConfig(), ops, state.uncalibrated(True)), FORMATS["Q4_1"])
+
+    assert check(Wrong(kernel_off=1.0)) == qlinear.QuantRoutes((False,) * MAX_ROWS, MAX_ROWS, True)
+    assert not check(Wrong(weights_off=1e-3)).gemm
+    right = check(real)
+    assert right.kernel[0] and right.gemm  # one row: the kernel reads each block once, the GEMM dequantizes all
 
 
-def test_quantized_layer_takes_the_kernel_for_few_rows_and_the_reference_otherwise(monkeypatch):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_dequantization_of_the_build_is_the_reference_bit_for_bit(variant):
+    """quant_dequantize (the GEMM route's weights) writes every format's weights exactly as the reference
+    dequantizers do, several weights stacked in one matrix; a mismatched output is refused by name."""
+    ops = _ops(variant)
+    g = torch.Generator().manual_seed(5)
+    K = 512
+    for names in (("Q8_0", "Q4_0", "Q4_1"), ("Q4_K", "Q5_K", "Q6_K")):
+        fmts = [FORMATS[n] for n in names]
+        ws = [random_blocks(f, n, K, g) for f, n in zip(fmts, (37, 1, 18))]
+        out = torch.empty(56, K)
+        ops.quant_dequantize(ws, [f.ggml_type for f in fmts], out)
+        ref = torch.cat([dequantize(w, f) for w, f in zip(ws, fmts)])
+        assert torch.equal(out.view(torch.int32), ref.view(torch.int32)), (variant, names)
+    with pytest.raises(RuntimeError, match="out has 55 rows for 56 output features"):
+        ops.quant_dequantize(ws, [f.ggml_type for f in fmts], torch.empty(55, K))
+
+
+@pytest.mark.parametrize("name", ["Q4_1", "Q6_K"])
+def test_many_rows_through_the_gemm_are_the_reference_bit_for_bit(name, monkeypatch):
+    """Past the kernel's passes a QuantLinear runs the GEMM on the build's dequantized weights: the
+    reference's own computation, so its output equals the reference's exactly, bias and slices of a large
+    layer included; stacked weights (q/k/v) equal their parts to fp32 rounding."""
+    import specdec.quant.modules as qm
+
+    _ops("native")
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(2)
+    K = 2 * fmt.block_weights
+    layer = QuantLinear(random_blocks(fmt, 40, K, g), fmt, K, bias=torch.randn(40, generator=g))
+    x = torch.randn(CHUNK_ROWS + 3, K, generator=g)
+    with use(RuntimeConfig(calibrate=False)):
+        assert not qlinear.takes(fmt, x.shape[0])
+        assert torch.equal(layer(x), layer.reference(x))
+        monkeypatch.setattr(qm.formats, "CHUNK_FLOATS", K * 7)  # 7 output features a slice: 6 slices
+        assert torch.equal(layer(x), layer.reference(x))
+        parts = [QuantLinear(random_blocks(fmt, n, K, g), fmt, K) for n in (5, 9, 3)]
+        together = qlinear.linear_parts(x, [m.blocks for m in parts], [fmt] * 3)
+        torch.testing.assert_close(together, torch.cat([m.reference(x) for m in parts], dim=-1), rtol=1e-5, atol=1e-5)
+
+
+def test_quantized_layer_takes_the_kernel_for_few_rows_and_the_gemm_for_many(monkeypatch):
     fmt = FORMATS["Q4_0"]
     g = torch.Generator().manual_seed(1)
     layer = QuantLinear(random_blocks(fmt, 48, 64, g), fmt, 64, bias=torch.randn(48, generator=g))
     calls = []
     monkeypatch.setattr(qlinear, "CALIBRATED", {})
-    real = qlinear.linear
+    real = qlinear.linear_parts
 
     def counting(*args):
         y = real(*args)
-        calls.append(y is not None)
+        calls.append("none" if y is None else "kernel" if qlinear.takes(fmt, args[0].shape[0]) else "gemm")
         return y
 
-    monkeypatch.setattr(qlinear, "linear", counting)
+    monkeypatch.setattr(qlinear, "linear_parts", counting)
     with use(RuntimeConfig(calibrate=False)):
-        for rows in (1, 16, 40, CHUNK_ROWS + 1):
+        for rows in (1, 16, qlinear.UNCALIBRATED_CHUNKS, qlinear.UNCALIBRATED_CHUNKS + 1, CHUNK_ROWS + 1):
             x = torch.randn(rows, 64, generator=g)
             torch.testing.assert_close(layer(x), layer.reference(x), rtol=1e-5, atol=1e-5)
     with use(RuntimeConfig(kernel="off")):
         x = torch.randn(3, 64, generator=g)
         assert torch.equal(layer(x), layer.reference(x))
-    assert calls == [True, True, True, False, False]  # a prefill past CHUNK_ROWS, and no kernel: the reference
+    assert calls == ["kernel", "kernel", "kernel", "gemm", "gemm", "none"]  # no kernels built: the reference
 
 
 @pytest.mark.parametrize("kernel", ["native", "off"])
@@ -174,6 +225,26 @@ def test_quantized_target_through_the_block_kernel_is_its_own_generate(quant, ke
     accepted = sum(sum(s.num_accepted) for s in out.steps)
     drafted = sum(sum(s.num_drafted) for s in out.steps)
     assert 0 < accepted < drafted  # drafts partly accepted: both sides of the verify ran
+
+
+@pytest.mark.parametrize("quant", ["Q4_1", "Q4_K"])
+def test_a_prompt_past_the_kernels_rows_prefills_through_the_gemm_and_stays_exact(quant):
+    """A prompt longer than CHUNK_ROWS (the prefill on the GEMM route) and drafts partly accepted give the
+    target's own greedy tokens (its generate prefills through the reference)."""
+    runtime = RuntimeConfig(calibrate=False)
+    target = tiny_quant_llama(quant)
+    g = torch.Generator().manual_seed(4)
+    base = torch.randint(1, target.config.vocab_size, (CHUNK_ROWS // 2 + 5,), generator=g)
+    prompt = torch.cat([base, base, base[:20]])  # repetitive: drafts get accepted
+    with use(runtime):
+        decoder = SpecDecoder(target, ModelDrafter(perturbed(fp32_twin(target), 0.05)),
+                              SpecDecoderConfig(draft_length=FIXED_DRAFTS, runtime=runtime))
+        out = decoder.generate(prompt, max_new_tokens=16)
+        with torch.inference_mode(), kernels.use(RuntimeConfig(kernel="off")):  # the reference's prefill
+            ref = target.generate(prompt[None], attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                  max_new_tokens=16, do_sample=False, pad_token_id=0)
+    assert out.generated(0).tolist() == ref[0, len(prompt):].tolist()
+    assert sum(sum(s.num_accepted) for s in out.steps) > 0
 
 
 def test_quant_self_drafter_quantizes_only_the_layers_linears_and_leaves_the_target_untouched():

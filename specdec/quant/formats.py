@@ -37,6 +37,9 @@ from typing import Callable
 import torch
 
 QK_K = 256  # weights per K-format super-block
+# a matrix is dequantized at most this many weights at a time (the 49k-row output layer in fp32 is 113 MB:
+# its transient copy never exists whole); both the reference forward and the runtime's GEMM slice by it
+CHUNK_FLOATS = 1 << 20
 
 
 @dataclass(frozen=True)

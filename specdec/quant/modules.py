@@ -20,13 +20,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from specdec.quant import formats
 from specdec.quant.formats import BlockFormat, block_format, dequantize
 from specdec.runtime import qlinear
 
 # the formats ``quantize_model`` can write: the gguf package's quantizers and specdec's own Q4_K
 # (``specdec.quant.q4k``); the other K formats load from files
 QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
-CHUNK_FLOATS = 1 << 20  # QuantLinear's reference forward dequantizes at most this many weights at a time
 
 
 def _check_blocks(blocks: torch.Tensor, fmt: BlockFormat, row_weights: int, what: str, rows: str) -> None:
@@ -56,14 +56,13 @@ class QuantLinear(nn.Module):
         return dequantize(self.blocks, self.fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features] -> [..., out_features]
-        y = qlinear.linear(x, self.blocks, self.fmt, self.bias)  # the block kernel, where its self-check took it
+        y = qlinear.linear(x, self.blocks, self.fmt, self.bias)  # the kernel or the GEMM (qlinear's routes)
         return self.reference(x) if y is None else y
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """The forward that defines the layer: dequantize, F.linear."""
-        # output features in slices of <= CHUNK_FLOATS dequantized weights: the transient fp32 copy of a
-        # large matrix (the 49k-row output layer: 113 MB) never exists whole
-        step = max(1, CHUNK_FLOATS // self.in_features)
+        # output features in slices of <= CHUNK_FLOATS dequantized weights (formats.CHUNK_FLOATS)
+        step = max(1, formats.CHUNK_FLOATS // self.in_features)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         if step >= self.out_features:
             return F.linear(x, self.dequantized().to(x.dtype), bias)

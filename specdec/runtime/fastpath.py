@@ -63,14 +63,19 @@ log = logging.getLogger(__name__)
 class _Stacked(nn.Module):
     """Quantized linears side by side, one input: their outputs concatenated (q, k, v; gate, up). Their
     blocks are not copied into one matrix: a GGUF's blocks are the file's pages, and a copy would hold the
-    weights twice; the block kernel runs per part."""
+    weights twice; the block kernel takes the parts in one call, the GEMM dequantizes them together
+    (``qlinear.linear_parts``), else each part's reference runs."""
 
     def __init__(self, *parts: QuantLinear) -> None:
         super().__init__()
         self.parts = list(parts)  # not registered: the model holds them
+        biased = any(m.bias is not None for m in parts)
+        self.bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.float32)
+                               for m in parts]) if biased else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., sum of out_features]
-        return torch.cat([m(x) for m in self.parts], dim=-1)
+        y = qlinear.linear_parts(x, [m.blocks for m in self.parts], [m.fmt for m in self.parts], self.bias)
+        return torch.cat([m(x) for m in self.parts], dim=-1) if y is None else y
 
 
 def _stack(*linears: nn.Module) -> torch.Tensor | _Stacked:

@@ -1,15 +1,21 @@
-"""Linear layers over GGUF blocks for a few rows on CPU: ``csrc/quant_linear.cpp``, where it wins.
+"""Linear layers over GGUF blocks on CPU: ``csrc/quant_linear.cpp``, where it wins.
 
 A quantized target's ``QuantLinear`` (``specdec.quant.modules``) asks ``linear`` first and falls back
-to its reference forward (dequantize, F.linear) when this returns None. The kernel dequantizes each
-block in registers with the reference's own fp32 operations and accumulates in fp32, so its result is
-the reference's up to summation order (docs/decisions/015-quant-kernels.md).
+to its reference forward (dequantize, F.linear) when this returns None. Two routes, per format and
+block size:
 
-Which block sizes take it is a self-check per process, kernel variant and format (``routes``), as
-``calibrate`` does for the fp32 routes: the kernel against the reference on random blocks for 1..MAX_ROWS
-rows (and one chunked block of 2 * MAX_ROWS rows for MAX_ROWS + 1 .. CHUNK_ROWS), kept for a size only
-where it agrees with the reference to fp32 rounding and is faster. Past CHUNK_ROWS (prefills) the
-reference runs: one dequantization, then MKL's GEMM.
+- the block kernel (``quant_linear``) for few rows (decode, verify, small batches): it dequantizes each
+  block in registers with the reference's own fp32 operations and accumulates in fp32, so its result
+  is the reference's up to summation order; more rows than MAX_ROWS run as its balanced passes;
+- the GEMM for many rows (a prefill): the blocks dequantized by the kernel build's decoder
+  (``quant_dequantize``: the reference's values bit for bit, ~20x the torch dequantization's speed),
+  then torch's F.linear, the reference's own call on the same weights.
+
+Which sizes take the kernel is a self-check per process, kernel variant and format (``routes``), as
+``calibrate`` does for the fp32 routes: the kernel against the reference on random blocks for
+1..2 * MAX_ROWS rows, kept for a size only where it agrees to fp32 rounding and is faster than the
+GEMM on a [N, K] = CHECK_FEATURES matrix; past MAX_ROWS its passes run up to the largest of CHUNK_SIZES
+at which they still win (docs/decisions/015-quant-kernels.md, "prefill" update).
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.config import RuntimeConfig, current
+from specdec.quant import formats
 from specdec.quant.formats import BlockFormat, dequantize, random_blocks
 from specdec.runtime import state
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS, Active
@@ -29,12 +36,17 @@ from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS, Active
 log = logging.getLogger(__name__)
 KERNEL_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # what csrc/quant_linear.cpp decodes
 CHECK_FEATURES = (576, 1536)  # [N, K] of the self-check's matrices (the default model's MLP; K: whole K blocks)
+CHUNK_SIZES = (24, 32, 48, 64, 96, CHUNK_ROWS)  # past MAX_ROWS, the block sizes the self-check times
+# uncalibrated, the kernel's passes take blocks of up to this many rows and the GEMM larger ones (on the
+# project's AVX-512 Xeon the GEMM won from 32-64 rows for 32-weight blocks, 24-32 for the K formats)
+UNCALIBRATED_CHUNKS = 32
 
 
 @dataclass(frozen=True)
 class QuantRoutes:
-    kernel: tuple[bool, ...]  # [MAX_ROWS] the kernel for 1..MAX_ROWS rows (index 0: 1 row); else the reference
-    chunked: bool  # MAX_ROWS + 1 .. CHUNK_ROWS rows by the kernel (its balanced passes) too
+    kernel: tuple[bool, ...]  # [MAX_ROWS] the kernel for 1..MAX_ROWS rows (index 0: 1 row); else the GEMM
+    chunked_to: int  # MAX_ROWS + 1 .. chunked_to rows by the kernel's passes too (MAX_ROWS: none); more: the GEMM
+    gemm: bool  # the build's dequantization equals the reference's (else the reference runs instead)
 
 
 # (kernel variant, format name) -> its routes, once checked in this process
@@ -42,8 +54,8 @@ CALIBRATED: dict[tuple[str | None, str], QuantRoutes] = {}
 
 
 def uncalibrated(built: bool) -> QuantRoutes:
-    """Without the self-check: the kernel for every size up to CHUNK_ROWS where it is built."""
-    return QuantRoutes((built,) * MAX_ROWS, built)
+    """Without the self-check: the kernel for every size up to UNCALIBRATED_CHUNKS where it is built."""
+    return QuantRoutes((built,) * MAX_ROWS, UNCALIBRATED_CHUNKS if built else MAX_ROWS, built)
 
 
 def routes(fmt: BlockFormat, rt: Active | None = None) -> QuantRoutes:
@@ -59,8 +71,8 @@ def routes(fmt: BlockFormat, rt: Active | None = None) -> QuantRoutes:
     if not rt.config.calibrate:
         return uncalibrated(True)
     found = CALIBRATED[key] = self_check(rt, fmt)
-    log.info("specdec kernels: %s blocks by the kernel for 1..%d rows: %s; chunks of more: %s", fmt.name,
-             MAX_ROWS, found.kernel, found.chunked)
+    log.info("specdec kernels: %s blocks by the kernel for 1..%d rows: %s; its passes up to %d rows; the "
+             "GEMM: %s", fmt.name, MAX_ROWS, found.kernel, found.chunked_to, found.gemm)
     return found
 
 
@@ -73,19 +85,61 @@ def prepare(formats, config: RuntimeConfig | None = None) -> None:
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None
            ) -> torch.Tensor | None:
-    """x [..., K] @ W^T (+ bias) -> [..., N] for W = ``blocks`` (uint8 [N, row_bytes] of ``fmt``) through
-    the kernel, where its routes take this many rows of fp32 on CPU; None: the caller's reference."""
+    """x [..., K] @ W^T (+ bias) -> [..., N] for W = ``blocks`` (uint8 [N, row_bytes] of ``fmt``) by the
+    routes (fp32 on CPU, the kernels built); None: the caller's reference."""
+    return linear_parts(x, [blocks], [fmt], bias)
+
+
+def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],
+                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """x [..., K] through several weights side by side (q, k, v; gate, up) -> [..., sum of N] (+ bias
+    [sum of N]): the kernel's one call over them where its routes take this many rows for every format,
+    else the GEMM; None where neither runs (another dtype or device, grad, no kernels built, a format
+    whose dequantization disagreed): the caller's reference."""
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-    if (rows == 0 or rows > CHUNK_ROWS or x.dtype != torch.float32 or x.device.type != "cpu"
-            or blocks.device.type != "cpu" or (torch.is_grad_enabled() and x.requires_grad)):
+    if (rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu"
+            or any(b.device.type != "cpu" for b in blocks) or (torch.is_grad_enabled() and x.requires_grad)):
         return None
     rt = state.active()
-    if not takes(fmt, rows, rt):
+    if rt.ops is None:
         return None
-    y = rt.ops.quant_linear(x.reshape(rows, x.shape[-1]), blocks, fmt.ggml_type)  # [rows, N]
-    if bias is not None:
-        y = y + bias
-    return y.view(*x.shape[:-1], blocks.shape[0])
+    x2 = x.reshape(rows, x.shape[-1])
+    if all(takes(f, rows, rt) for f in fmts):
+        y = rt.ops.quant_linear_parts(x2, blocks, [f.ggml_type for f in fmts])  # [rows, N]
+        if bias is not None:
+            y = y + bias
+    elif all(routes(f, rt).gemm for f in fmts):
+        y = gemm(x2, blocks, fmts, rt.ops, bias)
+    else:
+        return None
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def gemm(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat], ops,
+         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] -> [M, sum of N] (+ bias): the weights dequantized by ``ops`` (each in slices of at most
+    CHUNK_FLOATS weights, as the reference slices them; whole weights that fit together share one slice),
+    F.linear per slice. A weight alone is its reference's computation exactly: the same values, the same
+    calls (``QuantLinear.reference``)."""
+    K = x.shape[-1]
+    step = max(1, formats.CHUNK_FLOATS // K)  # output features a slice
+    slices: list[list[tuple[torch.Tensor, BlockFormat]]] = []  # consecutive weights (or slices of one)
+    for b, f in zip(blocks, fmts):
+        for i in range(0, b.shape[0], step):
+            part = b[i:i + step]
+            if slices and sum(p.shape[0] for p, _ in slices[-1]) + part.shape[0] <= step:
+                slices[-1].append((part, f))
+            else:
+                slices.append([(part, f)])
+    outs = []
+    for parts in slices:  # each slice dequantized (then dropped), its output features computed
+        w = torch.empty(sum(p.shape[0] for p, _ in parts), K, dtype=torch.float32, device=x.device)
+        ops.quant_dequantize([p for p, _ in parts], [f.ggml_type for _, f in parts], w)
+        outs.append(F.linear(x, w, bias if len(slices) == 1 else None))
+    if len(outs) == 1:
+        return outs[0]
+    y = torch.cat(outs, dim=-1)
+    return y if bias is None else y + bias
 
 
 def takes(fmt: BlockFormat, rows: int, rt: Active | None = None) -> bool:
@@ -94,7 +148,7 @@ def takes(fmt: BlockFormat, rows: int, rt: Active | None = None) -> bool:
     if rt.ops is None or rows < 1 or rows > CHUNK_ROWS:
         return False
     r = routes(fmt, rt)
-    return r.kernel[rows - 1] if rows <= MAX_ROWS else r.chunked
+    return r.kernel[rows - 1] if rows <= MAX_ROWS else rows <= r.chunked_to
 
 
 def agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
@@ -103,10 +157,12 @@ def agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
 
 
 def self_check(rt: Active, fmt: BlockFormat, rounds: int = 2) -> QuantRoutes:
-    """Per block size, the kernel where it agrees with the reference (on a small random matrix of ``fmt``)
-    and beats it (on a [N, K] = CHECK_FEATURES one, fastest of ``rounds`` rounds, the two alternating).
-    The kernel's time grows with the rows and the reference's is mostly its dequantization, so the
-    sizes are timed from MAX_ROWS down until the kernel wins, and it takes every size below that."""
+    """The GEMM where the build's dequantization equals the reference's bit for bit (a small random
+    matrix of ``fmt``); per block size, the kernel where it agrees with the reference there and beats
+    what would run instead (the GEMM, else the reference) on a [N, K] = CHECK_FEATURES matrix, fastest of
+    ``rounds`` rounds, the two alternating. The kernel's time grows with the rows, the GEMM's far more
+    slowly: sizes 1..MAX_ROWS are timed from MAX_ROWS down until the kernel wins (it takes every size
+    below), its passes beyond from CHUNK_SIZES up until it loses."""
     g = torch.Generator().manual_seed(0)
     small, big = random_blocks(fmt, 24, 2 * fmt.block_weights, g), random_blocks(fmt, *CHECK_FEATURES, g)
 
@@ -124,25 +180,42 @@ def self_check(rt: Active, fmt: BlockFormat, rounds: int = 2) -> QuantRoutes:
                     fmt.name, rows)
         return False
 
-    def faster(rows: int) -> bool:
+    def dequantizes() -> bool:
+        w = torch.empty(small.shape[0], small.shape[1] // fmt.block_bytes * fmt.block_weights, dtype=torch.float32)
+        rt.ops.quant_dequantize([small], [fmt.ggml_type], w)
+        if torch.equal(w.view(torch.int32), dequantize(small, fmt).view(torch.int32)):
+            return True
+        log.warning("specdec: the %s dequantization of the kernel build disagrees with the reference; "
+                    "many rows take the reference", fmt.name)
+        return False
+
+    def faster(rows: int, other) -> bool:
         x = torch.randn(rows, CHECK_FEATURES[1], generator=g, dtype=torch.float32)
-        times = {kernel: float("inf"), reference: float("inf")}
+        times = {kernel: float("inf"), other: float("inf")}
         for _ in range(rounds):
-            for fn in (reference, kernel):
+            for fn in (other, kernel):
                 t = time.perf_counter()
                 fn(x, big)
                 times[fn] = min(times[fn], time.perf_counter() - t)
-        return times[kernel] < times[reference]
+        return times[kernel] < times[other]
 
     token = state.pin(rt)
     try:
         with torch.inference_mode():
             ok = [correct(m) for m in range(1, 2 * MAX_ROWS + 1)]
+            fast = dequantizes()
+            other = (lambda x, w: gemm(x, [w], [fmt], rt.ops)) if fast else reference
             wins = [False] * MAX_ROWS
             for m in range(MAX_ROWS, 0, -1):
-                if faster(m):
+                if faster(m, other):
                     wins[:m] = [True] * m
                     break
-            return QuantRoutes(tuple(w and c for w, c in zip(wins, ok)), all(ok) and faster(2 * MAX_ROWS))
+            chunked_to = MAX_ROWS
+            if all(ok):
+                for m in CHUNK_SIZES:
+                    if not faster(m, other):
+                        break
+                    chunked_to = m
+            return QuantRoutes(tuple(w and c for w, c in zip(wins, ok)), chunked_to, fast)
     finally:
         state.unpin(token)

@@ -505,13 +505,55 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
   return quant_linear_parts(x, {blocks}, {fmt});
 }
 
+// The weights ``blocks`` (uint8 [N_p, row_bytes_p], GGML types ``fmts``) of K inputs each, dequantized
+// into ``out`` float32 [sum of N_p, K] (contiguous), stacked in order: each weight by its format's
+// ``decode``, the reference's values bit for bit. For many rows (a prefill) the caller then multiplies
+// by torch's GEMM: one decode of each weight, where the row passes above decode it once per pass.
+void quant_dequantize(at::TensorList blocks, at::IntArrayRef fmts, const at::Tensor& out) {
+  TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(),
+              "quant_dequantize: out float32 [N, K], contiguous");
+  TORCH_CHECK(!blocks.empty() && blocks.size() == fmts.size(), "quant_dequantize: ", blocks.size(),
+              " weights and ", fmts.size(), " formats");
+  const int64_t K = out.size(1);
+  std::vector<at::Tensor> kept;
+  std::vector<Part> parts;
+  std::vector<int64_t> start{0};
+  for (size_t p = 0; p < blocks.size(); ++p) {
+    TORCH_CHECK(blocks[p].dim() == 2 && blocks[p].scalar_type() == at::kByte, "quant_dequantize: blocks uint8 [N, row_bytes]");
+    kept.push_back(blocks[p].contiguous());
+    parts.push_back({kept.back().data_ptr<uint8_t>(), kept.back().size(1), kept.back().size(0), fmts[p]});
+    by_format(fmts[p], [&](auto f) { check<typename decltype(f)::type>(parts.back(), K); });
+    start.push_back(start.back() + parts.back().N);
+  }
+  TORCH_CHECK(out.size(0) == start.back(), "quant_dequantize: out has ", out.size(0), " rows for ", start.back(),
+              " output features");
+  float* op = out.data_ptr<float>();
+  at::parallel_for(0, start.back(), kGrain, [&](int64_t n0, int64_t n1) {
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const int64_t a = std::max(n0, start[p]), b = std::min(n1, start[p + 1]);
+      const Part& q = parts[p];
+      by_format(q.fmt, [&](auto f) {
+        using F = typename decltype(f)::type;
+        for (int64_t n = a; n < b; ++n) {
+          const uint8_t* row = q.w + (n - start[p]) * q.row_bytes;
+          float* w = op + n * K;
+          for (int64_t k0 = 0; k0 < K; k0 += F::kWeights)
+            F::decode(row + k0 / F::kWeights * F::kBytes, [&](int off, vec v) { specdec_vec::store(w + k0 + off, v); });
+        }
+      });
+    }
+  });
+}
+
 }  // namespace
 
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("quant_linear(Tensor x, Tensor blocks, int fmt) -> Tensor");
   m.def("quant_linear_parts(Tensor x, Tensor[] blocks, int[] fmts) -> Tensor");
+  m.def("quant_dequantize(Tensor[] blocks, int[] fmts, Tensor(a!) out) -> ()");
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_linear_parts", &quant_linear_parts);
+  m.impl("quant_dequantize", &quant_dequantize);
 }
