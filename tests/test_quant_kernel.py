@@ -181,6 +181,23 @@ def test_many_rows_through_the_gemm_are_the_reference_bit_for_bit(name, monkeypa
         torch.testing.assert_close(together, torch.cat([m.reference(x) for m in parts], dim=-1), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_quantized_embedding_looks_up_the_reference_values_bit_for_bit(name):
+    """The embedding's rows dequantized by the build (one call) are the reference's, kernels on or off."""
+    from specdec.quant import QuantEmbedding
+
+    _ops("native")
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(9)
+    table = random_blocks(fmt, 50, fmt.block_weights * 2, g)
+    emb = QuantEmbedding(table, fmt, fmt.block_weights * 2)
+    ids = torch.tensor([[3, 0, 49, 3], [7, 7, 1, 20]])
+    ref = dequantize(table, fmt)[ids]
+    for kernel in ("native", "off"):
+        with use(RuntimeConfig(kernel=kernel, calibrate=False)):
+            assert torch.equal(emb(ids).view(torch.int32), ref.view(torch.int32)), kernel
+
+
 def test_quantized_layer_takes_the_kernel_for_few_rows_and_the_gemm_for_many(monkeypatch):
     fmt = FORMATS["Q4_0"]
     g = torch.Generator().manual_seed(1)

@@ -86,7 +86,8 @@ class QuantEmbedding(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., embedding_dim] float32
         rows = self.blocks.index_select(0, ids.reshape(-1))  # only the rows looked up are dequantized
-        return dequantize(rows, self.fmt).reshape(*ids.shape, self.embedding_dim)
+        w = qlinear.dequantized(rows, self.fmt)  # the kernel build's decoder (the same values), where built
+        return (dequantize(rows, self.fmt) if w is None else w).reshape(*ids.shape, self.embedding_dim)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(self.blocks, self.fmt)

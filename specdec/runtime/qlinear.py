@@ -115,6 +115,20 @@ def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFo
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+def dequantized(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor | None:
+    """float32 [N, K] of ``blocks`` (uint8 [N, row_bytes] of ``fmt``, on CPU) by the kernel build's
+    decoder where its self-check found it equal to the reference's (an embedding's looked-up rows: one
+    call instead of torch's dozen small ops); None: the caller's reference."""
+    if blocks.device.type != "cpu" or blocks.shape[0] == 0:
+        return None
+    rt = state.active()
+    if rt.ops is None or not routes(fmt, rt).gemm:
+        return None
+    out = torch.empty(blocks.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_weights, dtype=torch.float32)
+    rt.ops.quant_dequantize([blocks], [fmt.ggml_type], out)
+    return out
+
+
 def gemm(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat], ops,
          bias: torch.Tensor | None = None) -> torch.Tensor:
     """x [M, K] -> [M, sum of N] (+ bias): the weights dequantized by ``ops`` (each in slices of at most
