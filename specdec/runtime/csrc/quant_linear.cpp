@@ -325,16 +325,22 @@ inline void prefetch_ahead(const uint8_t* block, int64_t row_bytes) {
 // same summation order as decoding the block at once.
 template <class F, int M, int NF>
 void rows_dot_sub(const float* x, const uint8_t* row, int64_t row_bytes, vec (&acc)[NF][M], int64_t K) {
-  for (int64_t k0 = 0; k0 < K; k0 += F::kWeights) {
+  // the NF features' scales of the next block are unpacked while this block is decoded (two buffers):
+  // broadcasting a scale straight after the vector store that wrote it waits for that store
+  alignas(32) float scale[2][NF][8], min[2][NF][8];
+#pragma GCC unroll 8
+  for (int f = 0; f < NF; ++f) F::scales(row + f * row_bytes, scale[0][f], min[0][f]);
+  for (int64_t k0 = 0, i = 0; k0 < K; k0 += F::kWeights, i ^= 1) {
     const uint8_t* block = row + k0 / F::kWeights * F::kBytes;
     prefetch_ahead<F, NF>(block, row_bytes);
-    alignas(32) float scale[NF][8], min[NF][8];
+    if (k0 + F::kWeights < K) {
 #pragma GCC unroll 8
-    for (int f = 0; f < NF; ++f) F::scales(block + f * row_bytes, scale[f], min[f]);
+      for (int f = 0; f < NF; ++f) F::scales(block + F::kBytes + f * row_bytes, scale[i ^ 1][f], min[i ^ 1][f]);
+    }
     for (int j = 0; j < 8; ++j) {
       vec w[NF][2];
 #pragma GCC unroll 8
-      for (int f = 0; f < NF; ++f) F::sub(block + f * row_bytes, j, scale[f], min[f], w[f]);
+      for (int f = 0; f < NF; ++f) F::sub(block + f * row_bytes, j, scale[i][f], min[i][f], w[f]);
 #pragma GCC unroll 2
       for (int v = 0; v < 2; ++v)
 #pragma GCC unroll 16
