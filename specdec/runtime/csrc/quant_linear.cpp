@@ -189,6 +189,7 @@ inline void k_scale(const uint8_t* s, int j, int* sc, int* mn) {
 template <bool Five>
 struct QK4or5 {
   static constexpr int kWeights = 256, kBytes = Five ? 176 : 144;
+  static constexpr int kScales = 8;  // sub-blocks: a scale and a min each
   // d * scale and dmin * min of the 8 sub-blocks (as floats in memory: ``sub`` broadcasts them from there)
   static void scales(const uint8_t* b, float* scale, float* min) {
     const float d = f16(b), dmin = f16(b + 2);
@@ -266,6 +267,25 @@ struct QK4or5 {
 // 2r, 2r + 1 of qh[32h + l] as its top two bits.
 struct Q6_K {
   static constexpr int kWeights = 256, kBytes = 210;
+#if defined(__AVX512F__)
+  static constexpr bool kSubBlocks = true;  // rows_dot decodes 32 weights at a time (``sub``), as Q4_K's
+  static constexpr int kScales = 16;
+  static constexpr int kFewFeatures = 4;  // at 1-2 rows 8 features ran 1.05-1.1x slower (its decoding's registers)
+  // d * scale of the 16 sub-blocks of 16 (as the scalar product: the int8 widened, converted, multiplied)
+  static void scales(const uint8_t* b, float* scale, float* /*min: none*/) {
+    const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
+    _mm512_store_ps(scale, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), sc));
+  }
+  // weights 32j .. 32j + 31 (half h = j / 4, quarter r = j % 4) as 2 vectors, each (d * scale) * (q - 32)
+  static void sub(const uint8_t* b, int j, const float* scale, const float*, vec* w) {
+    const int h = j / 4, r = j % 4;
+    for (int l = 0; l < 32; l += 16) {
+      const bytes low = load_bytes(b + 64 * h + 32 * (r % 2) + l);
+      const bytes q = ((r < 2 ? low : low >> 4) & 15) | (((load_bytes(b + 128 + 32 * h + l) >> (2 * r)) & 3) << 4);
+      w[l / 16] = splat(scale[2 * j + l / 16]) * (to_float(q) - 32.f);
+    }
+  }
+#endif
   template <class Emit>
   static void decode(const uint8_t* b, Emit&& emit) {
     const float d = f16(b + 208);
@@ -284,14 +304,20 @@ struct Q6_K {
 // Rows per pass and output features per call (NF) of a format: NF x rows accumulators beside the
 // decoding's registers (docs/decisions/015-quant-kernels.md). AVX-512, 32-weight blocks (two vectors): a
 // block of each of the NF features is decoded whole, then each vector of x is loaded once for the NF
-// features; passes of at most 5 rows, 8 features for 1-2 rows, 4 for 3-5. Q4_K / Q5_K on AVX-512 the
-// same a 32-weight sub-block at a time for up to 5 rows, then passes of 16 at one feature. Q6_K, and every
-// format on AVX2 (16 registers): each vector fed to the rows as it is decoded, passes of 16 / 8 rows, 4
-// features for one row, 2 for two, else 1.
+// features; passes of at most 5 rows, 8 features for 1-2 rows, 4 for 3-5. The K formats on AVX-512 the
+// same 32 weights at a time (a sub-block of Q4_K / Q5_K, two of Q6_K) for up to 5 rows, then passes of 16
+// at one feature. Every format on AVX2 (16 registers): each vector fed to the rows as it is decoded,
+// passes of 8 rows, 4 features for one row, 2 for two, else 1.
 template <class F, class = void>
 struct SubBlocks : std::false_type {};
 template <class F>
 struct SubBlocks<F, std::void_t<decltype(F::kSubBlocks)>> : std::bool_constant<F::kSubBlocks> {};
+
+// output features a call for 1-2 rows where 32 weights are decoded at a time: 8, or F::kFewFeatures
+template <class F, class = void>
+struct FewFeatures : std::integral_constant<int, 8> {};
+template <class F>
+struct FewFeatures<F, std::void_t<decltype(F::kFewFeatures)>> : std::integral_constant<int, F::kFewFeatures> {};
 
 template <class F>
 struct Shape {
@@ -303,7 +329,7 @@ struct Shape {
 #endif
   static constexpr int kRows = kWhole && !kSub ? 5 : (kLanes == 16 ? 16 : 8);
   static constexpr int features(int m) {
-    return kWhole ? (m <= 2 ? 8 : m <= 5 || !kSub ? 4 : 1) : (m == 1 ? 4 : m == 2 ? 2 : 1);
+    return kWhole ? (m <= 2 ? FewFeatures<F>::value : m <= 5 || !kSub ? 4 : 1) : (m == 1 ? 4 : m == 2 ? 2 : 1);
   }
 };
 
@@ -319,15 +345,15 @@ inline void prefetch_ahead(const uint8_t* block, int64_t row_bytes) {
   }
 }
 
-// acc[f][m] += sum over the K weights of NF features' rows of blocks times x's M rows, for Q4_K / Q5_K
-// on AVX-512: per block the NF features' sub-block scales, then each sub-block (2 vectors) of the NF
+// acc[f][m] += sum over the K weights of NF features' rows of blocks times x's M rows, for the K formats
+// on AVX-512: per block the NF features' sub-block scales, then each 32 weights (2 vectors) of the NF
 // features decoded whole and fed to the rows, each vector of x loaded once for the NF features; the
 // same summation order as decoding the block at once.
 template <class F, int M, int NF>
 void rows_dot_sub(const float* x, const uint8_t* row, int64_t row_bytes, vec (&acc)[NF][M], int64_t K) {
   // the NF features' scales of the next block are unpacked while this block is decoded (two buffers):
   // broadcasting a scale straight after the vector store that wrote it waits for that store
-  alignas(32) float scale[2][NF][8], min[2][NF][8];
+  alignas(64) float scale[2][NF][F::kScales], min[2][NF][F::kScales];
 #pragma GCC unroll 8
   for (int f = 0; f < NF; ++f) F::scales(row + f * row_bytes, scale[0][f], min[0][f]);
   for (int64_t k0 = 0, i = 0; k0 < K; k0 += F::kWeights, i ^= 1) {
@@ -337,6 +363,7 @@ void rows_dot_sub(const float* x, const uint8_t* row, int64_t row_bytes, vec (&a
 #pragma GCC unroll 8
       for (int f = 0; f < NF; ++f) F::scales(block + F::kBytes + f * row_bytes, scale[i ^ 1][f], min[i ^ 1][f]);
     }
+#pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       vec w[NF][2];
 #pragma GCC unroll 8
@@ -472,37 +499,53 @@ void by_format(int64_t fmt, Fn&& fn) {
   }
 }
 
+// Several weights of K inputs each, side by side: their blocks (uint8 [N_p, row_bytes_p], GGML types
+// ``fmts``, each checked against K), contiguous for the call, and where each one's output features start
+struct Weights {
+  std::vector<at::Tensor> kept;  // contiguous blocks, alive for the call
+  std::vector<Part> parts;
+  std::vector<int64_t> start{0};  // part p: output features start[p] .. start[p + 1] - 1
+
+  Weights(at::TensorList blocks, at::IntArrayRef fmts, int64_t K, const char* op) {
+    TORCH_CHECK(!blocks.empty() && blocks.size() == fmts.size(), op, ": ", blocks.size(), " weights and ",
+                fmts.size(), " formats");
+    for (size_t p = 0; p < blocks.size(); ++p) {
+      TORCH_CHECK(blocks[p].dim() == 2 && blocks[p].scalar_type() == at::kByte, op, ": blocks uint8 [N, row_bytes]");
+      kept.push_back(blocks[p].contiguous());
+      parts.push_back({kept.back().data_ptr<uint8_t>(), kept.back().size(1), kept.back().size(0), fmts[p]});
+      by_format(fmts[p], [&](auto f) { check<typename decltype(f)::type>(parts.back(), K); });
+      start.push_back(start.back() + parts.back().N);
+    }
+  }
+
+  int64_t features() const { return start.back(); }
+
+  // fn(F, part p, its first and last-plus-one local output features within [n0, n1)), for each part there
+  template <class Fn>
+  void each(int64_t n0, int64_t n1, Fn&& fn) const {
+    for (size_t p = 0; p < parts.size(); ++p) {
+      const int64_t a = std::max(n0, start[p]), b = std::min(n1, start[p + 1]);
+      if (a < b) by_format(parts[p].fmt, [&](auto f) { fn(f, p, a - start[p], b - start[p]); });
+    }
+  }
+};
+
 // x [M, K] through the weights ``blocks`` (uint8 [N_p, row_bytes_p], GGML types ``fmts``) -> [M, sum of N_p],
 // their outputs side by side: one parallel region over every part's output features
 at::Tensor quant_linear_parts(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef fmts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(0) >= 1, "quant_linear: x float32 [M >= 1, K]");
-  TORCH_CHECK(!blocks.empty() && blocks.size() == fmts.size(), "quant_linear: ", blocks.size(), " weights and ",
-              fmts.size(), " formats");
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<at::Tensor> kept;  // contiguous blocks, alive for the call
-  std::vector<Part> parts;
-  std::vector<int64_t> start{0};  // part p: output columns start[p] .. start[p + 1] - 1
-  for (size_t p = 0; p < blocks.size(); ++p) {
-    TORCH_CHECK(blocks[p].dim() == 2 && blocks[p].scalar_type() == at::kByte, "quant_linear: blocks uint8 [N, row_bytes]");
-    kept.push_back(blocks[p].contiguous());
-    parts.push_back({kept.back().data_ptr<uint8_t>(), kept.back().size(1), kept.back().size(0), fmts[p]});
-    by_format(fmts[p], [&](auto f) { check<typename decltype(f)::type>(parts.back(), K); });
-    start.push_back(start.back() + parts.back().N);
-  }
+  const Weights ws(blocks, fmts, K, "quant_linear");
   const at::Tensor xc = x.contiguous();
-  const int64_t N = start.back();
+  const int64_t N = ws.features();
   at::Tensor y = at::empty({M, N}, x.options());
   const float* xp = xc.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const int64_t a = std::max(n0, start[p]), b = std::min(n1, start[p + 1]);
-      if (a >= b) continue;
-      const Part& q = parts[p];
-      by_format(q.fmt, [&](auto f) {
-        feature_range<typename decltype(f)::type>(xp, M, K, q.w, q.row_bytes, yp + start[p], N, a - start[p], b - start[p]);
-      });
-    }
+    ws.each(n0, n1, [&](auto f, size_t p, int64_t a, int64_t b) {
+      const Part& q = ws.parts[p];
+      feature_range<typename decltype(f)::type>(xp, M, K, q.w, q.row_bytes, yp + ws.start[p], N, a, b);
+    });
   });
   return y;
 }
@@ -518,36 +561,22 @@ at::Tensor quant_linear(const at::Tensor& x, const at::Tensor& blocks, int64_t f
 void quant_dequantize(at::TensorList blocks, at::IntArrayRef fmts, const at::Tensor& out) {
   TORCH_CHECK(out.dim() == 2 && out.scalar_type() == at::kFloat && out.is_contiguous(),
               "quant_dequantize: out float32 [N, K], contiguous");
-  TORCH_CHECK(!blocks.empty() && blocks.size() == fmts.size(), "quant_dequantize: ", blocks.size(),
-              " weights and ", fmts.size(), " formats");
   const int64_t K = out.size(1);
-  std::vector<at::Tensor> kept;
-  std::vector<Part> parts;
-  std::vector<int64_t> start{0};
-  for (size_t p = 0; p < blocks.size(); ++p) {
-    TORCH_CHECK(blocks[p].dim() == 2 && blocks[p].scalar_type() == at::kByte, "quant_dequantize: blocks uint8 [N, row_bytes]");
-    kept.push_back(blocks[p].contiguous());
-    parts.push_back({kept.back().data_ptr<uint8_t>(), kept.back().size(1), kept.back().size(0), fmts[p]});
-    by_format(fmts[p], [&](auto f) { check<typename decltype(f)::type>(parts.back(), K); });
-    start.push_back(start.back() + parts.back().N);
-  }
-  TORCH_CHECK(out.size(0) == start.back(), "quant_dequantize: out has ", out.size(0), " rows for ", start.back(),
+  const Weights ws(blocks, fmts, K, "quant_dequantize");
+  TORCH_CHECK(out.size(0) == ws.features(), "quant_dequantize: out has ", out.size(0), " rows for ", ws.features(),
               " output features");
   float* op = out.data_ptr<float>();
-  at::parallel_for(0, start.back(), kGrain, [&](int64_t n0, int64_t n1) {
-    for (size_t p = 0; p < parts.size(); ++p) {
-      const int64_t a = std::max(n0, start[p]), b = std::min(n1, start[p + 1]);
-      const Part& q = parts[p];
-      by_format(q.fmt, [&](auto f) {
-        using F = typename decltype(f)::type;
-        for (int64_t n = a; n < b; ++n) {
-          const uint8_t* row = q.w + (n - start[p]) * q.row_bytes;
-          float* w = op + n * K;
-          for (int64_t k0 = 0; k0 < K; k0 += F::kWeights)
-            F::decode(row + k0 / F::kWeights * F::kBytes, [&](int off, vec v) { specdec_vec::store(w + k0 + off, v); });
-        }
-      });
-    }
+  at::parallel_for(0, ws.features(), kGrain, [&](int64_t n0, int64_t n1) {
+    ws.each(n0, n1, [&](auto f, size_t p, int64_t a, int64_t b) {
+      using F = typename decltype(f)::type;
+      const Part& q = ws.parts[p];
+      for (int64_t n = a; n < b; ++n) {
+        float* w = op + (ws.start[p] + n) * K;
+        for (int64_t k0 = 0; k0 < K; k0 += F::kWeights)
+          F::decode(q.w + n * q.row_bytes + k0 / F::kWeights * F::kBytes,
+                    [&](int off, vec v) { specdec_vec::store(w + k0 + off, v); });
+      }
+    });
   });
 }
 
