@@ -69,9 +69,7 @@ class _Stacked(nn.Module):
     def __init__(self, *parts: QuantLinear) -> None:
         super().__init__()
         self.parts = list(parts)  # not registered: the model holds them
-        biased = any(m.bias is not None for m in parts)
-        self.bias = torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=torch.float32)
-                               for m in parts]) if biased else None
+        self.bias = _joined_bias(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., sum of out_features]
         y = qlinear.linear_parts(x, [m.blocks for m in self.parts], [m.fmt for m in self.parts], self.bias)
@@ -182,10 +180,17 @@ def _apply(m: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return _linear(x, m.weight, m.bias) if type(m) is nn.Linear else m(x)
 
 
-def _cat_bias(*linears: nn.Module) -> torch.Tensor | None:
-    if any(type(m) is not nn.Linear for m in linears) or all(m.bias is None for m in linears):
+def _joined_bias(linears) -> torch.Tensor | None:
+    """The linears' biases end to end (zeros for one without) [sum of out_features], or None if none has one."""
+    some = next((m.bias for m in linears if m.bias is not None), None)
+    if some is None:
         return None
-    return torch.cat([m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears])
+    return torch.cat([m.bias if m.bias is not None else some.new_zeros(m.out_features) for m in linears]).detach()
+
+
+def _cat_bias(*linears: nn.Module) -> torch.Tensor | None:
+    """The fused bias of plain linears (a quantized layer's bias is its module's own: None)."""
+    return None if any(type(m) is not nn.Linear for m in linears) else _joined_bias(linears)
 
 
 class _Attention:

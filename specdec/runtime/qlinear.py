@@ -8,7 +8,7 @@ block size:
   block in registers with the reference's own fp32 operations and accumulates in fp32, so its result
   is the reference's up to summation order; more rows than MAX_ROWS run as its balanced passes;
 - the GEMM for many rows (a prefill): the blocks dequantized by the kernel build's decoder
-  (``quant_dequantize``: the reference's values bit for bit, ~20x the torch dequantization's speed),
+  (``quant_dequantize``: the reference's values bit for bit, one op instead of torch's dozen),
   then torch's F.linear, the reference's own call on the same weights.
 
 Which sizes take the kernel is a self-check per process, kernel variant and format (``routes``), as
@@ -37,8 +37,8 @@ log = logging.getLogger(__name__)
 KERNEL_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # what csrc/quant_linear.cpp decodes
 CHECK_FEATURES = (576, 1536)  # [N, K] of the self-check's matrices (the default model's MLP; K: whole K blocks)
 CHUNK_SIZES = (24, 32, 48, 64, 96, CHUNK_ROWS)  # past MAX_ROWS, the block sizes the self-check times
-# uncalibrated, the kernel's passes take blocks of up to this many rows and the GEMM larger ones (on the
-# project's AVX-512 Xeon the GEMM won from 32-64 rows for 32-weight blocks, 24-32 for the K formats)
+# uncalibrated, the kernel's passes take blocks of up to this many rows and the GEMM larger ones (one
+# machine's figure: docs/decisions/015-quant-kernels.md, "prefill")
 UNCALIBRATED_CHUNKS = 32
 
 
@@ -124,8 +124,13 @@ def dequantized(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor | None:
     rt = state.active()
     if rt.ops is None or not routes(fmt, rt).gemm:
         return None
+    return _decoded(rt.ops, blocks, fmt)
+
+
+def _decoded(ops, blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """float32 [N, K] of ``blocks`` by the build's ``quant_dequantize`` (unchecked: the self-check's subject)."""
     out = torch.empty(blocks.shape[0], blocks.shape[1] // fmt.block_bytes * fmt.block_weights, dtype=torch.float32)
-    rt.ops.quant_dequantize([blocks], [fmt.ggml_type], out)
+    ops.quant_dequantize([blocks], [fmt.ggml_type], out)
     return out
 
 
@@ -195,9 +200,7 @@ def self_check(rt: Active, fmt: BlockFormat, rounds: int = 2) -> QuantRoutes:
         return False
 
     def dequantizes() -> bool:
-        w = torch.empty(small.shape[0], small.shape[1] // fmt.block_bytes * fmt.block_weights, dtype=torch.float32)
-        rt.ops.quant_dequantize([small], [fmt.ggml_type], w)
-        if torch.equal(w.view(torch.int32), dequantize(small, fmt).view(torch.int32)):
+        if torch.equal(_decoded(rt.ops, small, fmt).view(torch.int32), dequantize(small, fmt).view(torch.int32)):
             return True
         log.warning("specdec: the %s dequantization of the kernel build disagrees with the reference; "
                     "many rows take the reference", fmt.name)

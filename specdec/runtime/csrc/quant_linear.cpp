@@ -270,7 +270,7 @@ struct Q6_K {
 #if defined(__AVX512F__)
   static constexpr bool kSubBlocks = true;  // rows_dot decodes 32 weights at a time (``sub``), as Q4_K's
   static constexpr int kScales = 16;
-  static constexpr int kFewFeatures = 4;  // at 1-2 rows 8 features ran 1.05-1.1x slower (its decoding's registers)
+  static constexpr int kFewFeatures = 4;  // features a call at 1-2 rows (docs/decisions/015-quant-kernels.md)
   // d * scale of the 16 sub-blocks of 16 (as the scalar product: the int8 widened, converted, multiplied)
   static void scales(const uint8_t* b, float* scale, float* /*min: none*/) {
     const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 192))));
