@@ -181,6 +181,30 @@ def test_many_rows_through_the_gemm_are_the_reference_bit_for_bit(name, monkeypa
         torch.testing.assert_close(together, torch.cat([m.reference(x) for m in parts], dim=-1), rtol=1e-5, atol=1e-5)
 
 
+def test_the_gemm_dequantizes_every_slice_into_one_buffer(monkeypatch):
+    """A layer's slices reuse one dequantization buffer (a buffer per slice fragmented the C heap: decision
+    015, "memory"), and the last, shorter slice still gives the reference's values."""
+    import specdec.quant.modules as qm
+
+    ops = _ops("native")
+    fmt = FORMATS["Q4_0"]
+    g = torch.Generator().manual_seed(4)
+    K = 2 * fmt.block_weights
+    layer = QuantLinear(random_blocks(fmt, 40, K, g), fmt, K)
+    x = torch.randn(CHUNK_ROWS + 1, K, generator=g)
+    storages = []
+
+    class Recording:
+        def quant_dequantize(self, blocks, fmts, out):
+            storages.append(out.untyped_storage().data_ptr())
+            return ops.quant_dequantize(blocks, fmts, out)
+
+    monkeypatch.setattr(qm.formats, "CHUNK_FLOATS", K * 7)  # 7 output features a slice: 6 slices, the last 5
+    y = qlinear.gemm(x, [layer.blocks], [fmt], Recording())
+    assert len(storages) == 6 and len(set(storages)) == 1
+    assert torch.equal(y, layer.reference(x))
+
+
 @pytest.mark.parametrize("name", list(FORMATS))
 def test_quantized_embedding_looks_up_the_reference_values_bit_for_bit(name):
     """The embedding's rows dequantized by the build (one call) are the reference's, kernels on or off."""

@@ -71,11 +71,16 @@ def _calibrate(rt: Active, features: tuple[int, int], rounds: int, vocab: int, s
     g = torch.Generator().manual_seed(0)
     N, K = features
     count = max(1, -(-(stream_mb * 2**20 // 4 - vocab * K) // (N * K)))  # MLP matrices to fill stream_mb
-    ws = [_uniform((N, K), g) for _ in range(count)]
-    ws.append(_uniform((vocab, K), g))
+    # the random weights, their packs and the attention's stores (~0.4 GB) are cut from slabs of their
+    # own, mapped for the check and unmapped after it: from the C heap they stayed in the process as
+    # freed pages glibc keeps (docs/decisions/015-quant-kernels.md, "memory"). The weights and the
+    # stores on ordinary pages, as a model's fp32 weights and its KV store are.
+    scratch = Slabs(hugepages=False)
+    ws = [_uniform((N, K), g, scratch) for _ in range(count)]
+    ws.append(_uniform((vocab, K), g, scratch))
     fns = {"linear": lambda x, w: F.linear(x, w), "mm": lin._skinny}
     if rt.ops is not None:
-        slabs = Slabs(hugepages=rt.config.hugepages)  # the random weights' packs: freed with them
+        slabs = Slabs(hugepages=rt.config.hugepages)  # the packs (made outside inference mode)
         for w in ws:
             lin.pack(w, rt, slabs)
         fns["packed"] = lin._packed_linear
@@ -91,12 +96,12 @@ def _calibrate(rt: Active, features: tuple[int, int], rounds: int, vocab: int, s
         chunked = _calibrate_chunks(ws, g, rounds)
     finally:
         state.unpin(token)
-    del ws
+    del ws, scratch
     return Routes(linear, chunked, calibrate_attention(rt.ops, g, rounds, stream_mb))
 
 
-def _uniform(shape: tuple[int, int], g: torch.Generator) -> torch.Tensor:
-    return torch.empty(shape, dtype=torch.float32, device="cpu").uniform_(-1, 1, generator=g)
+def _uniform(shape: tuple[int, int], g: torch.Generator, slabs: Slabs) -> torch.Tensor:
+    return slabs.take(shape[0] * shape[1]).view(shape).uniform_(-1, 1, generator=g)
 
 
 def _calibrate_chunks(ws: list[torch.Tensor], g: torch.Generator, rounds: int) -> bool:
@@ -129,15 +134,17 @@ def _fastest_rounds(fns: dict, x: torch.Tensor, ws: list[torch.Tensor], rounds: 
 def calibrate_attention(ops, g: torch.Generator, rounds: int, stream_mb: int):
     """Time the attention kernel against SDPA at every (rows, keys) point, on key/value stores shaped
     like the default model's (3 KV heads of 64), ``stream_mb`` MB of them so they come from memory as
-    a model's do between its layers; each point keeps the faster (SDPA on a tie). {} without a kernel."""
+    a model's do between its layers (slabs of their own, as ``_calibrate``'s weights); each point keeps
+    the faster (SDPA on a tie). {} without a kernel."""
     if ops is None:
         return state.frozen_points({})
+    slabs = Slabs(hugepages=False)
     f32 = dict(generator=g, dtype=torch.float32)
     points = {}
     for keys in ATTENTION_POINTS[1]:
         per_layer = 2 * 3 * keys * 64 * 4
         layers = max(2, min(64, stream_mb * 2**20 // per_layer))
-        kv = [torch.randn(2, 1, 3, keys, 64, **f32).unbind() for _ in range(layers)]
+        kv = [slabs.take(per_layer // 4).view(2, 1, 3, keys, 64).normal_(generator=g).unbind() for _ in range(layers)]
         for rows in ATTENTION_POINTS[0]:
             q = torch.randn(1, 3, rows, 64, **f32)
             bias = torch.zeros(1, 1, rows, keys, dtype=torch.float32)  # a block's mask, as the decoder hands SDPA one
