@@ -9,8 +9,8 @@ one, a quick check of the harness), specdec loads it packed and
 decodes N tokens greedily without a drafter (plain decoding through SpecDecoder, EOS ignored so both
 engines decode the same count), and llama.cpp decodes the same prompt ids in its own process. RSS is
 read before the load (torch, transformers and specdec already imported), after it, after a warm-up
-and after the N tokens (and, a diagnostic outside the budget, after glibc's malloc_trim: the
-first generation's one-off work leaves ~120 MB of freed heap that glibc keeps). ``rss_ok``: the growth from before the load to the end is at most
+and after the N tokens (and, a diagnostic outside the budget, after glibc's malloc_trim: freed heap
+that glibc keeps). ``rss_ok``: the growth from before the load to the end is at most
 RSS_BUDGET x the file's size plus the KV store (layers x 2 x kv_heads x head_dim x 4 bytes x tokens).
 Each entry is written to --out as it finishes; a rerun skips entries already there for the same file.
 """
