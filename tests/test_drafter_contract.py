@@ -226,3 +226,25 @@ def test_every_command_accepts_a_registered_name():
     for argv in (["generate", "hi", "--drafter", "bigram"], ["chat", "--drafter", "bigram"],
                  ["specbench", "--drafter", "bigram"]):
         assert "bigram" in str(vars(parser.parse_args(argv))), argv
+
+
+def test_a_draft_models_catch_up_is_reported_apart_from_drafting(monkeypatch):
+    """A draft model feeds its store what it has not seen before drafting: the prompt at the first draft
+    (catch-up, not resuming), a step's last draft and token after a step (neither), the text of steps
+    drafted by someone else (catch-up and resume): the decoder prices drafts without it (decision 010)."""
+    ticks = iter([10.0, 10.5, 20.0, 30.0, 30.25])  # a propose reads the clock before its first feed, after it if behind
+    monkeypatch.setattr("specdec.drafters.model.time.perf_counter", lambda: next(ticks))
+    d = ModelDrafter(perturbed(TARGET, 0.1))
+    ids = _ids()
+    d.begin(Prompt(ids, torch.tensor([ids.shape[1]])))
+    d.propose(3)
+    assert (d.catch_up_seconds(), d.resume_seconds()) == (0.5, 0.0)  # the prompt
+    step = Commit(torch.tensor([[5, 6, 7]]), torch.tensor([3]), torch.tensor([2]))
+    d.accept(step)
+    assert (d.catch_up_seconds(), d.resume_seconds()) == (0.0, 0.0)
+    d.propose(3)
+    assert (d.catch_up_seconds(), d.resume_seconds()) == (0.0, 0.0)  # one token behind: a draft's own feed
+    for _ in range(2):  # two steps another source drafted: 6 tokens behind
+        d.accept(Commit(torch.tensor([[5, 6, 7]]), torch.tensor([3]), torch.tensor([2])))
+    d.propose(3)
+    assert (d.catch_up_seconds(), d.resume_seconds()) == (0.25, 0.25)

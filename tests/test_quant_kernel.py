@@ -288,7 +288,7 @@ def test_a_prompt_past_the_kernels_rows_prefills_through_the_gemm_and_stays_exac
     assert sum(sum(s.num_accepted) for s in out.steps) > 0
 
 
-def test_quant_self_drafter_quantizes_only_the_layers_linears_and_leaves_the_target_untouched():
+def test_quant_self_drafter_quantizes_the_layers_and_the_output_layer_and_leaves_the_target_untouched():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from specdec.drafters.quant_self import quantized_copy
@@ -298,8 +298,11 @@ def test_quant_self_drafter_quantizes_only_the_layers_linears_and_leaves_the_tar
                                           num_attention_heads=4, num_key_value_heads=2)).eval()
     before = {k: v.clone() for k, v in target.state_dict().items()}
     draft = quantized_copy(target)
-    assert draft.model.embed_tokens is target.model.embed_tokens and draft.lm_head is target.lm_head
+    assert draft.model.embed_tokens is target.model.embed_tokens
     assert draft.model.layers[0].input_layernorm is target.model.layers[0].input_layernorm
+    head = draft.get_output_embeddings()
+    assert isinstance(head, QuantLinear) and head.fmt.name == "Q8_0" and type(target.lm_head) is torch.nn.Linear
+    assert quantized_copy(target, head=None).lm_head is target.lm_head
     q = draft.model.layers[1].self_attn.q_proj
     assert isinstance(q, QuantLinear) and q.fmt.name == "Q4_0"
     assert type(target.model.layers[1].self_attn.q_proj) is torch.nn.Linear  # the target keeps its layers

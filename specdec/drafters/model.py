@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -47,11 +48,18 @@ class ModelDrafter(Drafter):
         self._fed: list[int] = []  # per row: committed tokens in the store before the last propose
         self._drafted = 0  # drafted tokens written into the store by the last propose (K - 1)
         self._proposed = False  # a propose ran since the last accept (the decoder may skip it)
+        self._catch_up = self._resume = 0.0  # seconds of the last propose (catch_up_seconds, resume_seconds)
         self.sampling: SamplingParams | None = None  # from the prompt; None = greedy drafts
         self.generator: torch.Generator | None = None
 
     def torch_modules(self) -> list:
         return [self.model]
+
+    def catch_up_seconds(self) -> float:
+        return self._catch_up
+
+    def resume_seconds(self) -> float:
+        return self._resume
 
     def begin(self, prompt: Prompt) -> None:
         self.history = TokenHistory(prompt)
@@ -77,10 +85,18 @@ class ModelDrafter(Drafter):
         self._fed = list(self.cache.lengths)
         self._drafted = 0
         self._proposed = True
+        self._catch_up = self._resume = 0.0
         if budget <= 0:
             return DraftTree.empty(B)
         pending = [row[n:] for row, n in zip(self.history.rows, self._fed)]
+        # a step leaves at most its last draft and the target's token unfed; more is a catch-up (the prompt
+        # at an answer's first draft, or the text of a pause), not this draft's price (decision 010)
+        behind = max(len(p) for p in pending) > 2
+        t0 = time.perf_counter()
         logits = self._feed(pending)
+        if behind:
+            self._catch_up = time.perf_counter() - t0
+            self._resume = 0.0 if max(self._fed) == 0 else self._catch_up
         probs: list[torch.Tensor] = []  # [B, V] each, when sampling
         drafts = [self._pick(logits, probs)]  # [B] each
         for _ in range(budget - 1):
@@ -100,6 +116,7 @@ class ModelDrafter(Drafter):
 
     def accept(self, commit: Commit) -> None:
         self.history.extend(commit)
+        self._catch_up = self._resume = 0.0
         if not self._proposed:  # nothing was written since the last accept: nothing to roll back
             return
         self._proposed = False

@@ -1,11 +1,12 @@
 """The target's own weights at fewer bits drafting for it: a quantized self-drafter.
 
 No training and no second model: the draft model is a shallow copy of the target whose decoder layers'
-linears are the target's weights quantized to Q4_0 blocks (``specdec.quant``); the embedding, the
-norms, the rotary table and the output layer are the target's own modules, shared. It is the same
-model up to rounding, so it agrees with the target often, and its steps read ~1/7 of an fp32 target's
-bytes (through the block kernel, ``runtime/qlinear.py``). It pays off for a higher-precision target
-(fp32, bf16, Q8_0); over a Q4 target it reads as much as the target itself.
+linears are the target's weights quantized to Q4_0 blocks (``specdec.quant``), and whose output layer,
+where the target's is not quantized already, is a Q8_0 copy of it; the embedding, the norms and the
+rotary table are the target's own modules, shared. It is the same model up to rounding, so it agrees
+with the target often, and its steps read ~1/7 of an fp32 target's bytes (through the block kernel,
+``runtime/qlinear.py``). It pays off for a higher-precision target (fp32, bf16, Q8_0); over a Q4 target
+it reads as much as the target itself. Measured: docs/decisions/015-quant-kernels.md.
 """
 
 from __future__ import annotations
@@ -19,12 +20,16 @@ from specdec.quant.formats import block_format
 from specdec.quant.modules import QuantLinear, quantize_blocks
 
 DRAFT_QUANT = "Q4_0"  # the draft's block format: the cheapest one the gguf package writes
+# the draft's output layer where the target's is not quantized: the fp32 one was a third of a draft step,
+# and Q8_0 kept the drafts the fp32 head's where Q4_0 lost acceptance (decision 015, fifth session)
+HEAD_QUANT = "Q8_0"
 
 
-def quantized_copy(target: nn.Module, quant: str = DRAFT_QUANT) -> nn.Module:
+def quantized_copy(target: nn.Module, quant: str = DRAFT_QUANT, head: str | None = HEAD_QUANT) -> nn.Module:
     """A view of ``target`` whose decoder layers' linears are ``quant`` blocks of its weights (a quantized
-    target's dequantized ones); every other module is the target's own. Layers whose rows are not whole
-    blocks stay shared. The target itself is untouched."""
+    target's dequantized ones) and whose output layer, if it is a plain nn.Linear, is ``head`` blocks of
+    it (None: shared); every other module is the target's own. Layers whose rows are not whole blocks
+    stay shared. The target itself is untouched."""
     fmt = block_format(quant)
     inner = target.get_decoder() if hasattr(target, "get_decoder") else target.model
     draft, draft_inner = _shallow(target), _shallow(inner)
@@ -40,6 +45,10 @@ def quantized_copy(target: nn.Module, quant: str = DRAFT_QUANT) -> nn.Module:
         layers.append(new)
     draft_inner._modules["layers"] = nn.ModuleList(layers)
     draft._modules["model"] = draft_inner
+    out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
+    if head is not None and type(out) is nn.Linear and _quantizable(out, block_format(head)):
+        name = next(n for n, m in target.named_children() if m is out)  # "lm_head"
+        draft._modules[name] = _requantized(out, block_format(head))
     return draft
 
 
