@@ -20,8 +20,7 @@ from specdec.quant.formats import block_format
 from specdec.quant.modules import QuantLinear, quantize_blocks
 
 DRAFT_QUANT = "Q4_0"  # the draft's block format: the cheapest one the gguf package writes
-# the draft's output layer where the target's is not quantized: the fp32 one was a third of a draft step;
-# a Q8_0 copy drafts what it did, a Q4_0 one lost acceptance (decision 015, fifth session)
+# the draft's output layer where the target's is not quantized (why Q8_0: decision 015, fifth session)
 HEAD_QUANT = "Q8_0"
 
 

@@ -151,9 +151,8 @@ def gemm(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat], o
             else:
                 slices.append([(part, f)])
     outs = []
-    # one buffer for every slice's dequantization, each overwriting the last: a new one per slice left the
-    # C heap a hole behind each slice that the next, smaller output took a bite of, so the heap grew by a
-    # slice per slice (~0.1 GB for a 1.5B layer's gate/up) and glibc kept it (decision 015, "memory")
+    # one buffer for every slice's dequantization, each overwriting the last: a new one per slice fragmented
+    # the C heap, which glibc then kept (decision 015, "memory")
     features = [sum(p.shape[0] for p, _ in parts) for parts in slices]
     buffer = torch.empty(max(features) * K, dtype=torch.float32, device=x.device)
     for parts, n in zip(slices, features):  # each slice dequantized, its output features computed
