@@ -474,6 +474,21 @@ def test_probes_of_a_source_that_catches_up_are_spaced_by_its_catch_up_too():
     assert [i for i, b in enumerate(budgets) if b] == [249]
 
 
+def test_at_batch_1_probes_are_spaced_by_the_catch_up_of_pauses_not_of_the_prompt():
+    """A draft model feeds the prompt at an answer's first draft (12 plain steps here): at batch 1 a later
+    probe never pays that again, only the text of its pause, so the prompt's feed does not space probes
+    (they come on the explore interval, 4, 10, 22, ...); a pause's catch-up of 3.8 steps does (every
+    ceil((0.1 + 3.8) / 0.02) = 195 steps). Priced by the prompt, no probe came in a 256-token answer."""
+    for resume, probes in ((0.0, [4, 10, 22, 46, 70, 94]), (3.8, [194])):
+        c = _cost_aware(explore_every=3)
+        c.update([0], [0], verify_time=1.0)
+        _chain_step(c, [1], [0], key="model", verify_time=1.1, draft_time=0.0, catch_up=12.0)  # the prompt
+        for _ in range(c.config.min_samples - 1):  # drafts after pauses, or right after a step (0 s)
+            _chain_step(c, [1], [0], key="model", verify_time=1.1, draft_time=0.0, catch_up=resume, resume=resume)
+        budgets = [c.budget("model") for _ in range(300)]
+        assert [i for i, b in enumerate(budgets) if b][:6] == probes
+
+
 def test_each_batch_size_has_its_own_measured_gain():
     """A copy class that pays at batch 1 (3 tokens in 1.1 steps) and loses at batch 8 (1.25 tokens
     per row in 1.6 steps): the gain measured at 8 rows closes the gate at 8 (and at 7, which starts

@@ -246,8 +246,10 @@ class DraftLengthController:
             return False
         st.skipped += 1
         t1 = self.step_time.get(1)
-        catch_up = st.catch_up / t1 if t1 else 0.0
-        spacing = cost.probe_spacing(self.probe_cost(), catch_up, self.config.probe_share)
+        # what a probe pays before it drafts: at batch 1 the text of the pause (a prompt is fed once, at the
+        # answer's first draft); at a batch also the prompts of rows that joined (decision 010)
+        paid = st.resume if self.batch_size == 1 else st.catch_up
+        spacing = cost.probe_spacing(self.probe_cost(), paid / t1 if t1 else 0.0, self.config.probe_share)
         if st.skipped < max(st.interval, spacing):
             return False
         st.skipped = 0
@@ -361,15 +363,15 @@ class DraftLengthController:
         """After a verified step: per-sequence drafted and accepted counts, the step's verify and draft
         seconds, the class of its draft, whether the step grew the target's store (then not a sample
         of its block size's cost), the drafter's catch-up seconds after a pause (``resume``: in the
-        step's gain, not in the draft size's price) and all its catch-up seconds (``catch_up``: the
-        price of a probe). Why: docs/decisions/010-catch-up-pricing.md."""
+        step's gain, not in the draft size's price; a probe's price at batch 1) and all its catch-up
+        seconds (``catch_up``: a probe's price at a batch). Why: docs/decisions/010-catch-up-pricing.md."""
         c, st = self.config, self.state(key)
         probe, st.probing = st.probing, False
         if verify_time is not None:
             self.times.record(1 + max(num_drafted, default=0), verify_time, grew, c.decay)
         if not any(num_drafted):
             return  # nothing was drafted (gated off, or no n-gram match): nothing learned
-        self._learn_costs(st, num_drafted, draft_time, catch_up)
+        self._learn_costs(st, num_drafted, draft_time, catch_up, resume)
         t1 = self.step_time.get(1)
         if verify_time is not None and draft_time is not None and t1:
             gain = cost.step_gain(sum(1 + a for a in num_accepted), len(num_accepted),
@@ -383,9 +385,9 @@ class DraftLengthController:
         self._learn_schedule(st, num_drafted, num_accepted, probe)
 
     def _learn_costs(self, st: ClassState, num_drafted: list[int], draft_time: float | None,
-                     catch_up: float) -> None:
+                     catch_up: float, resume: float = 0.0) -> None:
         """A drafting step's draft seconds (per token over every class, per size for the class), the
-        source's catch-up, and at a batch the share of rows that drafted."""
+        source's catch-up (all of it, and after pauses), and at a batch the share of rows that drafted."""
         c = self.config
         if draft_time is not None:
             per_token = draft_time / max(num_drafted)
@@ -395,6 +397,8 @@ class DraftLengthController:
         st.skipped = 0
         if catch_up > 0:
             st.catch_up = running_mean(st.catch_up or None, catch_up, c.decay)  # 0.0: none measured yet
+        if resume > 0:
+            st.resume = running_mean(st.resume or None, resume, c.decay)
         if len(num_drafted) > 1:
             st.row_share = running_mean(st.row_share, sum(d > 0 for d in num_drafted) / len(num_drafted), c.decay)
 

@@ -175,7 +175,7 @@ class ClassState:
 
     __slots__ = ("alpha", "length", "skipped", "interval", "gain", "gain_samples", "shrinks", "positions",
                  "values", "idle", "draft_by_size", "probing", "probe_length", "whole", "shadowed",
-                 "row_share", "catch_up", "gains")
+                 "row_share", "catch_up", "resume", "gains")
 
     def __init__(self, initial: int, explore_every: int, tree_decay: float) -> None:
         self.alpha: float | None = None  # accepted over judged drafted tokens (running), None until measured
@@ -197,7 +197,8 @@ class ClassState:
         self.whole = 0  # the length of the last draft if every row took it whole, else 0
         self.shadowed = False  # this run scores unverified drafts of the class (``observe_shadow``)
         self.row_share: float | None = None  # at a batch: running share of rows that drafted in the class
-        self.catch_up = 0.0  # running seconds the source spent catching up when it drafted after a pause
+        self.catch_up = 0.0  # running seconds the source spent catching up when it drafted (prompts included)
+        self.resume = 0.0  # the same, of its catch-ups after a pause only (text committed while it did not draft)
 
     def switch_batch(self, old: int, new: int) -> None:
         """Keep the measured gain of batch size ``old``; take ``new``'s, or the nearest measured size's
