@@ -385,7 +385,7 @@ class DraftLengthController:
         self._learn_schedule(st, num_drafted, num_accepted, probe)
 
     def _learn_costs(self, st: ClassState, num_drafted: list[int], draft_time: float | None,
-                     catch_up: float, resume: float = 0.0) -> None:
+                     catch_up: float, resume: float) -> None:
         """A drafting step's draft seconds (per token over every class, per size for the class), the
         source's catch-up (all of it, and after pauses), and at a batch the share of rows that drafted."""
         c = self.config

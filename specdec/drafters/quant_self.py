@@ -45,8 +45,8 @@ def quantized_copy(target: nn.Module, quant: str = DRAFT_QUANT, head: str | None
     draft_inner._modules["layers"] = nn.ModuleList(layers)
     draft._modules["model"] = draft_inner
     out = target.get_output_embeddings() if hasattr(target, "get_output_embeddings") else None
-    if head is not None and type(out) is nn.Linear and _quantizable(out, block_format(head)):
-        name = next(n for n, m in target.named_children() if m is out)  # "lm_head"
+    name = next((n for n, m in target.named_children() if m is out), None)  # "lm_head"; None: nested, shared
+    if head is not None and name is not None and type(out) is nn.Linear and _quantizable(out, block_format(head)):
         draft._modules[name] = _requantized(out, block_format(head))
     return draft
 
