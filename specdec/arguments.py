@@ -13,7 +13,12 @@ from __future__ import annotations
 import argparse
 import math
 
+import torch
+
 from specdec.sampling import SamplingParams
+
+# a command's --dtype: the target's weights as loaded (a GGUF's dequantized layers, a HF checkpoint's)
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 def _number(text: str, kind, what: str):

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
+from specdec.arguments import MODEL_DTYPES
 from specdec.bench.runner import AnswerFile, make_decoder, rotated, warm_up
 from specdec.decoder import SpecDecoder
 from specdec.prompting import encode_prompt, eos_ids, pad_id
@@ -176,7 +177,7 @@ def run(args) -> int:
         for c in cats:
             if by_cat[c] and len(texts) < max(sizes):
                 texts.append(by_cat[c].pop(0).turns[0])
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype])
     kernels.prepare()
     console = Console(width=200)
     out = Path(args.out + "-batch").with_suffix(".jsonl")

@@ -38,7 +38,7 @@ import torch
 
 from specdec.bench.peers import PEERS, PeerSession, peer_setup
 from specdec.bench.runner import AnswerFile, group, make_decoder, rotated, warm_up
-from specdec.arguments import int_list, name_list, non_negative_float, positive_int
+from specdec.arguments import MODEL_DTYPES, int_list, name_list, non_negative_float, positive_int
 from specdec.prompting import chat_ids, eos_ids, user_turn
 from specdec.runtime import kernels
 from specdec.drafters.base import Corpus
@@ -219,6 +219,9 @@ def add_arguments(p) -> None:
                    help="also these drafters on the same model loaded with --weights (a GGUF's blocks kept "
                         "packed, or quantized on load), as methods named packed:NAME in the same rotation")
     p.add_argument("--weights", default="packed", help="the second target's weights (with --packed-drafters)")
+    p.add_argument("--dtype", default="float32", choices=sorted(MODEL_DTYPES),
+                   help="the target's dtype, HF generate's too (the --packed-drafters target computes in float32); "
+                        "a bfloat16 target is not token-exact: docs/benchmarks.md, quantized weights")
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
                    help="0 (default): greedy, outputs compared token for token with HF's; > 0: every "
                         "method samples (HF generate with do_sample=True and HF's other defaults, "
@@ -248,7 +251,7 @@ def run(args) -> int:
     console = Console()
     questions = load_questions(args.questions) if args.questions else load_questions()
     questions = select_questions(questions, categories=args.categories or None, limit_per_category=args.per_category)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype])
     model, tok = loaded.model, loaded.tokenizer
     kernels.prepare()  # the kernel build and route self-check happen before any timed run
     eos = eos_ids(model) or None
@@ -301,7 +304,7 @@ def _summary(args, records: list[dict], baseline: str, model_name: str, remember
                              for p in range(1, args.repeat + 1)}
     summary["meta"] = {"model": model_name, "questions": args.questions or "shipped", "per_category":
                        args.per_category, "max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
-                       "threads": torch.get_num_threads(), "kernel_routes": list(kernels.routes()),
+                       "threads": torch.get_num_threads(), "dtype": args.dtype, "kernel_routes": list(kernels.routes()),
                        "torch": torch.__version__, "machine": platform.machine(), "repeat": args.repeat,
                        "remember": remember, "suffix_exclude_questions": args.suffix_exclude_questions,
                        "corpus": args.corpus, "date": time.strftime("%Y-%m-%d")}

@@ -39,13 +39,11 @@ from specdec.decoder import SpecDecoder
 from specdec.bench.questions import Question, load_questions, select_questions
 from specdec.bench.runner import AnswerFile, check_run_settings, file_name, rotated, warm_up
 from specdec.bench.specbench_figures import BASELINE, print_summary, summarize
-from specdec.arguments import name_list, non_negative_float, positive_int
+from specdec.arguments import MODEL_DTYPES, name_list, non_negative_float, positive_int
 from specdec.jsonl import write_json_atomic
 from specdec.prompting import chat_ids, context_window, eos_ids, has_chat_template, pad_id, reply_room
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.sampling import sampling_kwargs
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
 
 
 @dataclass(frozen=True)
@@ -331,7 +329,7 @@ def add_arguments(p) -> None:
     p.add_argument("--limit-per-category", type=positive_int, default=None, help="first N questions of each category")
     p.add_argument("--categories", type=name_list, default=None, help="comma-separated categories (default: all)")
     p.add_argument("--out", default="results/specbench", help="directory for answers and summary.json")
-    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="model weights dtype")
+    p.add_argument("--dtype", default="float32", choices=sorted(MODEL_DTYPES), help="model weights dtype")
     p.add_argument("--threads", type=positive_int, default=None,
                    help="torch CPU threads (default: torch's choice); recorded in summary.json")
     p.add_argument("--temperature", type=non_negative_float, default=0.0,
@@ -354,7 +352,7 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar: noise here
-    loaded = load_model(args.model, dtype=DTYPES[args.dtype])
+    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype])
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; Spec-Bench needs one with a chat template")
     config = SpecBenchConfig(out_dir=Path(args.out), drafters=tuple(args.drafter or ("prompt-lookup",)),

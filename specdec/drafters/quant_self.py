@@ -7,12 +7,19 @@ rotary table are the target's own modules, shared. It is the same model up to ro
 with the target often, and its steps read ~1/7 of an fp32 target's bytes (through the block kernel,
 ``runtime/qlinear.py``). It pays off for a higher-precision target (fp32, bf16, Q8_0); over a Q4 target
 it reads as much as the target itself. Measured: docs/decisions/015-quant-kernels.md.
+
+The draft computes in float32 whatever the target's dtype: the block kernel and the lean forward's fused
+ops take fp32 rows only, and a bf16 draft would dequantize every matrix in Python at every token (5x
+slower than the bf16 target it drafts for). So for a bf16 / fp16 target the draft's norms and any layer
+it keeps unquantized are fp32 copies (small), and the shared embedding's rows are cast as they are
+looked up (no copy of the table).
 """
 
 from __future__ import annotations
 
 import copy
 
+import torch
 import torch.nn as nn
 
 from specdec.drafters.model import ModelDrafter
@@ -48,7 +55,51 @@ def quantized_copy(target: nn.Module, quant: str = DRAFT_QUANT, head: str | None
     name = next((n for n, m in target.named_children() if m is out), None)  # "lm_head"; None: nested, shared
     if head is not None and name is not None and type(out) is nn.Linear and _quantizable(out, block_format(head)):
         draft._modules[name] = _requantized(out, block_format(head))
+    if _float_dtype(target) != torch.float32:
+        _compute_in_float32(draft, draft_inner)
     return draft
+
+
+class Float32Rows(nn.Module):
+    """An embedding looked up in its own dtype and handed on as float32. The table is the target's, held
+    outside this module's parameters, so the draft's ``dtype`` (HF's: its first floating parameter,
+    which sizes its KV store) is float32."""
+
+    def __init__(self, embedding: nn.Module) -> None:
+        super().__init__()
+        self._embedding = (embedding,)  # a tuple: not registered as a child
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self._embedding[0].weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self._embedding[0](ids).to(torch.float32)
+
+
+def _float_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of ``model``'s first floating parameter (float32 if it has none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
+def _compute_in_float32(draft: nn.Module, inner: nn.Module) -> None:
+    """Make the draft of a bf16 / fp16 target compute in float32: the embedding's rows cast on lookup, and
+    every other module that still holds a non-fp32 floating parameter of its own (norms, layers kept
+    unquantized, a shared output layer) an fp32 copy, in the draft's own child tables only."""
+    inner._modules["embed_tokens"] = Float32Rows(inner.embed_tokens)
+
+    def visit(parent: nn.Module) -> None:
+        for name, m in list(parent._modules.items()):
+            if m is None or isinstance(m, (Float32Rows, QuantLinear)):
+                continue
+            if any(p.is_floating_point() and p.dtype != torch.float32 for p in m.parameters(recurse=False)):
+                parent._modules[name] = copy.deepcopy(m).to(torch.float32)
+            else:
+                if any(p.is_floating_point() and p.dtype != torch.float32 for p in m.parameters()):
+                    parent._modules[name] = m = _shallow(m)  # a shared parent: copy its table before editing
+                visit(m)
+
+    visit(draft)
 
 
 def _shallow(module: nn.Module) -> nn.Module:
