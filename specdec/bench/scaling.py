@@ -13,6 +13,8 @@ and after the N tokens (and, a diagnostic outside the budget, after glibc's mall
 that glibc keeps). ``rss_ok``: the growth from before the load to the end is at most
 RSS_BUDGET x the file's size plus the KV store (layers x 2 x kv_heads x head_dim x 4 bytes x tokens).
 Each entry is written to --out as it finishes; a rerun skips entries already there for the same file.
+``--self-draft bfloat16``: instead, the quantized self-drafter's costs on random-weight targets of each
+shape in that dtype (``specdec.bench.self_draft``).
 """
 
 from __future__ import annotations
@@ -172,11 +174,14 @@ def add_arguments(p) -> None:
     p.add_argument("--in-process", action="store_true",
                    help="measure specdec in this process, not a fresh one: quicker, but its RSS then counts what "
                         "this process already held (checks the harness; not for figures)")
+    p.add_argument("--self-draft", default=None, choices=("float32", "bfloat16"), metavar="DTYPE",
+                   help="instead of GGUF files: random-weight targets of each shape in DTYPE, their plain decoding "
+                        "beside the quantized self-drafter's (its step costs; specdec.bench.self_draft)")
     p.add_argument("--out", default="results/scaling.json")
 
 
-def _read(out: Path) -> list[dict]:
-    return json.loads(out.read_text(encoding="utf-8"))["entries"] if out.is_file() else []
+def _read(out: Path, key: str = "entries") -> list[dict]:
+    return json.loads(out.read_text(encoding="utf-8")).get(key, []) if out.is_file() else []
 
 
 def run(args) -> int:
@@ -201,6 +206,8 @@ def run(args) -> int:
     vocab = min(SHAPES[s].vocab for s in args.shapes)
     prompt = torch.randint(17, vocab, (args.prompt_tokens,), generator=g).tolist()  # past the 17 special ids
     isolate = in_this_process if args.in_process else in_fresh_process
+    if args.self_draft is not None:
+        return _self_draft(args, prompt, isolate, out, console)
     for shape in args.shapes:
         for quant in quants:
             if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
@@ -217,8 +224,27 @@ def run(args) -> int:
             if "skipped" in entry["llama.cpp"]:
                 console.print(entry["llama.cpp"]["skipped"])
             entries.append(entry)
-            write_json(out, {"entries": entries})
+            write_json(out, {**(json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}),
+                             "entries": entries})
     return _finish(console, entries)
+
+
+def _self_draft(args, prompt: list[int], isolate, out: Path, console) -> int:
+    from specdec.bench import self_draft
+    from specdec.bench.peer_llamacpp import write_json
+
+    found = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}
+    entries = found.get("self_draft", [])
+    for shape in args.shapes:
+        if any(e["shape"] == shape and e["dtype"] == args.self_draft and e["tokens"] == args.tokens
+               and e["prompt_tokens"] == args.prompt_tokens for e in entries):
+            console.print(f"{shape} {args.self_draft}: already in {out}, skipped")
+            continue
+        entries.append(isolate(self_draft.measure, shape, args.self_draft, prompt, args.tokens,
+                               args.runtime.bench_threads, args.seed))
+        write_json(out, {**found, "self_draft": entries})
+    console.print(self_draft.table(entries))
+    return 0
 
 
 def _finish(console, entries: list[dict]) -> int:
