@@ -19,6 +19,7 @@ until no row is live (a server adds and removes rows between steps).
 from __future__ import annotations
 
 import operator
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -39,6 +40,10 @@ from specdec.sampling import SamplingParams
 from specdec.session import PREFILL_TOKENS, Acceptance, DecodeSession, StepEvent, StepStats, learn_step  # noqa: F401
 
 ATTENTION = ("pad", "split", "auto")
+# a target computing in these rounds each layer's output to 8 or 11 bits: another summation order (the
+# store's padded width, a verify's rows) moves a near tie, so greedy outputs follow generate's only until
+# one (docs/benchmarks.md, quantized weights: 1 of 13 Spec-Bench answers identical at 256 tokens in bf16)
+INEXACT_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,11 @@ class SpecDecoder:
         self.sliding_window = sliding_window(cfg)
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
         self.controller = DraftLengthController(config.draft_length)
+        dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
+        if dtype in INEXACT_DTYPES:
+            warnings.warn(f"the target computes in {dtype}: its greedy outputs here follow target.generate's only "
+                          "until a near tie that another summation order moves (float32 or float64 weights, or a "
+                          "GGUF's blocks, are token-exact)", stacklevel=2)
         if drafter is not None and self.chooser.vocab_size not in (None, self.vocab_size):
             raise ValueError(
                 f"drafter vocabulary ({self.chooser.vocab_size} tokens) does not match the target's "

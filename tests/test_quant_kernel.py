@@ -178,7 +178,11 @@ def test_many_rows_through_the_gemm_are_the_reference_bit_for_bit(name, monkeypa
         assert torch.equal(layer(x), layer.reference(x))
         parts = [QuantLinear(random_blocks(fmt, n, K, g), fmt, K) for n in (5, 9, 3)]
         together = qlinear.linear_parts(x, [m.blocks for m in parts], [fmt] * 3)
-        torch.testing.assert_close(together, torch.cat([m.reference(x) for m in parts], dim=-1), rtol=1e-5, atol=1e-5)
+        # one GEMM over the stacked weights: BLAS may block it unlike the parts' (an AMD EPYC did), so
+        # within fp32 rounding of sum |x w| (Q6_K's random scales make outputs large: no fixed atol)
+        err = (together - torch.cat([m.reference(x) for m in parts], dim=-1)).abs()
+        bound = F.linear(x.abs(), torch.cat([m.dequantized() for m in parts]).abs())
+        assert (err <= 1e-5 * bound + 1e-30).all(), (err / bound).max().item()
 
 
 def test_the_gemm_dequantizes_every_slice_into_one_buffer(monkeypatch):
@@ -314,13 +318,14 @@ def test_quant_self_drafter_quantizes_the_layers_and_the_output_layer_and_leaves
     assert (a.argmax(-1) == b.argmax(-1)).float().mean() > 0.5
 
 
+@pytest.mark.filterwarnings("ignore:the target computes in")  # bf16: not token-exact, says the decoder
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
 def test_quant_self_drafts_in_float32_for_a_target_of_another_dtype(dtype, monkeypatch):
     """The draft of a bf16 (or float64) target computes in fp32, so its linears take the block kernel
     instead of dequantizing every matrix in Python at every token (what it did: 5x slower than the bf16
     target). The embedding table stays the target's, the target is untouched, and with a float64 target
     (exact argmax) drafts partly accepted give the target's own greedy tokens."""
-    from specdec.drafters.quant_self import quantized_copy
+    from specdec.drafters.quant_self import QuantSelfDrafter, quantized_copy
     from specdec.bench.device.tiny import hf_greedy, tiny_llama
 
     target = tiny_llama(11, dtype=dtype)
@@ -340,7 +345,7 @@ def test_quant_self_drafts_in_float32_for_a_target_of_another_dtype(dtype, monke
 
         with monkeypatch.context() as m:
             m.setattr(QuantLinear, "reference", no_reference)
-            drafter = ModelDrafter(draft)
+            drafter = QuantSelfDrafter(target)  # the registered drafter: this copy over the target's rows
             out = SpecDecoder(target, drafter, SpecDecoderConfig(draft_length=FIXED_DRAFTS, runtime=runtime)).generate(
                 ids, max_new_tokens=24)
     if dtype == torch.float64:

@@ -147,3 +147,19 @@ def test_bench_scaling_writes_its_json_for_a_tiny_shape(tiny_cache, tmp_path, ca
     assert entry["specdec"]["kv_bytes"] == 2 * 2 * 2 * 64 * 4 * (8 + 4)  # layers x K,V x heads x dim x 4 B x rows
     assert entry["llama.cpp"] == {"skipped": "no --peer-python given"}
     assert main(argv) == 0 and "already in" in capsys.readouterr().out  # resumed: the entry is not run again
+
+
+def test_bench_scaling_self_draft_writes_the_costs_of_a_tiny_bf16_target(tmp_path, capsys, monkeypatch):
+    from specdec.cli import main
+
+    monkeypatch.setenv("SPECDEC_KERNEL_CALIBRATE", "off")
+    out = tmp_path / "scaling.json"
+    argv = ["bench-scaling", "--self-draft", "bfloat16", "--shapes", "tiny", "--tokens", "12", "--prompt-tokens", "8",
+            "--out", str(out), "--in-process"]
+    assert main(argv) == 0
+    [e] = json.loads(out.read_text())["self_draft"]
+    assert (e["shape"], e["dtype"], e["tokens"]) == ("tiny", "bfloat16", 12)
+    assert min(e["target_ms"], e["draft_ms"], e["verify_ms"]) > 0 and 1 <= e["tau"] <= 4  # 3 drafted + 1
+    assert e["c"] == pytest.approx(e["draft_ms"] / e["target_ms"])
+    assert e["predicted_speedup"] == pytest.approx(3 * e["target_ms"] / (3 * e["draft_ms"] + e["verify_ms"]))
+    assert main(argv) == 0 and "already in" in capsys.readouterr().out  # resumed, not measured again

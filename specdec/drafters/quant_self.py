@@ -22,7 +22,10 @@ import copy
 import torch
 import torch.nn as nn
 
-from specdec.drafters.model import ModelDrafter
+from specdec.drafters.base import Prompt
+from specdec.drafters.self_spec import SelfSpecDrafter
+from specdec.kv.bmc import BMCCache
+from specdec.kv.compressed import CompressedCacheConfig
 from specdec.quant.formats import block_format
 from specdec.quant.modules import QuantLinear, quantize_blocks
 
@@ -118,5 +121,24 @@ def _requantized(m: nn.Module, fmt) -> QuantLinear:
     return QuantLinear(quantize_blocks(weight, fmt), fmt, m.in_features, m.bias)
 
 
-def quant_self_drafter(target: nn.Module) -> ModelDrafter:
-    return ModelDrafter(quantized_copy(target))
+class QuantSelfDrafter(SelfSpecDrafter):
+    """The quantized copy drafts over the target's own K/V rows, all of them: no prefill of its own and
+    no catch-up after a pause (the rows of every committed token are copied from the target's store as
+    self-speculation does, ``drafters.self_spec``), and no drift (its only K/V rows of its own are the
+    pending token's and the drafts', dropped after each verify). The draft computes in float32 (see the
+    module doc), so its store copy is float32. Why not a ``ModelDrafter`` over the copy: decision 015,
+    sixth session."""
+
+    compresses = False  # every row: the draft is cheaper by its weights, not by its rows
+
+    def __init__(self, target: nn.Module, quant: str = DRAFT_QUANT, head: str | None = HEAD_QUANT) -> None:
+        # no compaction: the budget is past any context, so a row is never evicted
+        super().__init__(target, CompressedCacheConfig(budget=2**62, overshoot=0), quantized_copy(target, quant, head))
+
+    def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
+        L, H = self.num_layers, self.num_kv_heads
+        return [torch.arange(n).expand(L, H, n) for n in source.lengths], list(source.lengths)
+
+
+def quant_self_drafter(target: nn.Module) -> QuantSelfDrafter:
+    return QuantSelfDrafter(target)

@@ -44,12 +44,16 @@ from specdec.tree import DraftTree
 
 
 class SelfSpecDrafter(Drafter):
-    """The shared loop; a subclass only says which prompt rows the draft keeps (``prompt_rows``)."""
+    """The shared loop; a subclass only says which prompt rows the draft keeps (``prompt_rows``). The
+    draft forward is the target's own, or ``draft_model``'s: a model of the same shape and positions
+    (the target's layers quantized, ``drafters.quant_self``) reading the target's rows in the store."""
 
     capabilities = Capabilities(batches=True, samples=True)  # controller-sized chains, sampled with q
+    compresses = True  # the draft reads fewer rows than the target (a prompt within the budget: a warning)
 
-    def __init__(self, target, cache_config: CompressedCacheConfig) -> None:
+    def __init__(self, target, cache_config: CompressedCacheConfig, draft_model=None) -> None:
         self.target = target
+        self.draft = target if draft_model is None else draft_model.eval()
         self.cache_config = cache_config
         self.num_layers, self.num_kv_heads, self.head_dim = attention_shape(target)
         self.cache: CompressedCache | None = None
@@ -70,7 +74,8 @@ class SelfSpecDrafter(Drafter):
         budget = self.cache_config.budget + self.cache_config.overshoot // 2  # between compactions: +32 on average
         return shortest_paying_prompt(weights, per_token, budget, max_ratio)
 
-    # torch_modules() stays []: the draft runs the target's own modules, which the decoder routes.
+    def torch_modules(self) -> list:
+        return [] if self.draft is self.target else [self.draft]  # the target's modules: the decoder routes them
 
     @abstractmethod
     def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
@@ -84,12 +89,13 @@ class SelfSpecDrafter(Drafter):
         self.sampling, self.generator = prompt.sampling, prompt.generator  # None: greedy chains
         lengths = prompt.lengths.tolist()
         budget = self.cache_config.budget
-        if any(n <= budget for n in lengths):
+        if self.compresses and any(n <= budget for n in lengths):
             warnings.warn(f"{type(self).__name__}: prompt of {min(lengths)} tokens fits the budget of {budget} "
                           "rows: the draft copies the whole cache (no cheaper than the target until it grows)",
                           stacklevel=2)
         B = len(lengths)
-        self.cache = CompressedCache(self.num_layers, B, self.cache_config, self.source.dtype, self.source.device)
+        dtype = next((p.dtype for p in self.draft.parameters() if p.is_floating_point()), self.source.dtype)
+        self.cache = CompressedCache(self.num_layers, B, self.cache_config, dtype, self.source.device)
         keep, protected = self.prompt_rows(prompt, self.source)
         self.cache.load(self.source, keep, protected)
         self._synced = list(self.source.lengths)
@@ -104,7 +110,7 @@ class SelfSpecDrafter(Drafter):
         ids = self._pending  # [B, 1]
         drafts, probs = [], []  # probs: q [B, V] per drafted token when sampling
         for _ in range(budget):  # feed pending, d1, ..., d(K-1); d(K) is never fed
-            out = forward_block(self.target, self.cache, ids, None, None)
+            out = forward_block(self.draft, self.cache, ids, None, None)
             self.cache.commit([[0]] * B)
             ids = pick_token(out.logits[:, -1], probs, self.sampling, self.generator)[:, None]  # [B, 1]
             drafts.append(ids)

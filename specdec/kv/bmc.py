@@ -148,16 +148,19 @@ class BMCLayer(CacheLayerMixin):
         """Batch rows the buffers hold (live rows and spare room)."""
         return 0 if self._room_kv is None else self._room_kv[0].shape[0]
 
-    def resize(self, capacity: int, like_k: torch.Tensor, like_v: torch.Tensor, rows: int) -> None:
+    def resize(self, capacity: int, like_k: torch.Tensor, like_v: torch.Tensor, rows: int,
+               dtype: torch.dtype | None = None) -> None:
         """Buffers of ``capacity`` rows keeping the committed rows (``reshape``); where there are none yet,
-        zeros for ``rows`` batch rows with the heads, width and dtype of ``like_k`` / ``like_v`` [*, H, *, D]."""
+        zeros for ``rows`` batch rows with the heads, width and device of ``like_k`` / ``like_v`` [*, H, *, D],
+        in ``dtype`` (default: theirs)."""
         if self.keys is not None:
             self.reshape(self.room_rows, capacity)
             return
         H, Dk, Dv = like_k.shape[1], like_k.shape[-1], like_v.shape[-1]
-        self.adopt(torch.zeros(rows, H, capacity, Dk, dtype=like_k.dtype, device=like_k.device),
-                   torch.zeros(rows, H, capacity, Dv, dtype=like_v.dtype, device=like_v.device), rows)
-        self.dtype, self.device, self.is_initialized = like_k.dtype, like_k.device, True
+        dtype = like_k.dtype if dtype is None else dtype
+        self.adopt(torch.zeros(rows, H, capacity, Dk, dtype=dtype, device=like_k.device),
+                   torch.zeros(rows, H, capacity, Dv, dtype=dtype, device=like_v.device), rows)
+        self.dtype, self.device, self.is_initialized = dtype, like_k.device, True
 
     def reshape(self, room: int, capacity: int) -> None:
         """New buffers of ``room`` batch rows x ``capacity`` rows holding the live rows' committed rows,

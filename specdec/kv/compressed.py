@@ -196,7 +196,8 @@ class CompressedCache(BMCCache):
             return
         cap = math.ceil(needed / self.period) * self.period
         for dst, src in zip(self.layers, source.layers):
-            dst.resize(cap, src.keys, src.values, self.batch_size)  # padding zeros: a masked row still enters q.k^T
+            # padding zeros (a masked row still enters q.k^T), in this store's dtype (a draft's may differ)
+            dst.resize(cap, src.keys, src.values, self.batch_size, self.dtype)
         self.num_allocations += 1
 
     # -- eviction --------------------------------------------------------------------------------
