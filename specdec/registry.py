@@ -26,6 +26,7 @@ from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
+from specdec.drafters.quant_self import joins_auto as quant_self_joins_auto
 from specdec.drafters.quant_self import quant_self_drafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
@@ -45,7 +46,8 @@ EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from 
 
 def make_auto(target, eagle3: bool = False) -> Sources:
     """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts up to EAGLE_MAX_PROMPT
-    tokens) and StreamingLLM self-speculation (prompts long enough that its drafts read at most
+    tokens), the quantized self-drafter (a target of 16 bits a weight or more: ``quant_self.joins_auto``)
+    and StreamingLLM self-speculation (prompts long enough that its drafts read at most
     SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size); the controller picks
     per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
     them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head learned from those same
@@ -62,10 +64,13 @@ def make_auto(target, eagle3: bool = False) -> Sources:
             sources["eagle"] = make_eagle(target)
         except ValueError:
             pass  # no head for this target: the model-free sources only
+    if quant_self_joins_auto(target):
+        sources["quant-self"] = quant_self_drafter(target)
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
     streaming_from = partial(streaming.pays_from, SELF_SPEC_MAX_READ_RATIO)  # prompt tokens, given the batch size
-    learned = [n for n in ("eagle", "eagle3") if n in sources]
-    return Sources(sources, min_prompt={"streaming": streaming_from}, max_prompt=dict.fromkeys(learned, EAGLE_MAX_PROMPT),
+    heads = [n for n in ("eagle", "eagle3") if n in sources]
+    learned = [n for n in (*heads, "quant-self") if n in sources]  # keyed by prompt lookup's match
+    return Sources(sources, min_prompt={"streaming": streaming_from}, max_prompt=dict.fromkeys(heads, EAGLE_MAX_PROMPT),
                    by_match=tuple(learned))
 
 
@@ -87,7 +92,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "streaming": lambda target: StreamingDrafter(target, budget=512),
     # ... or over the prompt rows its last 32 prompt queries attend to most, plus the window
     "snapkv": lambda target: SnapKVDrafter(target, budget=512),
-    # the target's own decoder layers quantized to Q4_0 blocks, its embedding and output layer shared
+    # the target's own decoder layers quantized to Q4_0 blocks (its output layer to Q8_0), drafting over
+    # the target's own K/V rows
     "quant-self": quant_self_drafter,
     # a tree of what followed the longest matching suffix of the prompt and answer so far
     "suffix": lambda target: SuffixDrafter(),

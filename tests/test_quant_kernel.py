@@ -351,3 +351,32 @@ def test_quant_self_drafts_in_float32_for_a_target_of_another_dtype(dtype, monke
     if dtype == torch.float64:
         assert torch.equal(out.sequences, hf_greedy(target, ids, 24))
     assert 0 < sum(sum(s.num_accepted) for s in out.steps) < 4 * len(out.steps)  # drafts partly accepted
+
+
+def test_quant_self_never_prefills_or_catches_up_and_is_exact(monkeypatch):
+    """The registered quant-self drafts over the target's own K/V rows: its draft model only ever runs
+    one token at a time (the pending token, then its drafts), never the prompt or a pause's text, and
+    drafts partly accepted give the target's own greedy tokens (float64 target: exact argmax)."""
+    from specdec.bench.device.tiny import hf_greedy, tiny_llama
+    from specdec.drafters import self_spec
+    from specdec.registry import make_drafter
+
+    target = tiny_llama(12)
+    drafter = make_drafter("quant-self", target)
+    widths, real = [], self_spec.forward_block
+
+    def spy(model, cache, ids, *args, **kwargs):
+        if model is drafter.draft:
+            widths.append(ids.shape[1])
+        return real(model, cache, ids, *args, **kwargs)
+
+    monkeypatch.setattr(self_spec, "forward_block", spy)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(1, 128, (n,), generator=g) for n in (40, 23)]
+    runtime = RuntimeConfig(calibrate=False)
+    out = SpecDecoder(target, drafter, SpecDecoderConfig(draft_length=FIXED_DRAFTS, runtime=runtime)).generate(
+        prompts, max_new_tokens=24)
+    assert widths and set(widths) == {1}
+    for b, p in enumerate(prompts):
+        assert out.generated(b).tolist() == hf_greedy(target, p[None], 24)[0, len(p):].tolist()
+    assert 0 < sum(sum(s.num_accepted) for s in out.steps) < sum(sum(s.num_drafted) for s in out.steps)

@@ -48,7 +48,7 @@ def measure(shape_name: str, dtype_name: str, prompt: list[int], tokens: int, th
     torch.set_num_threads(threads)
     model = random_model(shape_name, dtype_name, seed)
     spec = make_decoder(model, DRAFT)
-    methods = {"none": SpecDecoder(model, None), DRAFT: spec, "draft alone": SpecDecoder(spec.drafter.model, None)}
+    methods = {"none": SpecDecoder(model, None), DRAFT: spec, "draft alone": SpecDecoder(spec.drafter.draft, None)}
     x = torch.tensor([prompt], dtype=torch.long)
     for d in methods.values():
         d.generate(x, max_new_tokens=4, eos_token_id=[])  # one-off costs: fused copies, kernels' first calls

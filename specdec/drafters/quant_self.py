@@ -8,6 +8,10 @@ with the target often, and its steps read ~1/7 of an fp32 target's bytes (throug
 ``runtime/qlinear.py``). It pays off for a higher-precision target (fp32, bf16, Q8_0); over a Q4 target
 it reads as much as the target itself. Measured: docs/decisions/015-quant-kernels.md.
 
+It drafts over the target's own K/V rows (``QuantSelfDrafter``, the registry's ``quant-self``): every
+committed token's rows are copied from the target's store, as self-speculation does, so the draft never
+prefills a prompt or catches up after a pause.
+
 The draft computes in float32 whatever the target's dtype: the block kernel and the lean forward's fused
 ops take fp32 rows only, and a bf16 draft would dequantize every matrix in Python at every token (5x
 slower than the bf16 target it drafts for). So for a bf16 / fp16 target the draft's norms and any layer
@@ -142,3 +146,29 @@ class QuantSelfDrafter(SelfSpecDrafter):
 
 def quant_self_drafter(target: nn.Module) -> QuantSelfDrafter:
     return QuantSelfDrafter(target)
+
+
+# quant-self joins ``auto`` where its layers read at most this share of the target's layer bytes: fp32
+# and bf16 targets (0.14, 0.28), not Q8_0 (0.53: slower than plain decoding there, decision 015, sixth
+# session) nor a Q4 file (~1)
+AUTO_MAX_READ_RATIO = 0.3
+
+
+def layer_bits(model: nn.Module) -> float:
+    """Bits per weight of the decoder layers' linears, over all of them (a QuantLinear: its format's)."""
+    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
+    bits = weights = 0
+    for m in inner.layers.modules():
+        if type(m) is nn.Linear:
+            n = m.weight.numel()
+            bits, weights = bits + n * 8 * m.weight.element_size(), weights + n
+        elif isinstance(m, QuantLinear):
+            n = m.in_features * m.out_features
+            bits, weights = bits + n * 8 * m.fmt.block_bytes / m.fmt.block_weights, weights + n
+    return bits / weights if weights else 0.0
+
+
+def joins_auto(target: nn.Module, quant: str = DRAFT_QUANT) -> bool:
+    """Whether ``auto`` drafts with quant-self for ``target`` (AUTO_MAX_READ_RATIO)."""
+    fmt, bits = block_format(quant), layer_bits(target)
+    return bits > 0 and 8 * fmt.block_bytes / fmt.block_weights <= AUTO_MAX_READ_RATIO * bits
