@@ -26,7 +26,6 @@ from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.drafters.quant_self import joins_auto as quant_self_joins_auto
 from specdec.drafters.quant_self import quant_self_drafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
@@ -44,9 +43,9 @@ SELF_SPEC_MAX_READ_RATIO = 0.5
 EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from (008-auto-sources.md)
 
 
-def make_auto(target, eagle3: bool = False) -> Sources:
+def make_auto(target, eagle3: bool = False, quant_self: bool = False) -> Sources:
     """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts up to EAGLE_MAX_PROMPT
-    tokens), the quantized self-drafter (a target of 16 bits a weight or more: ``quant_self.joins_auto``)
+    tokens), with ``quant_self`` the quantized self-drafter (not by default: decision 015, sixth session),
     and StreamingLLM self-speculation (prompts long enough that its drafts read at most
     SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size); the controller picks
     per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
@@ -64,7 +63,7 @@ def make_auto(target, eagle3: bool = False) -> Sources:
             sources["eagle"] = make_eagle(target)
         except ValueError:
             pass  # no head for this target: the model-free sources only
-    if quant_self_joins_auto(target):
+    if quant_self:
         sources["quant-self"] = quant_self_drafter(target)
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
     streaming_from = partial(streaming.pays_from, SELF_SPEC_MAX_READ_RATIO)  # prompt tokens, given the batch size
@@ -86,6 +85,8 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "eagle3": lambda target: make_eagle3(target),
     # auto with the EAGLE-3 head (SPECDEC_EAGLE3_HEAD, else the packaged one) among its sources
     "auto+eagle3": lambda target: make_auto(target, eagle3=True),
+    # auto with the quantized self-drafter among its sources (for a float32 / bf16 target)
+    "auto+quant-self": lambda target: make_auto(target, quant_self=True),
     # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
     "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),
     # the target drafts for itself over 512 KV rows (MagicDec): 4 sinks + the recent window

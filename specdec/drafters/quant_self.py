@@ -147,28 +147,3 @@ class QuantSelfDrafter(SelfSpecDrafter):
 def quant_self_drafter(target: nn.Module) -> QuantSelfDrafter:
     return QuantSelfDrafter(target)
 
-
-# quant-self joins ``auto`` where its layers read at most this share of the target's layer bytes: fp32
-# and bf16 targets (0.14, 0.28), not Q8_0 (0.53: slower than plain decoding there, decision 015, sixth
-# session) nor a Q4 file (~1)
-AUTO_MAX_READ_RATIO = 0.3
-
-
-def layer_bits(model: nn.Module) -> float:
-    """Bits per weight of the decoder layers' linears, over all of them (a QuantLinear: its format's)."""
-    inner = model.get_decoder() if hasattr(model, "get_decoder") else model.model
-    bits = weights = 0
-    for m in inner.layers.modules():
-        if type(m) is nn.Linear:
-            n = m.weight.numel()
-            bits, weights = bits + n * 8 * m.weight.element_size(), weights + n
-        elif isinstance(m, QuantLinear):
-            n = m.in_features * m.out_features
-            bits, weights = bits + n * 8 * m.fmt.block_bytes / m.fmt.block_weights, weights + n
-    return bits / weights if weights else 0.0
-
-
-def joins_auto(target: nn.Module, quant: str = DRAFT_QUANT) -> bool:
-    """Whether ``auto`` drafts with quant-self for ``target`` (AUTO_MAX_READ_RATIO)."""
-    fmt, bits = block_format(quant), layer_bits(target)
-    return bits > 0 and 8 * fmt.block_bytes / fmt.block_weights <= AUTO_MAX_READ_RATIO * bits
