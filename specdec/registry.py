@@ -17,6 +17,8 @@ from functools import partial
 from importlib.metadata import entry_points
 from typing import Callable
 
+import torch
+
 from specdec.drafters.base import Drafter
 from specdec.drafters.chooser import Chooser, Sources
 from specdec.config import current as current_runtime
@@ -41,12 +43,16 @@ NAME = re.compile(r"[a-z0-9][a-z0-9+._-]*")  # lower case, as the CLI spells the
 # regime). Why 0.5: docs/decisions/008-auto-sources.md
 SELF_SPEC_MAX_READ_RATIO = 0.5
 EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from (008-auto-sources.md)
+# the target dtypes ``auto`` drafts with quant-self for: a bf16 target's step runs HF's ops at twice an
+# fp32 one's cost, so its Q4_0 copy pays beside the copying sources (1.26x `auto` without it), while on an
+# fp32 target it did not (0.955x): docs/decisions/015-quant-kernels.md, sixth session
+QUANT_SELF_IN_AUTO = (torch.bfloat16, torch.float16)
 
 
-def make_auto(target, eagle3: bool = False, quant_self: bool = False) -> Sources:
+def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> Sources:
     """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts up to EAGLE_MAX_PROMPT
-    tokens), with ``quant_self`` the quantized self-drafter (not by default: decision 015, sixth session),
-    and StreamingLLM self-speculation (prompts long enough that its drafts read at most
+    tokens), the quantized self-drafter (``quant_self``; None: for a bf16 / fp16 target, not an fp32 or
+    quantized one, QUANT_SELF_IN_AUTO) and StreamingLLM self-speculation (prompts long enough that its drafts read at most
     SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size); the controller picks
     per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
     them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head learned from those same
@@ -63,6 +69,9 @@ def make_auto(target, eagle3: bool = False, quant_self: bool = False) -> Sources
             sources["eagle"] = make_eagle(target)
         except ValueError:
             pass  # no head for this target: the model-free sources only
+    if quant_self is None:
+        dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), None)
+        quant_self = dtype in QUANT_SELF_IN_AUTO
     if quant_self:
         sources["quant-self"] = quant_self_drafter(target)
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
@@ -85,7 +94,7 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "eagle3": lambda target: make_eagle3(target),
     # auto with the EAGLE-3 head (SPECDEC_EAGLE3_HEAD, else the packaged one) among its sources
     "auto+eagle3": lambda target: make_auto(target, eagle3=True),
-    # auto with the quantized self-drafter among its sources (for a float32 / bf16 target)
+    # auto with the quantized self-drafter among its sources whatever the target's dtype
     "auto+quant-self": lambda target: make_auto(target, quant_self=True),
     # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
     "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),

@@ -282,6 +282,23 @@ def test_auto_is_registered_without_an_eagle_head_for_the_target(target):
     assert isinstance(drafter, Sources) and "eagle" not in drafter.sources
 
 
+@pytest.mark.filterwarnings("ignore:the target computes in")  # bf16: not token-exact, says the decoder
+def test_auto_drafts_with_quant_self_for_a_bf16_target_only_and_auto_plus_quant_self_always():
+    """quant-self is a source of ``auto`` for a bf16 target (its Q4_0 copy pays beside the copying sources
+    there), not for an fp32 or fp64 one; ``auto+quant-self`` has it whatever the dtype, and stays exact
+    (float64: exact argmax) with drafts of every source verified."""
+    has = {dt: "quant-self" in make_drafter("auto", tiny_llama(1, dtype=dt)).sources
+           for dt in (torch.bfloat16, torch.float32, torch.float64)}
+    assert has == {torch.bfloat16: True, torch.float32: False, torch.float64: False}
+    target = tiny_llama(4)
+    drafter = make_drafter("auto+quant-self", target)
+    assert "quant-self" in drafter.sources
+    g = torch.Generator().manual_seed(6)
+    ids = torch.randint(1, 128, (1, 30), generator=g)
+    out = SpecDecoder(target, drafter).generate(ids, max_new_tokens=40, eos_token_id=None)
+    assert torch.equal(out.sequences, hf_greedy(target, ids, 40))
+
+
 def test_auto_forwards_its_corpus_to_the_suffix_source_and_stays_exact():
     target = tiny_llama(3)
     ids = torch.randint(0, 128, (1, 12), generator=torch.Generator().manual_seed(9))
