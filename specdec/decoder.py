@@ -33,7 +33,7 @@ from specdec.drafters.base import Corpus, Drafter
 from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F401 (bench.replay)
 from specdec.drafters.model import vocab_size_of
 from specdec.kv.bmc import BMCConfig
-from specdec.models import sliding_window, text_config
+from specdec.models import float_dtype, sliding_window, text_config
 from specdec.prompting import eos_ids
 from specdec.sampling import SamplingParams
 # the step core; its names stay importable from here
@@ -121,7 +121,7 @@ class SpecDecoder:
         self.sliding_window = sliding_window(cfg)
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
         self.controller = DraftLengthController(config.draft_length)
-        dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), torch.float32)
+        dtype = float_dtype(target)
         if dtype in INEXACT_DTYPES:
             warnings.warn(f"the target computes in {dtype}: its greedy outputs here follow target.generate's only "
                           "until a near tie that another summation order moves (float32 or float64 weights, or a "

@@ -42,6 +42,11 @@ def text_config(model):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+def float_dtype(model, default: torch.dtype = torch.float32) -> torch.dtype:
+    """The dtype of a model's first floating parameter (HF's ``model.dtype``, for any module), or ``default``."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), default)
+
+
 def attention_shape(model) -> tuple[int, int, int]:
     """(layers, K/V heads, head dim) of a model's attention: what one token's K/V rows are."""
     cfg = text_config(model)

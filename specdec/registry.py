@@ -31,7 +31,7 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.quant_self import quant_self_drafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
-from specdec.models import text_config
+from specdec.models import float_dtype, text_config
 
 DrafterFactory = Callable[[object], "Drafter | Chooser | None"]
 ENTRY_POINTS = "specdec.drafters"  # the entry-point group plugins name their drafters in
@@ -43,7 +43,7 @@ NAME = re.compile(r"[a-z0-9][a-z0-9+._-]*")  # lower case, as the CLI spells the
 # regime). Why 0.5: docs/decisions/008-auto-sources.md
 SELF_SPEC_MAX_READ_RATIO = 0.5
 EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from (008-auto-sources.md)
-# the target dtypes ``auto`` drafts with quant-self for: a bf16 target's step runs HF's ops at twice an
+# the target dtypes ``auto`` drafts with quant-self for: a bf16 target's step runs HF's ops at ~1.7x an
 # fp32 one's cost, so its Q4_0 copy pays beside the copying sources (1.26x `auto` without it), while on an
 # fp32 target it did not (0.955x): docs/decisions/015-quant-kernels.md, sixth session
 QUANT_SELF_IN_AUTO = (torch.bfloat16, torch.float16)
@@ -51,10 +51,10 @@ QUANT_SELF_IN_AUTO = (torch.bfloat16, torch.float16)
 
 def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> Sources:
     """Prompt lookup, suffix, EAGLE (if a head fits the target; prompts up to EAGLE_MAX_PROMPT
-    tokens), the quantized self-drafter (``quant_self``; None: for a bf16 / fp16 target, not an fp32 or
-    quantized one, QUANT_SELF_IN_AUTO) and StreamingLLM self-speculation (prompts long enough that its drafts read at most
-    SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size); the controller picks
-    per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
+    tokens), the quantized self-drafter (``quant_self``; None: for a bf16 / fp16 target, not an fp32
+    or quantized one, QUANT_SELF_IN_AUTO) and StreamingLLM self-speculation (prompts long enough that
+    its drafts read at most SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size);
+    the controller picks per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
     them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head learned from those same
     answers and added only its draft time beside them (docs/decisions/008-auto-sources.md). An EAGLE-3
     head, where the runtime names one ($SPECDEC_EAGLE3_HEAD) or ``eagle3`` asks for it (else the packaged
@@ -70,8 +70,7 @@ def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> S
         except ValueError:
             pass  # no head for this target: the model-free sources only
     if quant_self is None:
-        dtype = next((p.dtype for p in target.parameters() if p.is_floating_point()), None)
-        quant_self = dtype in QUANT_SELF_IN_AUTO
+        quant_self = float_dtype(target) in QUANT_SELF_IN_AUTO
     if quant_self:
         sources["quant-self"] = quant_self_drafter(target)
     streaming = sources["streaming"] = StreamingDrafter(target, budget=512)

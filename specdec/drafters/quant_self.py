@@ -30,6 +30,7 @@ from specdec.drafters.base import Prompt
 from specdec.drafters.self_spec import SelfSpecDrafter
 from specdec.kv.bmc import BMCCache
 from specdec.kv.compressed import CompressedCacheConfig
+from specdec.models import float_dtype
 from specdec.quant.formats import block_format
 from specdec.quant.modules import QuantLinear, quantize_blocks
 
@@ -62,7 +63,7 @@ def quantized_copy(target: nn.Module, quant: str = DRAFT_QUANT, head: str | None
     name = next((n for n, m in target.named_children() if m is out), None)  # "lm_head"; None: nested, shared
     if head is not None and name is not None and type(out) is nn.Linear and _quantizable(out, block_format(head)):
         draft._modules[name] = _requantized(out, block_format(head))
-    if _float_dtype(target) != torch.float32:
+    if float_dtype(target) != torch.float32:
         _compute_in_float32(draft, draft_inner)
     return draft
 
@@ -82,11 +83,6 @@ class Float32Rows(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self._embedding[0](ids).to(torch.float32)
-
-
-def _float_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of ``model``'s first floating parameter (float32 if it has none)."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
 
 
 def _compute_in_float32(draft: nn.Module, inner: nn.Module) -> None:

@@ -36,7 +36,7 @@ from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
-from specdec.models import attention_shape
+from specdec.models import attention_shape, float_dtype
 from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
                                    streaming_keep)
@@ -94,7 +94,7 @@ class SelfSpecDrafter(Drafter):
                           "rows: the draft copies the whole cache (no cheaper than the target until it grows)",
                           stacklevel=2)
         B = len(lengths)
-        dtype = next((p.dtype for p in self.draft.parameters() if p.is_floating_point()), self.source.dtype)
+        dtype = float_dtype(self.draft, self.source.dtype)  # the draft's: a quantized copy computes in fp32
         self.cache = CompressedCache(self.num_layers, B, self.cache_config, dtype, self.source.device)
         keep, protected = self.prompt_rows(prompt, self.source)
         self.cache.load(self.source, keep, protected)
