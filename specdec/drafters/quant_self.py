@@ -137,7 +137,7 @@ class QuantSelfDrafter(SelfSpecDrafter):
 
     def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
         L, H = self.num_layers, self.num_kv_heads
-        return [torch.arange(n).expand(L, H, n) for n in source.lengths], list(source.lengths)
+        return [torch.arange(n, dtype=torch.long).expand(L, H, n) for n in source.lengths], list(source.lengths)
 
 
 def quant_self_drafter(target: nn.Module) -> QuantSelfDrafter:
