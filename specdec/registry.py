@@ -43,9 +43,9 @@ NAME = re.compile(r"[a-z0-9][a-z0-9+._-]*")  # lower case, as the CLI spells the
 # regime). Why 0.5: docs/decisions/008-auto-sources.md
 SELF_SPEC_MAX_READ_RATIO = 0.5
 EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from (008-auto-sources.md)
-# the target dtypes ``auto`` drafts with quant-self for: a bf16 target's step runs HF's ops at ~1.7x an
-# fp32 one's cost, so its Q4_0 copy pays beside the copying sources (1.26x `auto` without it), while on an
-# fp32 target it did not (0.955x): docs/decisions/015-quant-kernels.md, sixth session
+# the target dtypes ``auto`` drafts with quant-self for: where a target step runs HF's ops (bf16, fp16) its
+# fp32 Q4_0 copy is cheap enough to pay beside the copying sources; beside an fp32 target's lean forward it
+# is not (docs/decisions/015-quant-kernels.md, sixth session)
 QUANT_SELF_IN_AUTO = (torch.bfloat16, torch.float16)
 
 
@@ -54,11 +54,12 @@ def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> S
     tokens), the quantized self-drafter (``quant_self``; None: for a bf16 / fp16 target, not an fp32
     or quantized one, QUANT_SELF_IN_AUTO) and StreamingLLM self-speculation (prompts long enough that
     its drafts read at most SELF_SPEC_MAX_READ_RATIO of what a target step reads, at the batch's size);
-    the controller picks per step (drafters.chooser). Where the stored answers fit the target's vocabulary, suffix indexes
-    them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head learned from those same
-    answers and added only its draft time beside them (docs/decisions/008-auto-sources.md). An EAGLE-3
-    head, where the runtime names one ($SPECDEC_EAGLE3_HEAD) or ``eagle3`` asks for it (else the packaged
-    one), is a source in EAGLE's place (the decoder keeps one kind of target features)."""
+    the controller picks per step (drafters.chooser). Where the stored answers fit the target's
+    vocabulary, suffix indexes them too (as ``suffix-corpus``) and EAGLE stays out: the packaged head
+    learned from those same answers and added only its draft time beside them
+    (docs/decisions/008-auto-sources.md). An EAGLE-3 head, where the runtime names one
+    ($SPECDEC_EAGLE3_HEAD) or ``eagle3`` asks for it (else the packaged one), is a source in EAGLE's
+    place (the decoder keeps one kind of target features)."""
     corpus = stored_answers_fit(text_config(target).vocab_size)
     suffix = SuffixDrafter.from_stored_answers() if corpus else SuffixDrafter()
     sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": suffix}

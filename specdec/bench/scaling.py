@@ -181,14 +181,22 @@ def add_arguments(p) -> None:
 
 
 def _read(out: Path, key: str = "entries") -> list[dict]:
+    """The entries under ``key`` ("entries": the GGUF files'; "self_draft") of the results file, or []."""
     return json.loads(out.read_text(encoding="utf-8")).get(key, []) if out.is_file() else []
+
+
+def _write(out: Path, key: str, entries: list[dict]) -> None:
+    """``entries`` under ``key`` in the results file, atomically, the other key's entries kept."""
+    from specdec.bench.peer_llamacpp import write_json
+
+    doc = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}
+    write_json(out, {**doc, key: entries})
 
 
 def run(args) -> int:
     import torch
     from rich.console import Console
 
-    from specdec.bench.peer_llamacpp import write_json
     from specdec.quant.write import SHAPES, WRITABLE, cached_random_gguf
 
     for s in args.shapes:
@@ -201,13 +209,13 @@ def run(args) -> int:
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else args.runtime.cache_dir / "random-gguf"
     out, console, started = Path(args.out), Console(), time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
-    entries = _read(out)
     g = torch.Generator().manual_seed(args.seed)
     vocab = min(SHAPES[s].vocab for s in args.shapes)
     prompt = torch.randint(17, vocab, (args.prompt_tokens,), generator=g).tolist()  # past the 17 special ids
     isolate = in_this_process if args.in_process else in_fresh_process
     if args.self_draft is not None:
         return _self_draft(args, prompt, isolate, out, console)
+    entries = _read(out)
     for shape in args.shapes:
         for quant in quants:
             if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
@@ -224,17 +232,14 @@ def run(args) -> int:
             if "skipped" in entry["llama.cpp"]:
                 console.print(entry["llama.cpp"]["skipped"])
             entries.append(entry)
-            write_json(out, {**(json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}),
-                             "entries": entries})
+            _write(out, "entries", entries)
     return _finish(console, entries)
 
 
 def _self_draft(args, prompt: list[int], isolate, out: Path, console) -> int:
     from specdec.bench import self_draft
-    from specdec.bench.peer_llamacpp import write_json
 
-    found = json.loads(out.read_text(encoding="utf-8")) if out.is_file() else {}
-    entries = found.get("self_draft", [])
+    entries = _read(out, "self_draft")
     for shape in args.shapes:
         if any(e["shape"] == shape and e["dtype"] == args.self_draft and e["tokens"] == args.tokens
                and e["prompt_tokens"] == args.prompt_tokens for e in entries):
@@ -242,7 +247,7 @@ def _self_draft(args, prompt: list[int], isolate, out: Path, console) -> int:
             continue
         entries.append(isolate(self_draft.measure, shape, args.self_draft, prompt, args.tokens,
                                args.runtime.bench_threads, args.seed))
-        write_json(out, {**found, "self_draft": entries})
+        _write(out, "self_draft", entries)
     console.print(self_draft.table(entries))
     return 0
 

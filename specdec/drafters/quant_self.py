@@ -13,8 +13,8 @@ committed token's rows are copied from the target's store, as self-speculation d
 prefills a prompt or catches up after a pause.
 
 The draft computes in float32 whatever the target's dtype: the block kernel and the lean forward's fused
-ops take fp32 rows only, and a bf16 draft would dequantize every matrix in Python at every token (5x
-slower than the bf16 target it drafts for). So for a bf16 / fp16 target the draft's norms and any layer
+ops take fp32 rows only, and a bf16 draft would dequantize every matrix in Python at every token
+(decision 015, sixth session). So for a bf16 / fp16 target the draft's norms and any layer
 it keeps unquantized are fp32 copies (small), and the shared embedding's rows are cast as they are
 looked up (no copy of the table).
 """

@@ -80,7 +80,8 @@ def _calibrate(rt: Active, features: tuple[int, int], rounds: int, vocab: int, s
     ws.append(_uniform((vocab, K), g, scratch))
     fns = {"linear": lambda x, w: F.linear(x, w), "mm": lin._skinny}
     if rt.ops is not None:
-        slabs = Slabs(hugepages=rt.config.hugepages)  # their packs, freed with them (pack() writes them outside inference mode)
+        # their packs, freed with them (pack() writes them outside inference mode)
+        slabs = Slabs(hugepages=rt.config.hugepages)
         for w in ws:
             lin.pack(w, rt, slabs)
         fns["packed"] = lin._packed_linear
