@@ -52,6 +52,22 @@ def test_random_shapes_masks_and_store_views_agree_with_sdpa(ops):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5, msg=lambda m: f"case {case}: {m}")
 
 
+def test_every_row_count_of_the_lanes_shape_agrees_with_sdpa(ops):
+    """Rows as lanes (12-64 rows): every count, so each mix of 16-lane vectors and the 8-lane last one
+    (17-24, 33-40, 49-56 rows on AVX-512) runs, with query positions masked differently and keys split
+    across threads."""
+    g = torch.Generator().manual_seed(1)
+    for R in range(12, kernels.ATTENTION_ROWS + 1):
+        Q = next(q for q in (4, 3, 2, 1) if R % q == 0)
+        L = 150 + R
+        k, v = torch.randn(1, 2, L, 64, generator=g), torch.randn(1, 2, L, 64, generator=g)
+        q = torch.randn(1, 2, R, 64, generator=g)
+        bias = torch.zeros(1, 1, Q, L).masked_fill_(torch.rand(1, 1, Q, L, generator=g) < 0.4, MIN)
+        bias[..., -1] = 0.0  # every row sees a key
+        torch.testing.assert_close(ops.attention(q, k, v, bias, 0.125), _sdpa(q, k, v, bias, R // Q, 0.125),
+                                   rtol=1e-4, atol=1e-5, msg=lambda m: f"{R} rows: {m}")
+
+
 def test_a_key_hidden_by_the_bias_weighs_exactly_nothing(ops):
     """A dtype-min bias must hide a key exactly: the values behind it never leak in, however large."""
     k, v = torch.randn(1, 1, 8, 64), torch.randn(1, 1, 8, 64)

@@ -70,6 +70,9 @@ def test_bass_grows_after_a_whole_draft_and_shrinks_otherwise():
 def test_the_measured_gain_has_the_last_word_on_the_length():
     assert policies.pays(0.9, 2, 3) and not policies.pays(0.9, 3, 3) and policies.pays(None, 0, 3)
     assert policies.gain_floor(0, 1.2) == 1 and policies.gain_floor(0, 0.9) == 0
+    # a gain not judged yet (too few steps): a token, as a tree's gate drafts a node then
+    assert policies.gain_floor(0, 0.3, judged=False) == 1 and policies.gain_floor(0, None, judged=False) == 0
+    assert policies.gain_floor(4, 0.3) == 4
     assert policies.past_whole(3, 3, 4, 1, 10) == 5 and policies.past_whole(3, 3, 2, 1, 10) == 3
     assert policies.past_whole(3, 3, 4, 8, 10) == 3 and policies.past_whole(3, 0, 4, 1, 10) == 3
     assert (policies.probe_size(8, 3), policies.probe_size(1, 3), policies.probe_size(1, 3, n=2)) == (1, 3, 2)

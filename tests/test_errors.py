@@ -112,6 +112,18 @@ def test_bench_verify_sizes_are_named_before_any_model_loads(sizes, monkeypatch)
         verify_cost.run(args)
 
 
+def test_bench_verify_quantized_weights_only_in_place(monkeypatch):
+    import argparse
+
+    from specdec.bench import verify_cost
+
+    monkeypatch.setattr("specdec.models.load_model", lambda *a, **k: pytest.fail("model loaded first"))
+    args = argparse.Namespace(model="default", context=200, repeats=1, sizes="1,2", threads=None, out=None,
+                              kernel=None, weights="packed", in_decoder=False)
+    with pytest.raises(ValueError, match="--weights packed: only with --in-decoder"):
+        verify_cost.run(args)
+
+
 # ---------------------------------------------------------------- command-line numbers, at parse time
 
 BAD_ARGUMENTS = [  # (argv, the line's tail): each fails while parsing, before any model loads

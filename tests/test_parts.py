@@ -158,6 +158,27 @@ def test_cost_gate_turns_drafting_off_when_acceptance_cannot_pay():
     assert budgets == [0, 0, 0, 1] + [0] * 7 + [1]  # off; one-token probes after 4, then 8 steps
 
 
+def test_one_missed_draft_is_not_yet_a_verdict_at_batch_1():
+    """StreamingLLM at 7k on the packed target, as traced: the answer's first draft (3 tokens) was
+    rejected whole, the acceptance table then priced every length out, and 8 plain steps, a missed
+    probe and 16 more followed, while the measured gain (1 step of min_samples = 3) was not judged
+    yet. A chain now drafts a token until it is, as a tree's gate drafts a node; at a batch, where a
+    drafting step verifies B rows a token, the table's price stands."""
+    c = _cost_aware(explore_every=8)
+    c.update([0], [0], verify_time=1.0)
+    _chain_step(c, [3], [0], verify_time=1.4, draft_time=1.5)  # rejected whole: table prices 0
+    assert c.budget() == 1
+    _chain_step(c, [1], [0], verify_time=1.1, draft_time=0.5)
+    assert c.budget() == 1  # two of three
+    _chain_step(c, [1], [0], verify_time=1.1, draft_time=0.5)
+    assert c.budget() == 0  # judged: it does not pay
+    b = _cost_aware(explore_every=8)
+    b.set_batch(4)
+    b.update([0] * 4, [0] * 4, verify_time=1.0)
+    _chain_step(b, [3] * 4, [0] * 4, verify_time=2.0, draft_time=1.5)
+    assert b.budget() == 0
+
+
 def test_cost_gate_times_a_plain_step_first():
     c = _cost_aware()
     assert c.budget() == 0
@@ -366,8 +387,9 @@ def test_chain_drafts_climb_back_after_a_poor_start():
     the first winning probe restarts the gain, and each draft taken whole is followed by one a
     token longer, up to the maximum."""
     drafted = _poor_start(100, 0.55, 0.07)
-    first = next(i for i in range(2, 100) if drafted[i])
-    assert first == 9 and drafted[first] == 1  # one probe, 8 steps after the gate closed
+    assert drafted[2] == 1  # a third drafting step before the gain is judged, whatever the table prices
+    first = next(i for i in range(3, 100) if drafted[i])
+    assert first == 10 and drafted[first] == 1  # one probe, 8 steps after the gate closed
     assert drafted[first + 1 : first + 10] == list(range(2, 11))  # each one longer than the last
     assert min(drafted[first:]) >= 1 and drafted[-50:] == [10] * 50
 
@@ -380,10 +402,11 @@ def test_a_probe_that_pays_reopens_drafting_whatever_the_old_misses_predict():
     pays, at least a token is drafted now, so the table learns the new text, and once it prices a
     length in, each draft taken whole is followed by one a token longer."""
     drafted = _poor_start(60, 0.68, 0.045)
-    first = next(i for i in range(2, 60) if drafted[i])
-    assert first == 9 and drafted[first] == 1  # one probe, 8 steps after the gate closed
-    assert drafted[first + 1 : first + 3] == [1, 1]  # reopened: a token while the table prices more out
-    assert drafted[first + 3 : first + 8] == [2, 3, 4, 5, 6]  # then a token past each one taken whole
+    assert drafted[2] == 1  # a third drafting step before the gain is judged
+    first = next(i for i in range(3, 60) if drafted[i])
+    assert first == 10 and drafted[first] == 1  # one probe, 8 steps after the gate closed
+    assert drafted[first + 1] == 1  # reopened: a token while the table prices more out
+    assert drafted[first + 2 : first + 7] == [2, 3, 4, 5, 6]  # then a token past each one taken whole
     assert drafted[-20:] == [10] * 20  # and drafting for good, at the longest length
 
 

@@ -2,6 +2,7 @@
 hand numbers, and whole generations token-identical to HF greedy with the draft cache holding
 exactly the target's own K/V rows."""
 
+import copy
 import json
 import warnings
 
@@ -112,6 +113,25 @@ def test_the_prompt_from_which_a_compressed_draft_reads_few_enough_bytes():
     # a batch of 4 reads the weights once and 4 rows' K/V: as one sequence with 4x the K/V a token
     assert drafter.pays_from(0.75, batch_size=4) == shortest_paying_prompt(weights, 4 * per_token, 28, 0.75)
     assert drafter.pays_from(0.75, batch_size=4) < drafter.pays_from(0.75)
+
+
+def test_a_quantized_target_is_priced_by_its_blocks():
+    """A quantized target's weights are buffers of blocks, not parameters: a step still reads them, so
+    the prompt from which a compressed draft pays counts their bytes (counting parameters alone
+    priced the weights at the norms' bytes and let StreamingLLM into ``auto`` at half the length)."""
+    from specdec.quant import QuantLinear, quantize_model
+
+    target = quantize_model(copy.deepcopy(TARGET), "Q8_0")
+    blocks = sum(m.blocks.numel() for m in target.modules() if isinstance(m, QuantLinear))
+    floats = sum(p.numel() * p.element_size() for p in target.parameters())
+    assert blocks > floats  # the case this guards: most bytes are blocks
+    cfg = target.config
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * TARGET.dtype.itemsize
+    drafter = StreamingDrafter(target, budget=24, sink=2, overshoot=8)
+    weights = sum(t.numel() * t.element_size() for t in (*target.parameters(), *target.buffers()))
+    assert weights >= floats + blocks
+    assert drafter.pays_from(0.75) == shortest_paying_prompt(weights, per_token, 28, 0.75)
+    assert drafter.pays_from(0.75) > shortest_paying_prompt(floats, per_token, 28, 0.75)
 
 
 def test_cost_model_rejects_an_acceptance_rate_outside_zero_one():

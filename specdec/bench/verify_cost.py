@@ -16,6 +16,8 @@ prompts of ``--context`` tokens with a drafter that proposes a fixed draft of q 
 every step (a chain, or with ``--tree`` a star: every node a child of the pending token, the general
 mask path), so each step's verify time is everything a real step pays besides drafting: the mask,
 the forward, the lm_head, the verification and the commit. ``--profile`` adds the top ops per step.
+``--weights`` loads the target as ``specdec generate`` does (``packed``: a GGUF's blocks through the
+block kernel), in place only: the single-forward methods above are fp32 paths.
 """
 
 from __future__ import annotations
@@ -164,7 +166,12 @@ def measure_in_decoder(model, context: int = 200, sizes=SIZES, repeats: int = 3,
 def add_arguments(p) -> None:
     from specdec.arguments import non_negative_int, positive_int
 
+    from specdec.models import WEIGHTS
+
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
+    p.add_argument("--weights", choices=WEIGHTS, default="fp32",
+                   help="the target's weights, as for `specdec generate` (packed: a GGUF's blocks kept "
+                        "packed); other than fp32 only with --in-decoder")
     p.add_argument("--context", type=non_negative_int, default=200, help="tokens already in the cache")
     p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block sizes q, comma-separated")
@@ -201,7 +208,9 @@ def _run(args) -> int:
             raise ValueError
     except ValueError:
         raise ValueError(f"--sizes: positive block sizes, comma-separated (got {args.sizes!r})") from None
-    model = load_model(args.model).model.eval()
+    if args.weights != "fp32" and not args.in_decoder:
+        raise ValueError(f"--weights {args.weights}: only with --in-decoder (the single-forward methods are fp32 paths)")
+    model = load_model(args.model, weights=args.weights).model.eval()
     kernels.prepare()
     routes = kernels.routes()
     if args.in_decoder:
@@ -238,7 +247,7 @@ def _run_in_decoder(model, args, sizes) -> int:
     med = measure_in_decoder(model, args.context, sizes, repeats, args.batch, tree=args.tree,
                              profile_top=args.profile, say=console.print)
     shape = "star tree" if args.tree else "chain"
-    table = Table(title=f"decoder step with q - 1 drafted tokens ({shape}) per row, batch {args.batch}, "
+    table = Table(title=f"decoder step with q - 1 drafted tokens ({shape}) per row, batch {args.batch}, {args.weights} weights, "
                         f"{args.context}-token context, {torch.get_num_threads()} threads (median over "
                         f"{repeats} runs; ratio = over the q = 1 step)")
     for col in ("q", "rows", "verify ms", "ratio"):
@@ -249,7 +258,7 @@ def _run_in_decoder(model, args, sizes) -> int:
     console.print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"in_decoder": True, "context": args.context, "batch": args.batch,
+        Path(args.out).write_text(json.dumps({"in_decoder": True, "weights": args.weights, "context": args.context, "batch": args.batch,
                                               "tree": args.tree, "threads": torch.get_num_threads(),
                                               "routes": kernels.routes(), "seconds": med}, indent=1))
     return 0

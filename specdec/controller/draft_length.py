@@ -270,7 +270,10 @@ class DraftLengthController:
         if st.alpha is None and self.batch_size > 1:
             return 1
         priced = self._chain_length(key)
-        k = policies.gain_floor(priced, st.gain)
+        # at batch 1 a gain from fewer than min_samples steps is not judged yet, as the gate's (at a batch a
+        # drafting step verifies B rows a token: the table's price stands; docs/decisions/006-draft-length.md)
+        judged = self.batch_size > 1 or st.gain_samples >= self.config.min_samples
+        k = policies.gain_floor(priced, st.gain, judged)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
             return policies.past_whole(k, priced, st.whole, self.batch_size, self.config.maximum)

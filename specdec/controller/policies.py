@@ -70,10 +70,12 @@ def tree_values(acc: PositionalAcceptance, n_max: int = 32) -> list[float]:
     return sequoia.best_trees(sequoia.one_step_beyond(acc.table()), n_max)[0]
 
 
-def gain_floor(priced: int, gain: float | None) -> int:
-    """The cost-aware length after the measured gain's veto: where drafting steps have paid, at least
-    one token, whatever the acceptance table predicts. Example: (0, 1.2) -> 1; (0, 0.9) -> 0."""
-    return max(priced, 1) if gain is not None and gain > PAYS else priced
+def gain_floor(priced: int, gain: float | None, judged: bool = True) -> int:
+    """The cost-aware length after the measured gain's veto: where drafting steps have paid, or their
+    gain is not ``judged`` yet (too few steps, as ``pays``: a tree's gate drafts a node then too), at
+    least one token, whatever the acceptance table predicts. Example: (0, 1.2) -> 1; (0, 0.9) -> 0;
+    (0, 0.3, judged=False) -> 1."""
+    return max(priced, 1) if gain is not None and (not judged or gain > PAYS) else priced
 
 
 def past_whole(k: int, priced: int, whole: int, batch_size: int, maximum: int) -> int:

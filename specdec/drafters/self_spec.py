@@ -68,8 +68,9 @@ class SelfSpecDrafter(Drafter):
         """The shortest prompt at which a draft token reads at most ``max_ratio`` of the bytes a target
         step reads (the weights once, and per sequence the compressed rows against every row:
         ``controller.cost.shortest_paying_prompt``; docs/decisions/008-auto-sources.md)."""
-        weights = sum(p.numel() * p.element_size() for p in self.target.parameters())
-        element = next(self.target.parameters()).element_size()
+        # parameters and buffers: a quantized target's weights are its blocks, held as buffers
+        weights = sum(t.numel() * t.element_size() for t in (*self.target.parameters(), *self.target.buffers()))
+        element = float_dtype(self.target).itemsize  # the store's rows
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element * batch_size
         budget = self.cache_config.budget + self.cache_config.overshoot // 2  # between compactions: +32 on average
         return shortest_paying_prompt(weights, per_token, budget, max_ratio)

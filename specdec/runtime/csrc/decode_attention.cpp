@@ -176,13 +176,26 @@ void attend_keys(const float* q, int R, const float* k, int64_t ks, const float*
 }
 
 // Scores of keys [0, nj) of a tile for all rows as lanes: St[key][row] = Qt^T k + Bt[key][row] (Bt may
-// be null), mt[u] = the running max of lane vector u. KG keys at a time, so that KG x RV accumulator
-// chains hide the FMA latency (one key at a time, 64 dependent FMAs per score vector, ran at a third
-// of the speed) and each Qt load serves KG keys.
-template <int D, int RV>
+// be null), mt[u] = the running max of lane vector u. KG keys at a time, so that KG x (RV + H)
+// accumulator chains hide the FMA latency (one key at a time, 64 dependent FMAs per score vector, ran at
+// a third of the speed) and each Qt load serves KG keys. RV full vectors of rows, then with H (AVX-512)
+// one of 8 lanes for rows RV * 16 .. + 7: 17-24 rows (a verify of 6-8 positions of 3 grouped heads) take
+// 16 + 8 lanes, not 32 (docs/decisions/003-attention-kernel.md); its lanes' arithmetic is the same, so
+// its scores are the 16-lane shape's bit for bit. Lanes 8-15 of that last vector are left as they are
+// in St and mt.
+#if defined(__AVX512F__)
+typedef float hvec __attribute__((vector_size(8 * sizeof(float))));
+#else
+typedef vec hvec;  // unused: no half vectors at 8 lanes
+#endif
+
+template <int D, int RV, bool H>
 inline void scores_lanes(const float (*Qt)[kMaxRows], const float* k, int64_t ks, const float* v, int64_t vs,
                          int nj, int64_t next, const float (*Bt)[kMaxRows], float (*St)[kMaxRows], vec* mt) {
-  constexpr int KG = std::max(1, std::min(4, (kLanes == 16 ? 16 : 8) / RV));
+  constexpr int KG = std::max(1, std::min(4, (kLanes == 16 ? 16 : 8) / (RV + H)));
+  constexpr int NA = RV > 0 ? RV : 1;  // arrays of at least one (RV = 0 only with H)
+  hvec hm;
+  for (int i = 0; i < 8 && H; ++i) hm[i] = kNegInf;
   int jj = 0;
   auto group = [&](auto kg) {
     constexpr int G = decltype(kg)::value;
@@ -190,11 +203,17 @@ inline void scores_lanes(const float (*Qt)[kMaxRows], const float* k, int64_t ks
       prefetch_row<D>(v + (jj + g) * vs);
       if (jj + g < next) prefetch_row<D>(k + (jj + g + kTile) * ks);
     }
-    vec a[G][RV];
+    vec a[G][NA];
+    hvec ah[G];
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g)
+    for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 8
       for (int u = 0; u < RV; ++u) a[g][u] = Bt != nullptr ? load(Bt[jj + g] + u * kLanes) : vec{};
+      if constexpr (H) {
+        ah[g] = hvec{};
+        if (Bt != nullptr) std::memcpy(&ah[g], Bt[jj + g] + RV * kLanes, sizeof(hvec));
+      }
+    }
     for (int d = 0; d < D; ++d) {
 #pragma GCC unroll 8
       for (int u = 0; u < RV; ++u) {
@@ -202,33 +221,61 @@ inline void scores_lanes(const float (*Qt)[kMaxRows], const float* k, int64_t ks
 #pragma GCC unroll 4
         for (int g = 0; g < G; ++g) a[g][u] += qv * k[(jj + g) * ks + d];
       }
+      if constexpr (H) {
+        hvec qh;
+        std::memcpy(&qh, Qt[d] + RV * kLanes, sizeof(hvec));
+#pragma GCC unroll 4
+        for (int g = 0; g < G; ++g) ah[g] += qh * k[(jj + g) * ks + d];
+      }
     }
 #pragma GCC unroll 4
-    for (int g = 0; g < G; ++g)
+    for (int g = 0; g < G; ++g) {
 #pragma GCC unroll 8
       for (int u = 0; u < RV; ++u) {
         store(St[jj + g] + u * kLanes, a[g][u]);
         mt[u] = a[g][u] > mt[u] ? a[g][u] : mt[u];
       }
+      if constexpr (H) {
+        std::memcpy(St[jj + g] + RV * kLanes, &ah[g], sizeof(hvec));
+        hm = ah[g] > hm ? ah[g] : hm;
+      }
+    }
   };
   for (; jj + KG <= nj; jj += KG) group(std::integral_constant<int, KG>{});
   for (; jj < nj; ++jj) group(std::integral_constant<int, 1>{});
+  if constexpr (H) {  // the half vector's max into lanes 0-7 of mt[RV]
+    alignas(64) float m[kLanes];
+    store(m, mt[RV]);
+    for (int i = 0; i < 8; ++i) m[i] = std::max(m[i], hm[i]);
+    mt[RV] = load(m);
+  }
 }
 
 template <int D>
-inline void scores_by_rows(int RV, const float (*Qt)[kMaxRows], const float* k, int64_t ks, const float* v,
+inline void scores_by_rows(int R, const float (*Qt)[kMaxRows], const float* k, int64_t ks, const float* v,
                            int64_t vs, int nj, int64_t next, const float (*Bt)[kMaxRows], float (*St)[kMaxRows],
                            vec* mt) {
+  const int RV = (R + kLanes - 1) / kLanes;
+#if defined(__AVX512F__)
+  if (R % kLanes != 0 && R % kLanes <= 8) {  // the last vector's rows fit 8 lanes
+    switch (RV) {
+      case 1: return scores_lanes<D, 0, true>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+      case 2: return scores_lanes<D, 1, true>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+      case 3: return scores_lanes<D, 2, true>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+      case 4: return scores_lanes<D, 3, true>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    }
+  }
+#endif
   switch (RV) {
-    case 1: return scores_lanes<D, 1>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
-    case 2: return scores_lanes<D, 2>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
-    case 3: return scores_lanes<D, 3>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
-    case 4: return scores_lanes<D, 4>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 1: return scores_lanes<D, 1, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 2: return scores_lanes<D, 2, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 3: return scores_lanes<D, 3, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 4: return scores_lanes<D, 4, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
 #if !defined(__AVX512F__)
-    case 5: return scores_lanes<D, 5>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
-    case 6: return scores_lanes<D, 6>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
-    case 7: return scores_lanes<D, 7>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
-    case 8: return scores_lanes<D, 8>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 5: return scores_lanes<D, 5, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 6: return scores_lanes<D, 6, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 7: return scores_lanes<D, 7, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
+    case 8: return scores_lanes<D, 8, false>(Qt, k, ks, v, vs, nj, next, Bt, St, mt);
 #endif
   }
 }
@@ -246,8 +293,8 @@ void attend_rows(const float* q, int R, const float* k, int64_t ks, const float*
   alignas(64) float Qt[D][kMaxRows];
   alignas(64) float St[kTile][kMaxRows];
   alignas(64) float Bt[kTile][kMaxRows];
-  for (int jj = 0; jj < kTile; ++jj)  // the padding lanes' bias: 0, not stack garbage (denormals are slow)
-    for (int r = R; r < RP; ++r) Bt[jj][r] = 0.f;
+  for (int jj = 0; jj < kTile; ++jj)  // the padding lanes' bias and scores: 0, not stack garbage
+    for (int r = R; r < RP; ++r) Bt[jj][r] = St[jj][r] = 0.f;  // (denormals are slow; a half vector leaves St's)
   for (int d = 0; d < D; ++d)
     for (int r = 0; r < RP; ++r) Qt[d][r] = r < R ? q[r * D + d] : 0.f;
   vec m[RVmax], l[RVmax];
@@ -264,7 +311,7 @@ void attend_rows(const float* q, int R, const float* k, int64_t ks, const float*
     }
     vec mt[RVmax];
     for (int u = 0; u < RV; ++u) mt[u] = splat(kNegInf);
-    scores_by_rows<D>(RV, Qt, k + jt * ks, ks, v + jt * vs, vs, nj, next, bias != nullptr ? Bt : nullptr, St, mt);
+    scores_by_rows<D>(R, Qt, k + jt * ks, ks, v + jt * vs, vs, nj, next, bias != nullptr ? Bt : nullptr, St, mt);
     alignas(64) float c[kMaxRows];
     for (int u = 0; u < RV; ++u) {  // 2. online softmax, all rows at once
       const vec mn = m[u] > mt[u] ? m[u] : mt[u];
