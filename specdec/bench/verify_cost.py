@@ -165,7 +165,6 @@ def measure_in_decoder(model, context: int = 200, sizes=SIZES, repeats: int = 3,
 
 def add_arguments(p) -> None:
     from specdec.arguments import non_negative_int, positive_int
-
     from specdec.models import WEIGHTS
 
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
@@ -209,7 +208,8 @@ def _run(args) -> int:
     except ValueError:
         raise ValueError(f"--sizes: positive block sizes, comma-separated (got {args.sizes!r})") from None
     if args.weights != "fp32" and not args.in_decoder:
-        raise ValueError(f"--weights {args.weights}: only with --in-decoder (the single-forward methods are fp32 paths)")
+        raise ValueError(f"--weights {args.weights}: only with --in-decoder (the single-forward methods are "
+                         "fp32 paths)")
     model = load_model(args.model, weights=args.weights).model.eval()
     kernels.prepare()
     routes = kernels.routes()
@@ -247,9 +247,9 @@ def _run_in_decoder(model, args, sizes) -> int:
     med = measure_in_decoder(model, args.context, sizes, repeats, args.batch, tree=args.tree,
                              profile_top=args.profile, say=console.print)
     shape = "star tree" if args.tree else "chain"
-    table = Table(title=f"decoder step with q - 1 drafted tokens ({shape}) per row, batch {args.batch}, {args.weights} weights, "
-                        f"{args.context}-token context, {torch.get_num_threads()} threads (median over "
-                        f"{repeats} runs; ratio = over the q = 1 step)")
+    table = Table(title=f"decoder step with q - 1 drafted tokens ({shape}) per row, batch {args.batch}, "
+                        f"{args.weights} weights, {args.context}-token context, {torch.get_num_threads()} threads "
+                        f"(median over {repeats} runs; ratio = over the q = 1 step)")
     for col in ("q", "rows", "verify ms", "ratio"):
         table.add_column(col, justify="right")
     base = med[sizes[0]] if sizes[0] == 1 else None
@@ -258,7 +258,8 @@ def _run_in_decoder(model, args, sizes) -> int:
     console.print(table)
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"in_decoder": True, "weights": args.weights, "context": args.context, "batch": args.batch,
-                                              "tree": args.tree, "threads": torch.get_num_threads(),
-                                              "routes": kernels.routes(), "seconds": med}, indent=1))
+        Path(args.out).write_text(json.dumps({"in_decoder": True, "weights": args.weights, "context": args.context,
+                                              "batch": args.batch, "tree": args.tree,
+                                              "threads": torch.get_num_threads(), "routes": kernels.routes(),
+                                              "seconds": med}, indent=1))
     return 0
