@@ -129,3 +129,31 @@ def test_the_recording_error_names_file_and_line(tmp_path, capsys):
     out.with_suffix(".jsonl").write_text("\nnot json\n")
     assert main(["bench-controller", "--books", "1", "--out", str(out)]) == 2  # one line, no traceback
     assert "policy.jsonl:2: not a recording" in capsys.readouterr().err
+
+
+def test_recordings_are_kept_per_target_weights(tmp_path, monkeypatch, capsys):
+    """A recording on the fp32 target replays for fp32 and is not taken for a packed target's (another
+    verify curve): there the model loads, with the weights asked for, to record afresh."""
+    import json
+    from dataclasses import asdict
+
+    from specdec.bench.books import BOOKS, read_books
+    from specdec.cli import main
+
+    book = read_books(BOOKS)[0]["id"]
+    rec = record(TARGET, _streaming, torch.randint(1, 128, (1, 30), generator=torch.Generator().manual_seed(0)),
+                 6, None, f"{book}/7000/continue", 2, drafter="streaming@512")
+    out = tmp_path / "policy"
+    out.with_suffix(".jsonl").write_text(json.dumps(asdict(rec)) + "\n")
+    asked = []
+
+    def load_model(spec, weights="fp32", **kw):
+        asked.append(weights)
+        raise ValueError(f"no model here ({weights})")
+
+    monkeypatch.setattr("specdec.models.load_model", load_model)
+    argv = ["bench-controller", "--books", "1", "--lengths", "7000", "--instruction", "continue", "--depth", "2",
+            "--seeds", "1", "--out", str(out)]
+    assert main(argv) == 0 and asked == []  # replayed from the file
+    assert main([*argv, "--weights", "packed"]) == 2 and asked == ["packed"]
+    assert "no model here (packed)" in capsys.readouterr().err

@@ -27,8 +27,9 @@ So each prompt is recorded once and replayed under any policy, with no timing no
 
 Prints, per prompt, each fixed k's speedup over plain decoding, the best, and the controller's
 (noise-free, and mean / worst over the noisy replays), then their geometric means over the prompts.
-Recordings go to OUT.jsonl as each prompt is recorded, per drafter (a rerun replays them without
-recording again).
+Recordings go to OUT.jsonl as each prompt is recorded, per drafter and target weights (a rerun replays
+them without recording again); ``--weights packed`` records on a GGUF's blocks, whose verify costs
+climb faster with the rows than fp32's (docs/benchmarks.md, verify cost).
 """
 
 from __future__ import annotations
@@ -201,6 +202,7 @@ def overall(rows: list[dict]) -> dict:
 def add_arguments(p) -> None:
     from specdec.bench.longctx import add_prompt_arguments
     from specdec.arguments import non_negative_float, non_negative_int, positive_int
+    from specdec.models import WEIGHTS
 
     add_prompt_arguments(p, "2048,7000", 256)
     p.add_argument("--drafter", default="streaming", help="a chain drafter: streaming, snapkv (at --budget), "
@@ -210,6 +212,8 @@ def add_arguments(p) -> None:
     p.add_argument("--noise", type=non_negative_float, default=0.05,
                    help="sigma of the lognormal noise on step timings")
     p.add_argument("--seeds", type=non_negative_int, default=10, help="noisy replays per prompt")
+    p.add_argument("--weights", choices=WEIGHTS, default="fp32",
+                   help="the target's weights, as for `specdec generate` (packed: a GGUF's blocks kept packed)")
     p.add_argument("--out", default="results/policy", help="appends OUT.jsonl (recordings); writes OUT.json")
 
 
@@ -244,21 +248,23 @@ def run(args) -> int:
     books = read_books(Path(args.questions) if args.questions else BOOKS)[: args.books]
     keys = [prompt_key((b["id"],), n, ins) for b in books for n in lengths for ins in instructions]
     console = Console(width=max(120, Console().width))
-    if any((key, spec.name) not in recordings for key in keys):
-        loaded = load_model(args.model)
+    # recordings are the drafter's on these weights: a packed target's verify costs are another curve
+    name = spec.name if args.weights == "fp32" else f"{spec.name} ({args.weights})"
+    if any((key, name) not in recordings for key in keys):
+        loaded = load_model(args.model, weights=args.weights)
         model = loaded.model
         eos = model.generation_config.eos_token_id
         for prompt in build_prompts(loaded.tokenizer, books, lengths, instructions):
-            if (prompt.key, spec.name) in recordings:
+            if (prompt.key, name) in recordings:
                 continue
-            console.log(f"recording {prompt.key} ({prompt.tokens} tokens), {args.drafter}")
+            console.log(f"recording {prompt.key} ({prompt.tokens} tokens), {name}")
             with torch.inference_mode():
                 rec = record(model, lambda: make_drafter(spec, model), prompt.input_ids, args.max_new_tokens,
-                             eos, prompt.key, args.depth, drafter=spec.name)
+                             eos, prompt.key, args.depth, drafter=name)
             with open(log, "a") as f:
                 f.write(json.dumps(asdict(rec)) + "\n")
             recordings[rec.prompt, rec.drafter] = rec
-    rows = [compare(recordings[key, spec.name], lambda: DraftLengthController(SpecDecoderConfig().draft_length),
+    rows = [compare(recordings[key, name], lambda: DraftLengthController(SpecDecoderConfig().draft_length),
                     args.depth, args.noise, args.seeds) for key in keys]
     rows.append(overall(rows))
     out.with_suffix(".json").write_text(json.dumps(rows, indent=1))
@@ -267,8 +273,8 @@ def run(args) -> int:
 
 
 def table(rows: list[dict], args, Table):
-    t = Table(title=f"{args.drafter} (budget {args.budget}): speedup over plain decoding on replayed steps "
-                    f"(noise sigma {args.noise}, {args.seeds} seeds)")
+    t = Table(title=f"{args.drafter} (budget {args.budget}, {args.weights} weights): speedup over plain decoding "
+                    f"on replayed steps (noise sigma {args.noise}, {args.seeds} seeds)")
     for col in ["prompt", *(f"k={k}" for k in range(1, args.depth + 1)), "best", "controller", "vs best",
                 "noisy mean", "noisy worst"]:
         t.add_column(col, justify="left" if col == "prompt" else "right")
