@@ -142,4 +142,3 @@ class QuantSelfDrafter(SelfSpecDrafter):
 
 def quant_self_drafter(target: nn.Module) -> QuantSelfDrafter:
     return QuantSelfDrafter(target)
-

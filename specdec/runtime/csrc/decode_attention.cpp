@@ -194,8 +194,7 @@ inline void scores_lanes(const float (*Qt)[kMaxRows], const float* k, int64_t ks
                          int nj, int64_t next, const float (*Bt)[kMaxRows], float (*St)[kMaxRows], vec* mt) {
   constexpr int KG = std::max(1, std::min(4, (kLanes == 16 ? 16 : 8) / (RV + H)));
   constexpr int NA = RV > 0 ? RV : 1;  // arrays of at least one (RV = 0 only with H)
-  hvec hm;
-  for (int i = 0; i < 8 && H; ++i) hm[i] = kNegInf;
+  hvec hm = hvec{} + kNegInf;  // the half vector's running max (unused without H)
   int jj = 0;
   auto group = [&](auto kg) {
     constexpr int G = decltype(kg)::value;
