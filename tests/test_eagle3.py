@@ -13,9 +13,11 @@ from specdec.bench.runner import fixed_setting
 from specdec.config import RuntimeConfig, use
 from specdec.drafters import PromptLookupDrafter, Sources
 from specdec.drafters.base import Prompt
-from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, lean_head
 from specdec.drafters.eagle3 import Eagle3Drafter, make_eagle3
-from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig, default_aux_layers, vocab_maps
+from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig, _LeanLayer, default_aux_layers, vocab_maps
+from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.tree import chain_mask
 from specdec.drafters.eagle3_io import LAYOUTS, load_eagle3, save_eagle3
 from specdec.forward import prefill
 from specdec.registry import make_drafter
@@ -99,6 +101,57 @@ def test_drafts_are_target_ids_of_the_draft_vocabulary(target):
     drafter.begin(Prompt(ids, torch.tensor([ids.shape[1]]), feats))
     tree = drafter.propose(6)
     assert tree.num_nodes.item() == 6 and bool((tree.tokens % 3 == 1).all())
+
+
+def _modules_refused(head, monkeypatch):
+    """Make the head's layer modules raise: a draft that completes ran the lean layer."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("the head's modules ran, not the lean layer")
+    monkeypatch.setattr(head.midlayer, "forward", refuse)
+
+
+@pytest.mark.parametrize("norm_before_residual", [False, True])
+def test_the_lean_layer_computes_what_the_heads_modules_do(ops, monkeypatch, norm_before_residual):
+    """A quantized head's draft forward by the lean ops (a chain of pairs, then a tree level seeing the
+    chain, itself and one earlier node) against its modules, to fp32 rounding."""
+    target = tiny_llama(5, layers=3, dtype=torch.float32)
+    head = lean_head(_random_head(target, config=Eagle3HeadConfig(norm_before_residual=norm_before_residual)),
+                     EagleConfig())
+    assert _LeanLayer.of(head.midlayer) is not None
+    g = torch.Generator().manual_seed(4)
+    B, Q = 2, 5
+    feats, toks = torch.randn(B, Q, head.feature_size, generator=g), torch.randint(0, 128, (B, Q), generator=g)
+    outs = []
+    for lean in (False, True):
+        head._lean = None if lean else False
+        cache = BMCCache(1, B, BMCConfig(period=8), torch.float32, torch.device("cpu"))
+        with torch.inference_mode(), monkeypatch.context() as m:
+            if lean:
+                _modules_refused(head, m)
+            inputs = cache.prepare(chain_mask(B, Q, torch.device("cpu")), torch.arange(Q).expand(B, Q))
+            chain = head.draft(head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, cache)
+            cache.commit([list(range(Q))] * B)
+            tree = torch.tensor([[[True, False, False], [True, True, False], [False, False, True]]]).expand(B, 3, 3)
+            inputs = cache.prepare(tree, torch.tensor([[0, 1, 0]]).expand(B, 3))
+            level = head.draft(chain[:, 1:4], toks[:, :3], inputs.position_ids, inputs.attention_mask, cache)
+        outs.append((chain, level))
+    assert isinstance(head._lean, _LeanLayer)
+    for want, got in zip(*outs):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_quantized_head_drafts_by_the_lean_layer_exactly_in_a_ragged_batch(ops, monkeypatch):
+    target = bigram_llama(5).to(torch.float32)
+    head = lean_head(agreeing_eagle3_head(target, MOST), EagleConfig())
+    _modules_refused(head, monkeypatch)
+    prompts = _prompts()
+    out = SpecDecoder(target, Eagle3Drafter(target, head, CONFIG)).generate(prompts, max_new_tokens=16,
+                                                                          eos_token_id=None)
+    for b, p in enumerate(prompts):
+        assert out.generated(b).tolist() == hf_greedy(target, p[None], 16)[0, len(p):].tolist(), f"row {b}"
+    drafted = sum(sum(s.num_drafted) for s in out.steps)
+    accepted = sum(sum(s.num_accepted) for s in out.steps)
+    assert 0 < accepted < drafted
 
 
 def test_a_chooser_refuses_sources_reading_different_features(target):

@@ -36,7 +36,7 @@ from specdec.drafters.eagle_head import (HEAD_FILE, HEAD_FORMAT, HEAD_JSON, Eagl
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import text_config
 from specdec.sampling import SamplingParams, target_probs
-from specdec.tree import DraftTree, chain_mask
+from specdec.tree import DraftTree
 
 
 @dataclass(frozen=True)
@@ -168,8 +168,8 @@ class EagleDrafter(Drafter):
             if t:
                 feats[b, : len(t)] = torch.cat([x.to(device=dev, dtype=dtype) for x in f])  # prompt rows: host
                 toks[b, : len(t)] = torch.tensor(t, device=dev)
-        inputs = self.cache.prepare(chain_mask(B, Q, dev), torch.arange(Q, device=dev).expand(B, Q))
-        h = self.head(self.head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, self.cache)  # [B, Q, D]
+        inputs = self.cache.prepare_chain(Q)
+        h = self.head.draft(self.head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, self.cache)  # [B, Q, D]
         self.cache.commit([list(range(n)) for n in counts])
         last = h[torch.arange(B, device=dev), (torch.tensor(counts, device=dev) - 1).clamp(min=0)]
         has = torch.tensor(counts, device=dev) > 0  # [B]
@@ -256,7 +256,7 @@ class EagleDrafter(Drafter):
                 vals = torch.zeros(B, F, T, dtype=bias.dtype, device=dev)
                 bias[:, 0].scatter_(2, cols, vals.masked_fill_(~front_anc, torch.finfo(bias.dtype).min))
             pos = (S - 1 + level)[:, None].expand(B, F)
-            h = self.head(front_feat, front_tok, pos, bias, cache)  # [B, F, D]
+            h = self.head.draft(front_feat, front_tok, pos, bias, cache)  # [B, F, D]
             cache.commit([list(range(F))] * B)  # keep in place (no copy) for the deeper levels
             child_lp, child_idx, q = self._children(h, k)  # [B, F, kc]
             kc = child_idx.shape[-1]

@@ -33,6 +33,9 @@ from torch import nn
 from specdec.drafters.eagle_head import _decoder, _TargetParts
 from specdec.forward import cache_arg
 from specdec.models import text_config
+from specdec.quant.modules import QuantLinear
+from specdec.runtime import fastpath, state
+from specdec.runtime.attention import grouped_attention
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,54 @@ class _MidLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+class _LeanLayer:
+    """``_MidLayer.forward`` by the target's lean ops (``runtime.fastpath``: the compiled RMSNorm, rotary
+    split, SiLU x up; q/k/v and gate/up each one block-kernel call; the attention kernel), for a head
+    whose linears are quantized blocks (``drafters.eagle.lean_head``): HF's modules cost ~1 ms of Python
+    a call, a third of a draft (docs/decisions/017-eagle3.md). The same math to fp32 rounding; the drafts
+    stay drafts, exactness is the verifier's."""
+
+    def __init__(self, layer: _MidLayer) -> None:
+        a, mlp = layer.self_attn, layer.mlp
+        self.attn, self.norms = a, (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
+        self.norm_before_residual = layer.norm_before_residual
+        self.qkv, self.o = fastpath._stack(a.q_proj, a.k_proj, a.v_proj), a.o_proj
+        self.gate_up, self.down = fastpath._stack(mlp.gate_proj, mlp.up_proj), mlp.down_proj
+        self.hq, self.hkv = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
+
+    @classmethod
+    def of(cls, layer: _MidLayer) -> "_LeanLayer | None":
+        """The lean layer, where every linear of ``layer`` is quantized blocks without a bias and every
+        norm is an RMSNorm; else None."""
+        a, mlp = layer.self_attn, layer.mlp
+        linears = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
+        if (any(type(m) is not QuantLinear or m.bias is not None for m in linears)
+                or not all(hasattr(n, "variance_epsilon") for n in norms) or not hasattr(a, "head_dim")):
+            return None
+        return cls(layer)
+
+    def __call__(self, emb, hidden, attention_mask, rope, cache) -> torch.Tensor | None:
+        """As ``_MidLayer.forward``; None where the fused ops do not take it (not fp32 on CPU, no build)."""
+        cos, sin = rope
+        ops = state.active().ops
+        if (ops is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or cos.dim() != 3
+                or cos.shape[-1] != self.attn.head_dim):
+            return None
+        ops = fastpath.fused_ops(ops)
+        B, Q, _ = hidden.shape
+        hidden, emb = hidden.contiguous(), emb.contiguous()  # the fused ops take whole rows
+        n_emb, n_hidden, n_post = self.norms
+        normed = ops.norm(hidden, n_hidden.weight, n_hidden.variance_epsilon)
+        x = torch.cat([ops.norm(emb, n_emb.weight, n_emb.variance_epsilon), normed], dim=-1)  # [B, Q, 2D]
+        q, k, v = ops.rope_split(self.qkv(x), cos.contiguous(), sin.contiguous(), self.hq, self.hkv)
+        k, v = cache.update(k, v, 0)  # [B, Hkv, L, Dh] views of the store
+        o, _ = grouped_attention(self.attn, q, k, v, attention_mask, scaling=self.attn.scaling)
+        x, h = ops.add_norm(normed if self.norm_before_residual else hidden, self.o(o.reshape(B, Q, -1)),
+                            n_post.weight, n_post.variance_epsilon)
+        return x + self.down(ops.silu_mul(self.gate_up(h)))
+
+
 # what a head's own layer may set apart from its target (a file's config): its width and the rotary
 # table's head size stay the target's, since the embedding and the rotary table are the target's
 LAYER_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "rms_norm_eps", "attention_bias",
@@ -142,6 +193,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", t2d)  # [V] target id is in the draft vocabulary
         self.to(dtype=target.dtype, device=target.device)
         self._target = _TargetParts(target)
+        self._lean: _LeanLayer | bool | None = None  # built on the first draft (False: none applies)
 
     @property
     def hidden_size(self) -> int:
@@ -167,6 +219,19 @@ class Eagle3Head(nn.Module):
         position t), position_ids [B, S], attention_mask [B, 1, S, L] additive (None: causal over the S
         rows) -> the residual stream after the layer [B, S, D] (before ``norm``: what is fed back)."""
         emb, attention_mask, rope = self._target.inputs(hidden, tokens, position_ids, attention_mask)
+        return self.midlayer(emb, hidden, attention_mask, position_ids, rope, cache)
+
+    def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+              attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        """``forward`` for drafting (no grad, a store): the layer by the target's lean ops where they take
+        it (``_LeanLayer``), else by its modules."""
+        if self._lean is None:
+            self._lean = _LeanLayer.of(self.midlayer) or False
+        emb, attention_mask, rope = self._target.inputs(hidden, tokens, position_ids, attention_mask)
+        if self._lean and not torch.is_grad_enabled():
+            out = self._lean(emb, hidden, attention_mask, rope, cache)
+            if out is not None:
+                return out
         return self.midlayer(emb, hidden, attention_mask, position_ids, rope, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -140,6 +140,11 @@ class EagleHead(nn.Module):
                          position_embeddings=rope, **{cache_arg(self.layer): cache})
         return out[0] if isinstance(out, tuple) else out
 
+    def draft(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
+              attention_mask: torch.Tensor, cache) -> torch.Tensor:
+        """``forward`` for drafting (the head's modules; EAGLE-3's head has a lean path here)."""
+        return self(features, tokens, position_ids, attention_mask, cache)
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., M] over the draft vocabulary (M = V without a reduced vocabulary)."""
         if self.draft_vocab is None:
