@@ -31,9 +31,8 @@ from specdec.runtime import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Corpus, Drafter
 from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F401 (bench.replay)
-from specdec.drafters.model import vocab_size_of
 from specdec.kv.bmc import BMCConfig
-from specdec.models import float_dtype, sliding_window, text_config
+from specdec.models import float_dtype, sliding_window, text_config, vocab_size_of
 from specdec.prompting import eos_ids
 from specdec.sampling import SamplingParams
 # the step core; its names stay importable from here

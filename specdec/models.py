@@ -42,6 +42,23 @@ def text_config(model):
     return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
 
 
+def vocab_size_of(model) -> int:
+    """Rows of the output layer (an nn.Linear or a quantized one): the id space a model's logits cover."""
+    out = model.get_output_embeddings()
+    return out.out_features if out is not None else model.config.vocab_size
+
+
+def output_rows(layer, rows: torch.Tensor) -> torch.Tensor:
+    """Rows ``rows`` of an output layer (nn.Linear, or a QuantLinear: only those rows' blocks
+    dequantized, fp32) as weights [len(rows), D]."""
+    weight = getattr(layer, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return weight.detach()[rows.to(weight.device)]
+    from specdec.quant.formats import dequantize  # here, not above: specdec.quant imports this module
+
+    return dequantize(layer.blocks[rows.to(layer.blocks.device)], layer.fmt)
+
+
 def float_dtype(model, default: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of a model's first floating parameter (HF's ``model.dtype``, for any module), or ``default``."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), default)

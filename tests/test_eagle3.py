@@ -154,6 +154,23 @@ def test_a_quantized_head_drafts_by_the_lean_layer_exactly_in_a_ragged_batch(ops
     assert 0 < accepted < drafted
 
 
+def test_heads_draft_for_a_quantized_target_over_a_reduced_vocabulary(tmp_path):
+    """A target whose output layer is blocks (no ``weight``): an EAGLE-3 head loads for it, EAGLE-1's reduced
+    vocabulary reads its rows from the blocks, and both are exact."""
+    from specdec.quant import QuantLinear, quantize_model
+
+    target = quantize_model(tiny_llama(5, layers=3, dtype=torch.float32), "Q8_0")
+    assert isinstance(target.get_output_embeddings(), QuantLinear)
+    save_eagle3(_random_head(target, draft_vocab=EVEN), tmp_path)
+    eagle1 = EagleHead(target, draft_vocab=EVEN)
+    lm = target.get_output_embeddings()
+    torch.testing.assert_close(eagle1.logits(torch.ones(1, 64)), lm.reference(torch.ones(1, 64))[:, EVEN])
+    ids = _prompts()[1][None]
+    for drafter in (Eagle3Drafter(target, load_eagle3(tmp_path, target), CONFIG), EagleDrafter(target, eagle1, CONFIG)):
+        out = SpecDecoder(target, drafter, fixed_setting("n=6")).generate(ids, max_new_tokens=10, eos_token_id=None)
+        assert torch.equal(out.sequences, hf_greedy(target, ids, 10)), type(drafter).__name__
+
+
 def test_a_chooser_refuses_sources_reading_different_features(target):
     torch.manual_seed(0)
     with pytest.raises(ValueError, match="read different target hidden states"):

@@ -23,14 +23,14 @@ from specdec.config import current as current_runtime
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, lean_head
 from specdec.drafters.eagle3_head import Eagle3Head
 from specdec.drafters.eagle3_io import load_eagle3
-from specdec.models import text_config
+from specdec.models import text_config, vocab_size_of
 
 
 def check_head_fits(head: Eagle3Head, target) -> None:
     """Refuse, by name, a head built for a target of another hidden size, layer count or vocabulary."""
     tcfg, hcfg = text_config(target), head.target_config
     have = {"hidden size": tcfg.hidden_size, "layer count": tcfg.num_hidden_layers,
-            "vocabulary": target.get_output_embeddings().weight.shape[0]}
+            "vocabulary": vocab_size_of(target)}
     want = {"hidden size": head.hidden_size, "layer count": hcfg.num_hidden_layers, "vocabulary": head.vocab_size}
     bad = [f"{k} {want[k]} (head) != {have[k]} (target)" for k in have if want[k] != have[k]]
     if bad:

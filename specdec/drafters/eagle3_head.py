@@ -32,7 +32,7 @@ from torch import nn
 
 from specdec.drafters.eagle_head import _decoder, _TargetParts
 from specdec.forward import cache_arg
-from specdec.models import text_config
+from specdec.models import text_config, vocab_size_of
 from specdec.quant.modules import QuantLinear
 from specdec.runtime import fastpath, state
 from specdec.runtime.attention import grouped_attention
@@ -158,7 +158,7 @@ class Eagle3Head(nn.Module):
         super().__init__()
         tcfg = text_config(target)
         D, N = tcfg.hidden_size, tcfg.num_hidden_layers
-        V = target.get_output_embeddings().weight.shape[0]
+        V = vocab_size_of(target)
         layers = tuple(int(j) for j in (config.aux_layers or default_aux_layers(N)))
         if len(layers) != 3 or not all(0 <= j < N for j in layers):
             raise ValueError(f"EAGLE-3 fuses 3 target layers in [0, {N}), got aux_layers {layers}")

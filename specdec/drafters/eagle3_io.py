@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig, default_aux_layers
-from specdec.models import text_config
+from specdec.models import text_config, vocab_size_of
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 ARCHITECTURES = {"vllm": "Eagle3LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle3",
@@ -119,7 +119,7 @@ def read_layout(cfg: dict) -> str:
 def _check_fits(d: Path, cfg: dict, layer: dict, target) -> None:
     """Refuse, by name, a head whose target differs from ``target``."""
     tcfg = text_config(target)
-    have = {"hidden size": tcfg.hidden_size, "vocabulary": target.get_output_embeddings().weight.shape[0],
+    have = {"hidden size": tcfg.hidden_size, "vocabulary": vocab_size_of(target),
             "layer count": tcfg.num_hidden_layers}
     want = {"hidden size": cfg.get("target_hidden_size") or layer.get("hidden_size"),
             "vocabulary": layer.get("vocab_size"), "layer count": cfg.get("target_num_hidden_layers")}

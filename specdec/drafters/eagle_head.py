@@ -44,7 +44,7 @@ from torch import nn
 
 from specdec.runtime import kernels
 from specdec.forward import cache_arg
-from specdec.models import text_config
+from specdec.models import output_rows, text_config, vocab_size_of
 
 HEAD_FORMAT = 1  # bump when eagle_head.json / the tensor names change
 HEAD_FILE, HEAD_JSON = "eagle_head.safetensors", "eagle_head.json"
@@ -103,7 +103,7 @@ class EagleHead(nn.Module):
         if not config.input_norm:
             self.layer.input_layernorm = nn.Identity()
         self.target_config = tcfg  # for save/export: what the head was built for
-        V = target.get_output_embeddings().weight.shape[0]
+        V = vocab_size_of(target)
         if draft_vocab is not None:
             draft_vocab = draft_vocab.long().reshape(-1)
             if draft_vocab.numel() == 0 or int(draft_vocab.min()) < 0 or int(draft_vocab.max()) >= V:
@@ -152,7 +152,7 @@ class EagleHead(nn.Module):
         if self._lm_weight is None or self._lm_weight.device != hidden.device:
             # a copy of M rows, made once: indexing the full matrix every call would copy each time
             with torch.inference_mode(False):  # a normal tensor: training may use it after drafting
-                self._lm_weight = self._target.lm_head.weight.detach()[self.draft_vocab.to(hidden.device)]
+                self._lm_weight = output_rows(self._target.lm_head, self.draft_vocab).to(hidden.device)
         return kernels.linear(hidden, self._lm_weight.to(hidden.dtype))
 
     def target_logits(self, hidden: torch.Tensor, full_vocab: bool = False) -> torch.Tensor:
@@ -217,7 +217,7 @@ def load_head(path: str | os.PathLike, target) -> EagleHead:
     tcfg = text_config(target)
     want = meta["target"]
     have = {"model_type": tcfg.model_type, "hidden_size": tcfg.hidden_size,
-            "vocab_size": target.get_output_embeddings().weight.shape[0],
+            "vocab_size": vocab_size_of(target),
             "layer_class": type(_decoder(target).layers[0]).__name__}
     bad = [f"{k} {want[k]} (head) != {have[k]} (target)" for k in have if want.get(k) != have[k]]
     if bad:

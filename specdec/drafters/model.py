@@ -10,6 +10,7 @@ import torch
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.models import vocab_size_of
 from specdec.sampling import SamplingParams, draw, greedy, target_probs
 from specdec.tree import DraftTree
 
@@ -17,12 +18,6 @@ from specdec.tree import DraftTree
 @dataclass(frozen=True)
 class ModelDrafterConfig:
     bmc: BMCConfig = BMCConfig(period=64)  # the draft model's own store
-
-
-def vocab_size_of(model) -> int:
-    """Rows of the output layer (an nn.Linear or a quantized one): the id space a model's logits cover."""
-    out = model.get_output_embeddings()
-    return out.out_features if out is not None else model.config.vocab_size
 
 
 class ModelDrafter(Drafter):
