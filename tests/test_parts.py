@@ -410,6 +410,29 @@ def test_a_probe_that_pays_reopens_drafting_whatever_the_old_misses_predict():
     assert drafted[-20:] == [10] * 20  # and drafting for good, at the longest length
 
 
+def test_a_draft_taken_whole_grows_only_where_a_longer_one_would_pay_taken_whole():
+    """StreamingLLM at 7k on the packed default model, as recorded (the AMD EPYC): verifies of 2-3 rows cost
+    1.07-1.18 plain steps, then ~0.3 a row; a draft token 0.45. Every draft is taken whole. A token past
+    each whole draft ramped the chain to 10, 5% dearer a token than 2 even taken whole; now it grows only
+    where the longer chain taken whole costs no more a token than the table's length is expected to. Where
+    a verify row is cheap (1 + 0.07 per row) it still ramps to the maximum."""
+    recorded = {1: 19.9, 2: 21.3, 3: 23.4, 4: 31.0, 5: 33.8, 6: 43.9, 7: 47.4, 8: 56.3, 9: 64.8, 10: 63.7, 11: 73.0}
+
+    def drafted(verify, per_token):
+        c = _cost_aware(explore_every=8, maximum=10)
+        c.update([0], [0], verify_time=verify(1))
+        ks = []
+        for _ in range(120):
+            k = c.budget()
+            _chain_step(c, [k], [k], verify_time=verify(1 + k), draft_time=per_token * k or None)
+            ks.append(k)
+        return ks
+
+    steep = drafted(lambda q: recorded[q] / recorded[1], 8.9 / recorded[1])
+    assert steep[0] == 4 and max(steep[10:]) <= 4 and steep[-50:] == [2] * 50
+    assert drafted(lambda q: 1.0 + 0.07 * (q - 1), 0.55)[-50:] == [10] * 50
+
+
 def test_chain_probes_lengthen_while_taken_whole():
     """Where a verify is dear (each extra row 1.5x a step) a probe taken whole still loses, so the
     gate stays shut; the next probe is two tokens longer (1, 3, 5), re-measuring deeper depths, and a

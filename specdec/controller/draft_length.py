@@ -276,10 +276,18 @@ class DraftLengthController:
         k = policies.gain_floor(priced, st.gain, judged)
         if k > 0 and self._pays(st):
             st.interval = self.config.explore_every
-            return policies.past_whole(k, priced, st.whole, self.batch_size, self.config.maximum)
+            grown = policies.past_whole(k, priced, st.whole, self.batch_size, self.config.maximum)
+            return grown if grown == k or self._whole_pays(grown, k, key) else k
         if not self._probe(st):
             return 0
         return policies.probe_size(self.batch_size, st.probe_length)
+
+    def _whole_pays(self, n: int, k: int, key: Hashable = None) -> bool:
+        """Whether an n-token chain taken whole would cost no more a token than the k-token chain the
+        table expects: (t(1 + n) + d(n)) / (1 + n) <= (t(1 + k) + d(k)) / E[tokens | k]. An untimed size
+        is priced as the nearest smaller timed one (optimistic: growing times it)."""
+        verify, draft = self._verify_prices(1 + max(n, k)), self._draft_prices(key)
+        return (verify(1 + n) + draft(n)) / (1 + n) <= (verify(1 + k) + draft(k)) / self.expected_tokens(k, key)
 
     def gate(self, key: Hashable = None) -> bool:
         """Draft at all this step (drafters that size their own drafts)? Without the cost gate yes;
