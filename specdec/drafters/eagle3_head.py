@@ -105,8 +105,8 @@ class _LeanLayer:
         a, mlp = layer.self_attn, layer.mlp
         self.attn, self.norms = a, (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
         self.norm_before_residual = layer.norm_before_residual
-        self.qkv, self.o = fastpath._stack(a.q_proj, a.k_proj, a.v_proj), a.o_proj
-        self.gate_up, self.down = fastpath._stack(mlp.gate_proj, mlp.up_proj), mlp.down_proj
+        self.qkv, self.o = fastpath.stack_linears(a.q_proj, a.k_proj, a.v_proj), a.o_proj
+        self.gate_up, self.down = fastpath.stack_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj
         self.hq, self.hkv = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
 
     @classmethod

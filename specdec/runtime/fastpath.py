@@ -76,7 +76,7 @@ class _Stacked(nn.Module):
         return torch.cat([m(x) for m in self.parts], dim=-1) if y is None else y
 
 
-def _stack(*linears: nn.Module) -> torch.Tensor | _Stacked:
+def stack_linears(*linears: nn.Module) -> torch.Tensor | _Stacked:
     """The fused weight of plain linears ([sum of N, C], stacked), or quantized ones side by side."""
     if all(type(m) is nn.Linear for m in linears):
         return torch.cat([m.weight for m in linears]).detach()
@@ -235,9 +235,9 @@ class FastPath:
         for layer in self.decoder.layers:
             a, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
-                a, layer.input_layernorm, _stack(a.q_proj, a.k_proj, a.v_proj),
+                a, layer.input_layernorm, stack_linears(a.q_proj, a.k_proj, a.v_proj),
                 _cat_bias(a.q_proj, a.k_proj, a.v_proj), a.o_proj, layer.post_attention_layernorm,
-                _stack(mlp.gate_proj, mlp.up_proj), _cat_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj))
+                stack_linears(mlp.gate_proj, mlp.up_proj), _cat_bias(mlp.gate_proj, mlp.up_proj), mlp.down_proj))
         # the norm after each layer: the next layer's input norm, the model's final norm after the last
         self.next_norms = [layer.norm1 for layer in self.layers[1:]] + [self.decoder.norm]
         self._sources = self._stamp()
