@@ -87,9 +87,11 @@ def test_an_agreeing_head_is_partly_accepted_and_exact_in_a_ragged_batch():
 
 
 def _exact_and_partly_accepted(target, drafter) -> None:
-    """Three prompts as one ragged batch, 16 tokens: each row HF's greedy answer, some drafts accepted."""
+    """Three prompts as one ragged batch, 16 tokens: each row HF's greedy answer, some drafts accepted (trees
+    of a fixed size every step: the controller's gate follows measured times, which a loaded machine moves)."""
     prompts = _prompts()
-    out = SpecDecoder(target, drafter).generate(prompts, max_new_tokens=16, eos_token_id=None)
+    fixed = fixed_setting(f"n={CONFIG.total_tokens}")
+    out = SpecDecoder(target, drafter, fixed).generate(prompts, max_new_tokens=16, eos_token_id=None)
     for b, p in enumerate(prompts):
         assert out.generated(b).tolist() == hf_greedy(target, p[None], 16)[0, len(p):].tolist(), f"row {b}"
     drafted = sum(sum(s.num_drafted) for s in out.steps)
