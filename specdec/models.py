@@ -48,17 +48,6 @@ def vocab_size_of(model) -> int:
     return out.out_features if out is not None else model.config.vocab_size
 
 
-def output_rows(layer, rows: torch.Tensor) -> torch.Tensor:
-    """Rows ``rows`` of an output layer (nn.Linear, or a QuantLinear: only those rows' blocks
-    dequantized, fp32) as weights [len(rows), D]."""
-    weight = getattr(layer, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return weight.detach()[rows.to(weight.device)]
-    from specdec.quant.formats import dequantize  # here, not above: specdec.quant imports this module
-
-    return dequantize(layer.blocks[rows.to(layer.blocks.device)], layer.fmt)
-
-
 def float_dtype(model, default: torch.dtype = torch.float32) -> torch.dtype:
     """The dtype of a model's first floating parameter (HF's ``model.dtype``, for any module), or ``default``."""
     return next((p.dtype for p in model.parameters() if p.is_floating_point()), default)

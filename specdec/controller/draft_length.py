@@ -286,7 +286,7 @@ class DraftLengthController:
         """Whether an n-token chain taken whole would cost no more a token than the k-token chain the
         table expects: (t(1 + n) + d(n)) / (1 + n) <= (t(1 + k) + d(k)) / E[tokens | k]. An untimed size
         is priced as the nearest smaller timed one (optimistic: growing times it)."""
-        verify, draft = self._verify_prices(1 + max(n, k)), self._draft_prices(key)
+        verify, draft = self._verify_prices(1 + n), self._draft_prices(key)  # n > k: the wider block
         return (verify(1 + n) + draft(n)) / (1 + n) <= (verify(1 + k) + draft(k)) / self.expected_tokens(k, key)
 
     def gate(self, key: Hashable = None) -> bool:

@@ -44,7 +44,8 @@ from torch import nn
 
 from specdec.runtime import kernels
 from specdec.forward import cache_arg
-from specdec.models import output_rows, text_config, vocab_size_of
+from specdec.models import text_config, vocab_size_of
+from specdec.quant.modules import weight_rows
 
 HEAD_FORMAT = 1  # bump when eagle_head.json / the tensor names change
 HEAD_FILE, HEAD_JSON = "eagle_head.safetensors", "eagle_head.json"
@@ -152,7 +153,7 @@ class EagleHead(nn.Module):
         if self._lm_weight is None or self._lm_weight.device != hidden.device:
             # a copy of M rows, made once: indexing the full matrix every call would copy each time
             with torch.inference_mode(False):  # a normal tensor: training may use it after drafting
-                self._lm_weight = output_rows(self._target.lm_head, self.draft_vocab).to(hidden.device)
+                self._lm_weight = weight_rows(self._target.lm_head, self.draft_vocab).to(hidden.device)
         return kernels.linear(hidden, self._lm_weight.to(hidden.dtype))
 
     def target_logits(self, hidden: torch.Tensor, full_vocab: bool = False) -> torch.Tensor:

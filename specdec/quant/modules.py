@@ -85,12 +85,26 @@ class QuantEmbedding(nn.Module):
         self.register_buffer("blocks", blocks, persistent=False)  # [V, row_bytes] uint8
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., embedding_dim] float32
-        rows = self.blocks.index_select(0, ids.reshape(-1))  # only the rows looked up are dequantized
-        w = qlinear.dequantized(rows, self.fmt)  # the kernel build's decoder (the same values), where built
-        return (dequantize(rows, self.fmt) if w is None else w).reshape(*ids.shape, self.embedding_dim)
+        return _dequantized_rows(self.blocks, self.fmt, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(self.blocks, self.fmt)
+
+
+def _dequantized_rows(blocks: torch.Tensor, fmt: BlockFormat, ids: torch.Tensor) -> torch.Tensor:
+    """float32 [len(ids), K]: only the rows ``ids`` of ``blocks`` dequantized, by the kernel build's decoder
+    (the same values) where built."""
+    rows = blocks.index_select(0, ids.to(blocks.device))
+    w = qlinear.dequantized(rows, fmt)
+    return dequantize(rows, fmt) if w is None else w
+
+
+def weight_rows(layer: nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """Rows ``ids`` of a linear layer's weight [len(ids), in_features]: an nn.Linear's, or a QuantLinear's
+    (only those rows dequantized, float32)."""
+    if isinstance(layer, QuantLinear):
+        return _dequantized_rows(layer.blocks, layer.fmt, ids)
+    return layer.weight.detach()[ids.to(layer.weight.device)]
 
 
 def swap_module(model: nn.Module, path: str, module: nn.Module) -> None:
