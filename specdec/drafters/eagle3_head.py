@@ -97,9 +97,9 @@ class _MidLayer(nn.Module):
 class _LeanLayer:
     """``_MidLayer.forward`` by the target's lean ops (``runtime.fastpath``: the compiled RMSNorm, rotary
     split, SiLU x up; q/k/v and gate/up each one block-kernel call; the attention kernel), for a head
-    whose linears are quantized blocks (``drafters.eagle.lean_head``): HF's modules cost ~1 ms of Python
-    a call, a third of a draft (docs/decisions/017-eagle3.md). The same math to fp32 rounding; the drafts
-    stay drafts, exactness is the verifier's."""
+    whose linears are quantized blocks (``drafters.eagle.lean_head``), in place of HF's modules' Python
+    (why: docs/decisions/017-eagle3.md). The same math to fp32 rounding; the drafts stay drafts, exactness
+    is the verifier's."""
 
     def __init__(self, layer: _MidLayer) -> None:
         a, mlp = layer.self_attn, layer.mlp
