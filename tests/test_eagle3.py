@@ -146,6 +146,38 @@ def test_the_lean_layer_computes_what_the_heads_modules_do(ops, monkeypatch, nor
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("lean", [False, True])
+def test_a_feed_wanting_each_rows_last_output_stores_every_pair(ops, monkeypatch, lean):
+    """``draft(..., last=)`` (a catch-up's feed: only each row's last output is the tree's root) returns
+    those rows of the whole chain's output, and leaves the store the whole chain leaves: a tree level
+    drafted next sees the same keys (fails if the rows past ``last`` or before it miss the store)."""
+    target = tiny_llama(5, layers=3, dtype=torch.float32)
+    head = lean_head(_random_head(target), EagleConfig())
+    head._lean = None if lean else False
+    g = torch.Generator().manual_seed(5)
+    B, Q = 2, 6
+    feats, toks = torch.randn(B, Q, head.feature_size, generator=g), torch.randint(0, 128, (B, Q), generator=g)
+    last = torch.tensor([5, 2])
+    outs = []
+    for wanted in (None, last):
+        cache = BMCCache(1, B, BMCConfig(period=8), torch.float32, torch.device("cpu"))
+        with torch.inference_mode(), monkeypatch.context() as m:
+            if lean:
+                _modules_refused(head, m)
+            inputs = cache.prepare(chain_mask(B, Q, torch.device("cpu")), torch.arange(Q).expand(B, Q))
+            chain = head.draft(head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, cache, last=wanted)
+            cache.commit([list(range(Q))] * B)
+            tree = torch.tensor([[[True, False], [True, True]]]).expand(B, 2, 2)
+            inputs = cache.prepare(tree, torch.tensor([[0, 1]]).expand(B, 2))
+            level = head.draft(feats[:, :2, : head.hidden_size], toks[:, :2], inputs.position_ids,
+                               inputs.attention_mask, cache)
+        outs.append((chain, level))
+    (whole, level_whole), (rows, level_rows) = outs
+    assert rows.shape == (B, 1, head.hidden_size)
+    torch.testing.assert_close(rows[:, 0], whole[torch.arange(B), last], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(level_rows, level_whole, rtol=1e-5, atol=1e-5)
+
+
 def test_a_quantized_head_drafts_by_the_lean_layer_exactly_in_a_ragged_batch(ops, monkeypatch):
     target = bigram_llama(5).to(torch.float32)
     head = lean_head(agreeing_eagle3_head(target, MOST), EagleConfig())

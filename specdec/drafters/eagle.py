@@ -169,10 +169,12 @@ class EagleDrafter(Drafter):
                 feats[b, : len(t)] = torch.cat([x.to(device=dev, dtype=dtype) for x in f])  # prompt rows: host
                 toks[b, : len(t)] = torch.tensor(t, device=dev)
         inputs = self.cache.prepare_chain(Q)
-        h = self.head.draft(self.head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, self.cache)  # [B, Q, D]
-        self.cache.commit([list(range(n)) for n in counts])
-        last = h[torch.arange(B, device=dev), (torch.tensor(counts, device=dev) - 1).clamp(min=0)]
-        has = torch.tensor(counts, device=dev) > 0  # [B]
+        n = torch.tensor(counts, device=dev)
+        # every pair's K/V into the store; the head's output only at each row's last pair (the root)
+        last = self.head.draft(self.head.fuse(feats), toks, inputs.position_ids, inputs.attention_mask, self.cache,
+                               last=(n - 1).clamp(min=0))[:, 0]  # [B, D]
+        self.cache.commit([list(range(c)) for c in counts])
+        has = n > 0  # [B]
         if self._root is None:
             self._root = torch.zeros_like(last)
             self._has_root = torch.zeros(B, dtype=torch.bool, device=dev)

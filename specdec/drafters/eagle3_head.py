@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from specdec.drafters.eagle_head import _decoder, _TargetParts
+from specdec.drafters.eagle_head import _decoder, _TargetParts, rows_at
 from specdec.forward import cache_arg
 from specdec.models import text_config, vocab_size_of
 from specdec.quant.modules import QuantLinear
@@ -121,8 +121,10 @@ class _LeanLayer:
             return None
         return cls(layer)
 
-    def __call__(self, emb, hidden, attention_mask, rope, cache) -> torch.Tensor | None:
-        """As ``_MidLayer.forward``; None where the fused ops do not take it (not fp32 on CPU, no build)."""
+    def __call__(self, emb, hidden, attention_mask, rope, cache, last=None) -> torch.Tensor | None:
+        """As ``_MidLayer.forward``; None where the fused ops do not take it (not fp32 on CPU, no build).
+        ``last`` [B]: every row's K/V into the store, the rest of the layer for row ``last[b]`` of each
+        sequence alone ([B, 1, D]: ``Eagle3Head.draft``)."""
         cos, sin = rope
         ops = state.active().ops
         if (ops is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or cos.dim() != 3
@@ -136,9 +138,14 @@ class _LeanLayer:
         x = torch.cat([ops.norm(emb, n_emb.weight, n_emb.variance_epsilon), normed], dim=-1)  # [B, Q, 2D]
         q, k, v = ops.rope_split(self.qkv(x), cos.contiguous(), sin.contiguous(), self.hq, self.hkv)
         k, v = cache.update(k, v, 0)  # [B, Hkv, L, Dh] views of the store
+        residual = normed if self.norm_before_residual else hidden
+        if last is not None:  # a row's K/V need only its input; its output is wanted for `last` alone
+            q = q.gather(2, last[:, None, None, None].expand(B, q.shape[1], 1, q.shape[3]))
+            attention_mask = attention_mask.gather(2, last[:, None, None, None].expand(
+                B, attention_mask.shape[1], 1, attention_mask.shape[3]))
+            residual, Q = residual.gather(1, last[:, None, None].expand(B, 1, residual.shape[2])), 1
         o, _ = grouped_attention(self.attn, q, k, v, attention_mask, scaling=self.attn.scaling)
-        x, h = ops.add_norm(normed if self.norm_before_residual else hidden, self.o(o.reshape(B, Q, -1)),
-                            n_post.weight, n_post.variance_epsilon)
+        x, h = ops.add_norm(residual.contiguous(), self.o(o.reshape(B, Q, -1)), n_post.weight, n_post.variance_epsilon)
         return x + self.down(ops.silu_mul(self.gate_up(h)))
 
 
@@ -222,17 +229,19 @@ class Eagle3Head(nn.Module):
         return self.midlayer(emb, hidden, attention_mask, position_ids, rope, cache)
 
     def draft(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
-              attention_mask: torch.Tensor, cache) -> torch.Tensor:
+              attention_mask: torch.Tensor, cache, last: torch.Tensor | None = None) -> torch.Tensor:
         """``forward`` for drafting (no grad, a store): the layer by the target's lean ops where they take
-        it (``_LeanLayer``), else by its modules."""
+        it (``_LeanLayer``), else by its modules. ``last`` [B]: only row ``last[b]``'s output is wanted
+        ([B, 1, D]); every row still enters the store (the lean path runs the rest of the layer for that
+        row alone: a prompt's catch-up costs its K/V, not its attention and MLP)."""
         if self._lean is None:
             self._lean = _LeanLayer.of(self.midlayer) or False
         emb, attention_mask, rope = self._target.inputs(hidden, tokens, position_ids, attention_mask)
         if self._lean and not torch.is_grad_enabled():
-            out = self._lean(emb, hidden, attention_mask, rope, cache)
+            out = self._lean(emb, hidden, attention_mask, rope, cache, last)
             if out is not None:
                 return out
-        return self.midlayer(emb, hidden, attention_mask, position_ids, rope, cache)
+        return rows_at(self.midlayer(emb, hidden, attention_mask, position_ids, rope, cache), last)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] head outputs -> [..., M] over the draft vocabulary."""

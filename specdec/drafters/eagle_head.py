@@ -142,9 +142,10 @@ class EagleHead(nn.Module):
         return out[0] if isinstance(out, tuple) else out
 
     def draft(self, features: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
-              attention_mask: torch.Tensor, cache) -> torch.Tensor:
-        """``forward`` for drafting (the head's modules; EAGLE-3's head has a lean path here)."""
-        return self(features, tokens, position_ids, attention_mask, cache)
+              attention_mask: torch.Tensor, cache, last: torch.Tensor | None = None) -> torch.Tensor:
+        """``forward`` for drafting (the head's modules; EAGLE-3's head has a lean path here); ``last``
+        [B]: only row ``last[b]``'s output ([B, 1, D], as ``Eagle3Head.draft``)."""
+        return rows_at(self(features, tokens, position_ids, attention_mask, cache), last)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., D] -> [..., M] over the draft vocabulary (M = V without a reduced vocabulary)."""
@@ -164,6 +165,11 @@ class EagleHead(nn.Module):
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
+
+
+def rows_at(h: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
+    """h [B, S, D] -> row ``last[b]`` of each sequence [B, 1, D] (h itself where ``last`` is None)."""
+    return h if last is None else h.gather(1, last[:, None, None].expand(h.shape[0], 1, h.shape[2]))
 
 
 def causal_bias(B: int, S: int, dtype: torch.dtype, device, lengths: torch.Tensor | None = None) -> torch.Tensor:
