@@ -380,3 +380,107 @@ def test_quant_self_never_prefills_or_catches_up_and_is_exact(monkeypatch):
     for b, p in enumerate(prompts):
         assert out.generated(b).tolist() == hf_greedy(target, p[None], 24)[0, len(p):].tolist()
     assert 0 < sum(sum(s.num_accepted) for s in out.steps) < sum(sum(s.num_drafted) for s in out.steps)
+
+
+# ------------------------------------------------------------------ the int8 route for drafts (draft_linear.cpp)
+
+APPROX = ["Q4_0", "Q4_1", "Q8_0"]
+
+
+def _int8_model(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    """csrc/draft_linear.cpp's arithmetic in float64 from the blocks' bytes: x rounded per 32 values
+    (dx = max|x| / 127), then per block d dx dot(q, xq) (+ m sx for Q4_1, - 8 d sx for Q4_0)."""
+    K = x.shape[1]
+    xb = x.double().reshape(x.shape[0], K // 32, 32)
+    dx = xb.abs().amax(-1) / 127  # [M, nb]
+    xq = torch.where(dx[..., None] > 0, torch.round(xb / dx[..., None].clamp(min=1e-300)), torch.zeros_like(xb))
+    sx = dx * xq.sum(-1)
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
+    b = w.reshape(w.shape[0], K // 32, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).double()[..., 0]  # [N, nb]
+    if name == "Q8_0":
+        q = b[..., 2:34].contiguous().view(torch.int8).double()
+        offset = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
+    else:
+        nib = b[..., size - 16:].long()
+        q = torch.cat([nib & 15, nib >> 4], -1).double()  # weights 0-15 low nibbles, 16-31 high
+        if name == "Q4_1":
+            m = b[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
+            offset = torch.einsum("nb,xb->xn", m, sx)
+        else:
+            offset = -8 * torch.einsum("nb,xb->xn", d, sx)
+    dots = torch.einsum("nbk,xbk->xnb", q, xq)
+    return torch.einsum("xnb,nb,xb->xn", dots, d, dx) + offset
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", APPROX)
+def test_the_int8_draft_kernel_is_its_integer_arithmetic_and_near_the_reference(variant, name):
+    """quant_linear_i8 computes exactly its documented int8 arithmetic (to fp32 rounding: fails on a wrong
+    nibble order, offset or sign), several parts side by side as each alone, and stays within the
+    self-check's APPROX_ERROR of the exact reference."""
+    ops = _ops(variant)
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(11)
+    for N, nb in ((1, 1), (7, 3), (130, 2)):  # features not a multiple of the kernel's group of 4
+        K = nb * 32
+        w, w2 = random_blocks(fmt, N, K, g), random_blocks(fmt, 5, K, g)
+        for rows in (1, 2, 3):
+            x = torch.randn(rows, K, generator=g)
+            x[0, :32] = 0.0  # an all-zero block of x
+            y = ops.quant_linear_i8(x, [w], [fmt.ggml_type])
+            want = _int8_model(x, w, name)
+            scale = want.abs() + 1e-3 * want.abs().max()  # fp32 sums of exact integer dots
+            assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all(), (variant, name, N, K, rows)
+            ref = F.linear(x, dequantize(w, fmt))
+            assert (y - ref).norm() <= qlinear.APPROX_ERROR * ref.norm()
+            both = ops.quant_linear_i8(x, [w, w2], [fmt.ggml_type, fmt.ggml_type])
+            assert torch.equal(both, torch.cat([y, ops.quant_linear_i8(x, [w2], [fmt.ggml_type])], 1))
+    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1 or Q8_0"):
+        ops.quant_linear_i8(torch.randn(1, 256), [random_blocks(FORMATS["Q4_K"], 2, 256, g)], [FORMATS["Q4_K"].ggml_type])
+
+
+def test_a_layer_takes_the_int8_route_only_inside_approximate_and_for_few_rows(ops, monkeypatch):
+    """Outside ``qlinear.approximate()`` a QuantLinear is the exact kernel's, inside it the int8 kernel's for
+    1-2 rows and the exact one's for more; the context ends with its block, an exception included."""
+    monkeypatch.setitem(qlinear.APPROXIMATES, (state.active().config.variant, "Q4_1"), True)
+    fmt = FORMATS["Q4_1"]
+    g = torch.Generator().manual_seed(2)
+    layer = QuantLinear(random_blocks(fmt, 40, 64, g), fmt, 64)
+    x = torch.randn(3, 64, generator=g)
+    exact = ops.quant_linear(x, layer.blocks, fmt.ggml_type)
+    with torch.inference_mode():
+        assert torch.equal(layer(x[:1]), exact[:1])
+        with qlinear.approximate():
+            assert torch.equal(layer(x[:2]), ops.quant_linear_i8(x[:2], [layer.blocks], [fmt.ggml_type]))
+            assert not torch.equal(layer(x[:2]), exact[:2])
+            assert torch.equal(layer(x), exact)  # 3 rows: the exact kernel
+        with pytest.raises(ZeroDivisionError), qlinear.approximate():
+            1 / 0
+        assert torch.equal(layer(x[:1]), exact[:1])
+
+
+def test_streaming_drafts_through_the_int8_route_and_stays_exact(monkeypatch):
+    """StreamingLLM on a Q4_1 target: its draft forwards take the int8 route (each 1-row linear inside them),
+    its verify the exact kernel: the answer is the target's own generate, token for token, with drafts
+    partly accepted."""
+    from specdec.drafters.self_spec import StreamingDrafter
+
+    if kernels.extension() is None:
+        pytest.skip("no kernel on this machine")
+    asked = []
+
+    def approximates(fmt, rt=None):
+        asked.append(fmt.name)
+        return True
+
+    monkeypatch.setattr(qlinear, "approximates", approximates)
+    target = tiny_quant_llama("Q4_1")
+    ids = prompts(96)[2][None]
+    want = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+    drafter = StreamingDrafter(target, budget=12, sink=2, overshoot=4)
+    out = SpecDecoder(target, drafter, SpecDecoderConfig(draft_length=FIXED_DRAFTS)).generate(ids, max_new_tokens=24)
+    assert torch.equal(out.sequences, want)
+    assert asked and set(asked) == {"Q4_1"}
+    assert 0 < sum(sum(s.num_accepted) for s in out.steps) < sum(sum(s.num_drafted) for s in out.steps)
+    assert not qlinear._approximate.get()

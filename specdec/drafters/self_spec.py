@@ -37,6 +37,7 @@ from specdec.drafters.model import pick_token
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
 from specdec.models import attention_shape, float_dtype
+from specdec.runtime import qlinear
 from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
                                    streaming_keep)
@@ -110,11 +111,14 @@ class SelfSpecDrafter(Drafter):
         self._before_propose = list(self.cache.lengths)
         ids = self._pending  # [B, 1]
         drafts, probs = [], []  # probs: q [B, V] per drafted token when sampling
-        for _ in range(budget):  # feed pending, d1, ..., d(K-1); d(K) is never fed
-            out = forward_block(self.draft, self.cache, ids, None, None)
-            self.cache.commit([[0]] * B)
-            ids = pick_token(out.logits[:, -1], probs, self.sampling, self.generator)[:, None]  # [B, 1]
-            drafts.append(ids)
+        # the draft's own forwards: blocks of one or two rows may round x to int8 (qlinear.approximate; the
+        # verify that follows is the target's exact forward)
+        with qlinear.approximate():
+            for _ in range(budget):  # feed pending, d1, ..., d(K-1); d(K) is never fed
+                out = forward_block(self.draft, self.cache, ids, None, None)
+                self.cache.commit([[0]] * B)
+                ids = pick_token(out.logits[:, -1], probs, self.sampling, self.generator)[:, None]  # [B, 1]
+                drafts.append(ids)
         return DraftTree.chain(torch.cat(drafts, dim=1).cpu(), probs=torch.stack(probs, 1) if probs else None)
 
     def accept(self, commit: Commit) -> None:

@@ -16,12 +16,20 @@ Which sizes take the kernel is a self-check per process, kernel variant and form
 1..2 * MAX_ROWS rows, kept for a size only where it agrees to fp32 rounding and is faster than the
 GEMM on a [N, K] = CHECK_FEATURES matrix; past MAX_ROWS its passes run up to the largest of CHUNK_SIZES
 at which they still win (docs/decisions/015-quant-kernels.md, "prefill" update).
+
+A third route is for drafts only: inside ``approximate()`` (a self-speculative drafter's own forwards),
+one or two rows over Q4_0 / Q4_1 / Q8_0 blocks may take ``quant_linear_i8`` (``csrc/draft_linear.cpp``: x
+rounded to int8 per block, integer dot products), where its own self-check finds it close to the
+reference and faster than the exact kernel (``approximates``). Never a target's verify: the context is
+entered around a draft forward and left after it.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +59,23 @@ class QuantRoutes:
 
 # (kernel variant, format name) -> its routes, once checked in this process
 CALIBRATED: dict[tuple[str | None, str], QuantRoutes] = {}
+APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/draft_linear.cpp multiplies as integers
+APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
+APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
+# (kernel variant, format name) -> whether drafts take the int8 route, once checked in this process
+APPROXIMATES: dict[tuple[str | None, str], bool] = {}
+_approximate: ContextVar[bool] = ContextVar("specdec_approximate", default=False)
+
+
+@contextmanager
+def approximate(on: bool = True):
+    """Within: linear layers of 1..APPROX_ROWS rows over Q4_0 / Q4_1 / Q8_0 blocks may take the int8 route
+    (``approximates``). For a drafter's own forwards only: their outputs are guesses the verifier checks."""
+    token = _approximate.set(on)
+    try:
+        yield
+    finally:
+        _approximate.reset(token)
 
 
 def uncalibrated(built: bool) -> QuantRoutes:
@@ -104,7 +129,11 @@ def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFo
     if rt.ops is None:
         return None
     x2 = x.reshape(rows, x.shape[-1])
-    if all(takes(f, rows, rt) for f in fmts):
+    if rows <= APPROX_ROWS and _approximate.get() and all(approximates(f, rt) for f in fmts):
+        y = rt.ops.quant_linear_i8(x2, blocks, [f.ggml_type for f in fmts])  # a draft's: approximate
+        if bias is not None:
+            y = y + bias
+    elif all(takes(f, rows, rt) for f in fmts):
         y = rt.ops.quant_linear_parts(x2, blocks, [f.ggml_type for f in fmts])  # [rows, N]
         if bias is not None:
             y = y + bias
@@ -172,6 +201,70 @@ def takes(fmt: BlockFormat, rows: int, rt: Active | None = None) -> bool:
         return False
     r = routes(fmt, rt)
     return r.kernel[rows - 1] if rows <= MAX_ROWS else rows <= r.chunked_to
+
+
+def approximates(fmt: BlockFormat, rt: Active | None = None) -> bool:
+    """Whether drafts take the int8 route for ``fmt`` (checked once per process, variant and format):
+    its output within APPROX_ERROR of the reference's on random blocks, and, where the configuration
+    calibrates, faster than the exact kernel at one row on a CHECK_FEATURES matrix (on a CPU with two
+    512-bit FMA units the exact kernel can be the faster: docs/decisions/015-quant-kernels.md)."""
+    rt = state.active() if rt is None else rt
+    key = (rt.config.variant, fmt.name)
+    found = APPROXIMATES.get(key)
+    if found is None:
+        found = APPROXIMATES[key] = (fmt.name in APPROX_FORMATS and rt.ops is not None
+                                     and hasattr(rt.ops, "quant_linear_i8") and _approx_check(rt, fmt))
+        log.info("specdec kernels: drafts over %s blocks by int8 dot products: %s", fmt.name, found)
+    return found
+
+
+def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = 3) -> bool:
+    g = torch.Generator().manual_seed(1)
+    small = random_blocks(fmt, 48, 4 * fmt.block_weights, g)
+    token = state.pin(rt)
+    try:
+        with torch.inference_mode():
+            for rows in range(1, APPROX_ROWS + 1):
+                x = torch.randn(rows, small.shape[1] // fmt.block_bytes * fmt.block_weights, generator=g)
+                y, ref = rt.ops.quant_linear_i8(x, [small], [fmt.ggml_type]), F.linear(x, dequantize(small, fmt))
+                if not bool(torch.isfinite(y).all()) or (y - ref).norm() > APPROX_ERROR * ref.norm():
+                    log.warning("specdec: the int8 draft kernel is off the %s reference at %d rows; drafts "
+                                "take the exact kernel", fmt.name, rows)
+                    return False
+            if not rt.config.calibrate:
+                return True
+            # a step's weights come from memory, not a cache: time a pass over APPROX_CHECK_MB of blocks (the
+            # codes' values do not change the time; the scales are finite: random_blocks' for one matrix)
+            layer = [(n, k, random_blocks(fmt, n, k, g)) for n, k in _layer_shapes()]
+            per_layer = sum(w.numel() for _, _, w in layer)
+            copies = max(1, APPROX_CHECK_MB * 2**20 // per_layer)
+            weights = []  # layers' worth of distinct blocks, each a copy of the one random layer
+            for _ in range(copies):
+                weights += [(k, w.clone()) for _, k, w in layer]
+            xs = {k: torch.randn(1, k, generator=g) for _, k, _ in layer}
+            best = {"i8": float("inf"), "exact": float("inf")}
+            for _ in range(rounds):
+                for name in ("exact", "i8"):
+                    t = time.perf_counter()
+                    for k, w in weights:
+                        if name == "i8":
+                            rt.ops.quant_linear_i8(xs[k], [w], [fmt.ggml_type])
+                        else:
+                            rt.ops.quant_linear(xs[k], w, fmt.ggml_type)
+                    best[name] = min(best[name], time.perf_counter() - t)
+            return best["i8"] < best["exact"]
+    finally:
+        state.unpin(token)
+
+
+APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
+
+
+def _layer_shapes() -> list[tuple[int, int]]:
+    """[N, K] of a Llama layer's seven linears at the CHECK_FEATURES width (the default model's: D = 576,
+    3 of 9 heads' K/V, an MLP of 1536): q, k, v, o, gate, up, down."""
+    d, f = CHECK_FEATURES
+    return [(d, d), (d // 3, d), (d // 3, d), (d, d), (f, d), (f, d), (d, f)]
 
 
 def agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
