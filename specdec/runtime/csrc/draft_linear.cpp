@@ -23,10 +23,7 @@
 #include <vector>
 
 #include "ops.h"
-
-#if defined(__AVX2__)
-#include <immintrin.h>
-#endif
+#include "vec.h"
 
 namespace {
 
@@ -37,17 +34,7 @@ constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML types
 
 #if defined(__AVX2__)
 
-float kHalf[1 << 16];  // f16 -> fp32 by a table (as quant_linear.cpp)
-const bool kHalfFilled = [] {
-  for (int h = 0; h < (1 << 16); ++h) kHalf[h] = _cvtsh_ss(static_cast<uint16_t>(h));
-  return true;
-}();
-
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return kHalf[h];
-}
+using specdec_vec::f16;  // a block's f16 scale, by vec.h's table
 
 // sum over groups of 4 of u8 x s8 products into the int32 lanes of acc
 inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {

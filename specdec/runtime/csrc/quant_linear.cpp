@@ -30,6 +30,7 @@
 
 namespace {
 
+using specdec_vec::f16;  // a block's f16 scale, by vec.h's table
 using specdec_vec::hsum;
 using specdec_vec::kLanes;
 using specdec_vec::vec;
@@ -68,22 +69,6 @@ inline vec from_ints(__m128i b, bool is_signed) {
 inline vec to_float(bytes b) { return from_ints(as_m128i(&b, sizeof(b)), false); }
 
 inline vec to_float(sbytes b) { return from_ints(as_m128i(&b, sizeof(b)), true); }
-
-// f16 -> fp32 through a table of all 65,536 values (256 KB, filled when the library loads; a model's
-// scales touch a few lines of it): a block's scale then reaches a vector register by a broadcast from
-// memory, a load, where converting it (vpinsrw, vcvtph2ps, vbroadcastss) takes the shuffle port that the
-// lookups (vpermps) and half the FMAs also need. The same value as _cvtsh_ss, bit for bit.
-alignas(64) float kHalf[1 << 16];
-const bool kHalfFilled = [] {
-  for (int h = 0; h < (1 << 16); ++h) kHalf[h] = _cvtsh_ss(static_cast<uint16_t>(h));
-  return true;
-}();
-
-inline float f16(const uint8_t* p) {
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return kHalf[h];
-}
 
 // x in every lane by a broadcast (from memory where x was just loaded: a table's scale), not vec.h's
 // ``vec{} + x``, which GCC computes as a scalar add and a broadcast from a register (the shuffle port)

@@ -77,4 +77,23 @@ static inline vec vexp(vec x) {
   return x < lo ? vec{} : y;
 }
 
+#if defined(__F16C__)
+// f16 -> fp32 through a table of all 65,536 values (256 KB, filled when the library loads; one table for
+// every source: an inline variable; a model's scales touch a few lines of it): a block's scale then reaches a
+// vector register by a broadcast from memory, a load, where converting it (vpinsrw, vcvtph2ps, vbroadcastss)
+// takes the shuffle port that the lookups (vpermps) and half the FMAs also need. The same value as
+// _cvtsh_ss, bit for bit.
+alignas(64) inline float kHalf[1 << 16];
+inline const bool kHalfFilled = [] {
+  for (int h = 0; h < (1 << 16); ++h) kHalf[h] = _cvtsh_ss(static_cast<uint16_t>(h));
+  return true;
+}();
+
+static inline float f16(const uint8_t* p) {
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return kHalf[h];
+}
+#endif
+
 }  // namespace specdec_vec
