@@ -102,10 +102,12 @@ def routes(fmt: BlockFormat, rt: Active | None = None) -> QuantRoutes:
 
 
 def prepare(formats, config: RuntimeConfig | None = None) -> None:
-    """Check the routes of ``formats`` now (before any timed step), under ``config`` (default: in force)."""
+    """Check the routes of ``formats`` now (before any timed step; drafts' int8 route too), under ``config``
+    (default: in force)."""
     rt = state.resolve(current() if config is None else config)
     for fmt in formats:
         routes(fmt, rt)
+        approximates(fmt, rt)
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None
@@ -205,9 +207,10 @@ def takes(fmt: BlockFormat, rows: int, rt: Active | None = None) -> bool:
 
 def approximates(fmt: BlockFormat, rt: Active | None = None) -> bool:
     """Whether drafts take the int8 route for ``fmt`` (checked once per process, variant and format):
-    its output within APPROX_ERROR of the reference's on random blocks, and, where the configuration
-    calibrates, faster than the exact kernel at one row on a CHECK_FEATURES matrix (on a CPU with two
-    512-bit FMA units the exact kernel can be the faster: docs/decisions/015-quant-kernels.md)."""
+    its output within APPROX_ERROR of the reference's on random blocks at 1..APPROX_ROWS rows, and, where
+    the configuration calibrates, faster than the exact kernel at one row over APPROX_CHECK_MB of a
+    layer's seven shapes streamed from memory (in cache the gain does not show; on a CPU with two 512-bit
+    FMA units the exact kernel can be the faster: docs/decisions/015-quant-kernels.md, eighth session)."""
     rt = state.active() if rt is None else rt
     key = (rt.config.variant, fmt.name)
     found = APPROXIMATES.get(key)
