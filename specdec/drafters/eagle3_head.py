@@ -140,10 +140,8 @@ class _LeanLayer:
         k, v = cache.update(k, v, 0)  # [B, Hkv, L, Dh] views of the store
         residual = normed if self.norm_before_residual else hidden
         if last is not None:  # a row's K/V need only its input; its output is wanted for `last` alone
-            q = q.gather(2, last[:, None, None, None].expand(B, q.shape[1], 1, q.shape[3]))
-            attention_mask = attention_mask.gather(2, last[:, None, None, None].expand(
-                B, attention_mask.shape[1], 1, attention_mask.shape[3]))
-            residual, Q = residual.gather(1, last[:, None, None].expand(B, 1, residual.shape[2])), 1
+            q, attention_mask = rows_at(q, last, 2), rows_at(attention_mask, last, 2)
+            residual, Q = rows_at(residual, last), 1
         o, _ = grouped_attention(self.attn, q, k, v, attention_mask, scaling=self.attn.scaling)
         x, h = ops.add_norm(residual.contiguous(), self.o(o.reshape(B, Q, -1)), n_post.weight, n_post.variance_epsilon)
         return x + self.down(ops.silu_mul(self.gate_up(h)))

@@ -167,9 +167,14 @@ class EagleHead(nn.Module):
         return draft_ids if self.draft_vocab is None else self.draft_vocab[draft_ids]
 
 
-def rows_at(h: torch.Tensor, last: torch.Tensor | None) -> torch.Tensor:
-    """h [B, S, D] -> row ``last[b]`` of each sequence [B, 1, D] (h itself where ``last`` is None)."""
-    return h if last is None else h.gather(1, last[:, None, None].expand(h.shape[0], 1, h.shape[2]))
+def rows_at(h: torch.Tensor, last: torch.Tensor | None, dim: int = 1) -> torch.Tensor:
+    """Row ``last[b]`` along ``dim`` of each sequence b (h's first dim), that dim then of size 1 (h itself
+    where ``last`` is None). Example: h [B, S, D], dim 1 -> [B, 1, D]; q [B, H, Q, Dh], dim 2 -> [B, H, 1, Dh]."""
+    if last is None:
+        return h
+    shape = list(h.shape)
+    shape[dim] = 1
+    return h.gather(dim, last.view(-1, *[1] * (h.dim() - 1)).expand(shape))
 
 
 def causal_bias(B: int, S: int, dtype: torch.dtype, device, lengths: torch.Tensor | None = None) -> torch.Tensor:

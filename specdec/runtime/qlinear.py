@@ -62,6 +62,7 @@ CALIBRATED: dict[tuple[str | None, str], QuantRoutes] = {}
 APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/draft_linear.cpp multiplies as integers
 APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
 APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
+APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
 # (kernel variant, format name) -> whether drafts take the int8 route, once checked in this process
 APPROXIMATES: dict[tuple[str | None, str], bool] = {}
 _approximate: ContextVar[bool] = ContextVar("specdec_approximate", default=False)
@@ -238,13 +239,11 @@ def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = 3) -> bool:
                 return True
             # a step's weights come from memory, not a cache: time a pass over APPROX_CHECK_MB of blocks (the
             # codes' values do not change the time; the scales are finite: random_blocks' for one matrix)
-            layer = [(n, k, random_blocks(fmt, n, k, g)) for n, k in _layer_shapes()]
-            per_layer = sum(w.numel() for _, _, w in layer)
-            copies = max(1, APPROX_CHECK_MB * 2**20 // per_layer)
-            weights = []  # layers' worth of distinct blocks, each a copy of the one random layer
-            for _ in range(copies):
-                weights += [(k, w.clone()) for _, k, w in layer]
-            xs = {k: torch.randn(1, k, generator=g) for _, k, _ in layer}
+            layer = [(k, random_blocks(fmt, n, k, g)) for n, k in _layer_shapes()]
+            copies = max(1, APPROX_CHECK_MB * 2**20 // sum(w.numel() for _, w in layer))
+            # layers' worth of distinct blocks, each a copy of the one random layer
+            weights = [(k, w.clone()) for _ in range(copies) for k, w in layer]
+            xs = {k: torch.randn(1, k, generator=g) for k, _ in layer}
             best = {"i8": float("inf"), "exact": float("inf")}
             for _ in range(rounds):
                 for name in ("exact", "i8"):
@@ -259,8 +258,6 @@ def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = 3) -> bool:
     finally:
         state.unpin(token)
 
-
-APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
 
 
 def _layer_shapes() -> list[tuple[int, int]]:
