@@ -484,3 +484,38 @@ def test_streaming_drafts_through_the_int8_route_and_stays_exact(monkeypatch):
     assert asked and set(asked) == {"Q4_1"}
     assert 0 < sum(sum(s.num_accepted) for s in out.steps) < sum(sum(s.num_drafted) for s in out.steps)
     assert not qlinear._approximate.get()
+
+
+def test_streaming_samples_through_the_int8_route_as_the_quantized_target_does(monkeypatch):
+    """Sampling with StreamingLLM drafts whose q comes through the int8 route (allowed for every row count
+    here, so that 2,000-row batches take it): the first two new tokens follow the Q4_1 target's own joint
+    distribution (chi-square and total variation, 20,000 samples)."""
+    from specdec.bench.distribution import pair_mismatch, two_token_tables
+    from specdec.drafters.self_spec import StreamingDrafter
+    from specdec.sampling import SamplingParams
+
+    if kernels.extension() is None:
+        pytest.skip("no kernel on this machine")
+    asked = []
+
+    def approximates(fmt, rt=None):
+        asked.append(fmt.name)
+        return True
+
+    monkeypatch.setattr(qlinear, "approximates", approximates)
+    monkeypatch.setattr(qlinear, "APPROX_ROWS", 4096)
+    target = tiny_quant_llama("Q4_1", seed=3)
+    prompt = torch.tensor([[1, 5, 7, 5, 7, 9]])
+    with torch.inference_mode():
+        p1, p2 = two_token_tables(target, prompt, SamplingParams.resolve(target, temperature=0.8))
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
+    decoder = SpecDecoder(target, StreamingDrafter(target, budget=3, sink=1, overshoot=1), config)
+    g = torch.Generator().manual_seed(1)
+    pairs, drafted = [], 0
+    for _ in range(10):
+        out = decoder.generate(prompt.expand(2000, -1), max_new_tokens=3, do_sample=True, temperature=0.8, generator=g)
+        pairs.append(out.sequences[:, prompt.shape[1]: prompt.shape[1] + 2])
+        drafted += sum(sum(s.num_drafted) for s in out.steps)
+    assert drafted > 0 and asked
+    mismatch = pair_mismatch(torch.cat(pairs), p1[:, None] * p2)
+    assert mismatch is None, mismatch
