@@ -109,6 +109,46 @@ def test_one_call_over_quantized_blocks_is_the_loop_bit_for_bit(quant, monkeypat
         assert torch.equal(la, lb) and torch.equal(ha, hb)
 
 
+def test_one_call_inside_approximate_is_the_int8_loop_bit_for_bit(monkeypatch):
+    """A draft's 1-row and 2-row blocks inside ``qlinear.approximate()``: the one compiled call takes the int8
+    route as the loop's linears do (the same logits and hidden states, bit for bit), which is not the exact
+    kernel's result; outside the context the one call is the exact kernel's again."""
+    from specdec.forward import forward_block
+    from specdec.kv.bmc import BMCCache, BMCConfig
+    from test_layer_ops import _count_one_calls
+
+    ops = _ops("native")
+    runtime = RuntimeConfig(calibrate=False)
+    monkeypatch.setitem(qlinear.APPROXIMATES, (runtime.variant, "Q4_1"), True)
+    model = tiny_quant_llama("Q4_1")
+    g = torch.Generator().manual_seed(4)
+    ids = torch.randint(1, model.config.vocab_size, (1, 9), generator=g)
+    steps = [torch.randint(1, model.config.vocab_size, (1, n), generator=g) for n in (1, 2, 1)]
+
+    def run(one_call: bool, approx: bool):
+        path.one_call = one_call
+        cache = BMCCache.for_model(model, 1, BMCConfig(8))
+        forward_block(model, cache, ids, None, None)
+        cache.commit([list(range(9))])
+        outs = []
+        for step in steps:
+            with qlinear.approximate(approx):
+                o = forward_block(model, cache, step, None, None, want_hidden=True)
+            outs.append((o.logits, o.hidden))
+            cache.commit([list(range(step.shape[1]))])
+        return outs
+
+    with use(runtime), torch.inference_mode():
+        path = fastpath.get(model, runtime)
+        assert path is not None and path.one_call and ops is not None
+        calls = _count_one_calls(monkeypatch)
+        one, loop, exact = run(True, True), run(False, True), run(True, False)
+    assert calls["ran"] >= 2 * len(steps)  # both the approximate and the exact runs took the one call
+    for (la, ha), (lb, hb), (le, _) in zip(one, loop, exact):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+        assert not torch.equal(la, le)
+
+
 def test_block_kernel_names_a_format_it_has_no_decoder_for():
     ops = _ops("native")
     with pytest.raises(RuntimeError, match="GGML type 0 has no kernel"):

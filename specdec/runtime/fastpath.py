@@ -344,7 +344,8 @@ class FastPath:
     def _one_call(self, ops, cache, x, h, cos, sin, attention_mask, split: bool = False, keep: tuple[int, ...] = ()
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The loop of ``_layers`` on the fused ops as one compiled call (``csrc/layers.cpp``: the same ops
-        in the same order, the store's write included, bit for bit the loop's results), where the cache
+        in the same order, the store's write included, and a quantized target's linears by the same routes,
+        a draft's int8 one inside ``qlinear.approximate()`` too: bit for bit the loop's results), where the cache
         hands over its buffers (a BMC store); attention as ``grouped_attention`` runs it (PAD), or with
         ``split`` as ``split_attention`` does (each batch row over its own rows); None otherwise (the
         loop then runs). Returns (the last norm's output, the inputs of the ``keep`` layers concatenated)."""
@@ -370,12 +371,14 @@ class FastPath:
             if not all(qlinear.takes(fmt, B * Q) for fmt in formats):
                 return None
             plan, packed = [0, B * Q, 0], blocks  # the plan: unused (the kernel's passes split the rows)
+            approx = qlinear.by_int8(formats, B * Q)  # a draft's forward: the int8 route, as the loop's linears
         else:
-            plan, layout = lin.plan(B * Q, lin.max_rows()), []
+            plan, layout, approx = lin.plan(B * Q, lin.max_rows()), [], False
             kernel_ids = [ROUTES.index(r) for r in KERNEL_ROUTES]
             packed = self._packed() if any(r in kernel_ids for r in plan[2::3]) else []
         _, h, inputs = ops.layers(x, h, self._weights, packed, self._biases, self._norms, self._eps, keys, values,
-                                  starts, cos, sin, mask, hq, hkv, self._scale, plan, kernel, split, layout, keep)
+                                  starts, cos, sin, mask, hq, hkv, self._scale, plan, kernel, split, layout, keep,
+                                  approx)
         return h, inputs
 
     def _packed(self) -> list[torch.Tensor]:

@@ -132,7 +132,7 @@ def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFo
     if rt.ops is None:
         return None
     x2 = x.reshape(rows, x.shape[-1])
-    if rows <= APPROX_ROWS and _approximate.get() and all(approximates(f, rt) for f in fmts):
+    if by_int8(fmts, rows, rt):
         y = rt.ops.quant_linear_i8(x2, blocks, [f.ggml_type for f in fmts])  # a draft's: approximate
         if bias is not None:
             y = y + bias
@@ -204,6 +204,12 @@ def takes(fmt: BlockFormat, rows: int, rt: Active | None = None) -> bool:
         return False
     r = routes(fmt, rt)
     return r.kernel[rows - 1] if rows <= MAX_ROWS else rows <= r.chunked_to
+
+
+def by_int8(fmts: list[BlockFormat], rows: int, rt: Active | None = None) -> bool:
+    """Whether ``rows`` rows through weights of ``fmts`` take the int8 route here: inside ``approximate()``,
+    at most APPROX_ROWS rows, every format one the route ``approximates``."""
+    return rows <= APPROX_ROWS and _approximate.get() and all(approximates(f, rt) for f in fmts)
 
 
 def approximates(fmt: BlockFormat, rt: Active | None = None) -> bool:

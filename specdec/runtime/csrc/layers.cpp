@@ -16,9 +16,10 @@
 // by the routes the caller planned: per chunk of rows, F.linear (0), W @ x^T (1: an odd row count padded
 // with a zero row, as runtime/linear.py _skinny), the packed kernel (2) or its wide shape (3); or, for a
 // quantized target (``quant`` given), every linear by the block kernel (csrc/quant_linear.cpp) over its
-// parts' blocks side by side (q, k, v; gate, up), outputs concatenated as fastpath.py's _Stacked does. Same
-// ops, same order, same arguments as specdec/runtime/fastpath.py's loop: the results are the loop's, bit
-// for bit.
+// parts' blocks side by side (q, k, v; gate, up), outputs concatenated as fastpath.py's _Stacked does, or
+// with ``approx`` (a draft's forward of one or two rows, runtime/qlinear.py's int8 route) by the int8 draft
+// kernel (csrc/draft_linear.cpp). Same ops, same order, same arguments as specdec/runtime/fastpath.py's
+// loop: the results are the loop's, bit for bit.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
 #include <ATen/core/Tensor.h>  // the Tensor, its methods, and each op used from its own header
                                 // (ATen.h declares every op: docs/decisions/015-quant-kernels.md)
@@ -61,6 +62,7 @@ struct Ops {
   c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>
       attention;
   c10::TypedOperatorHandle<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)> quant_linear_parts;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)> quant_linear_i8;
 };
 
 const Ops& ops() {
@@ -71,6 +73,7 @@ const Ops& ops() {
       op("silu_mul").typed<Tensor(const Tensor&)>(),
       op("attention").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>(),
       op("quant_linear_parts").typed<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)>(),
+      op("quant_linear_i8").typed<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)>(),
   };
   return o;
 }
@@ -112,12 +115,14 @@ QuantParts quant_parts(at::IntArrayRef quant, at::TensorList blocks, int64_t lin
   return q;
 }
 
-// x [..., K] through linear l's parts by the block kernel in one call, outputs side by side -> [..., sum of N_p]
-Tensor quant_linear(const Tensor& x, const QuantParts& q, int64_t l) {
+// x [..., K] through linear l's parts by the block kernel in one call, outputs side by side -> [..., sum of N_p];
+// with ``approx``, by the int8 draft kernel (csrc/draft_linear.cpp: a draft's forward, never a verify)
+Tensor quant_linear(const Tensor& x, const QuantParts& q, int64_t l, bool approx) {
   const int64_t K = x.size(-1), rows = x.numel() / K;
   const auto parts = at::TensorList(q.blocks).slice(q.first[l], q.count[l]);
   const auto types = at::IntArrayRef(q.types).slice(q.first[l], q.count[l]);
-  Tensor y = ops().quant_linear_parts.call(x.reshape({rows, K}), parts, types);
+  const auto& route = approx ? ops().quant_linear_i8 : ops().quant_linear_parts;
+  Tensor y = route.call(x.reshape({rows, K}), parts, types);
   auto sizes = x.sizes().vec();
   sizes.back() = y.size(1);
   return y.view(sizes);
@@ -153,10 +158,11 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
             const c10::List<std::optional<Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
             at::TensorList keys, at::TensorList values, at::IntArrayRef starts, const Tensor& cos, const Tensor& sin,
             const std::optional<Tensor>& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef plan,
-            c10::List<bool> kernel_attention, bool split, at::IntArrayRef quant, at::IntArrayRef keep) {
+            c10::List<bool> kernel_attention, bool split, at::IntArrayRef quant, at::IntArrayRef keep, bool approx) {
   const int64_t n = static_cast<int64_t>(keys.size());
   const bool quantized = !quant.empty();  // weights and biases then empty, packed the parts' blocks
   const QuantParts qparts = quantized ? quant_parts(quant, packed, 4 * n) : QuantParts{};
+  TORCH_CHECK(!approx || quantized, "layers: approx is for a quantized target's linears");
   TORCH_CHECK(x0.dim() == 3 && h0.sizes() == x0.sizes(), "layers: x and h [B, Q, C]");
   TORCH_CHECK(values.size() == keys.size() && (quantized || weights.size() == static_cast<size_t>(4 * n)) &&
                   biases.size() == weights.size() && norms.size() == static_cast<size_t>(2 * n) &&
@@ -199,7 +205,7 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
       if (keep[j] == i) inputs[j] = x;  // add_rms_norm returns new tensors: this x stays as it is
     const auto lin = [&](const Tensor& in, int64_t j) {
       const int64_t at = 4 * i + j;
-      if (quantized) return quant_linear(in, qparts, at);
+      if (quantized) return quant_linear(in, qparts, at, approx);
       return linear(in, weights[at], kernel ? packed[at] : weights[at], biases.get(at), chunks);
     };
     auto [q, k, v] = ops().rope_split.call(lin(h, 0), cos, sin, hq, hkv);  // q [B, hq, Q, D], k/v [B, hkv, Q, D]
@@ -241,6 +247,7 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("layers(Tensor x, Tensor h, Tensor[] weights, Tensor[] packed, Tensor?[] biases, Tensor[] norms, "
         "float[] eps, Tensor[] keys, Tensor[] values, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int hq, "
-        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False, int[] quant=[], int[] keep=[]) -> (Tensor, Tensor, Tensor)");
+        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False, int[] quant=[], int[] keep=[], bool approx=False) -> "
+        "(Tensor, Tensor, Tensor)");
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("layers", &layers); }
