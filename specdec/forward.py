@@ -69,13 +69,15 @@ def hidden_of(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) 
 @torch.inference_mode()
 def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: torch.Tensor | None,
                   depth: torch.Tensor | None, want_hidden: bool = False, split: bool = False,
-                  layers: tuple[int, ...] = ()) -> BlockOutput:
+                  layers: tuple[int, ...] = (), head=None) -> BlockOutput:
     """input_ids [B, Q]; block_mask [B, Q, Q] bool; depth [B, Q] position offsets within the block.
 
     block_mask = depth = None means a causal block (chain, plain decode): the store's fast path.
     split: SPLIT attention (per row over its own length) instead of PAD.
     layers: with want_hidden, the layers whose inputs to return instead of the last hidden state
     (``hidden_of``; EAGLE-3).
+    head: an output layer in the model's place (a draft's ``drafters.vocab.VocabHead``); where HF's forward
+    runs, its full logits restricted as that head restricts them.
     """
     if block_mask is None:
         inputs = cache.prepare_chain(input_ids.shape[1])
@@ -88,18 +90,22 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     ours = split or saved == "sdpa"  # other implementations (flash, flex) are left as the user chose
     keep = layers if want_hidden else ()
     if not ours:  # flash, flex: HF's forward as the user set it up
-        return _hf_block(model, cache, input_ids, inputs, want_hidden, keep)
+        return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep), head)
     path = fastpath.get(model, check=False)  # under the runtime the decoder's block pinned
     with block_scope([n + input_ids.shape[1] for n in cache.lengths] if split else None):
         if path is not None:  # a Llama-shaped target: the same ops without HF's per-module Python
             logits, hidden = path(cache, input_ids.to(model.device), inputs.position_ids, inputs.attention_mask,
-                                  split_attention if split else grouped_attention, keep=keep)
+                                  split_attention if split else grouped_attention, keep=keep, head=head)
             return BlockOutput(logits, hidden if want_hidden else None)
         config._attn_implementation = SPLIT if split else PAD  # HF's layers look the function up
         try:
-            return _hf_block(model, cache, input_ids, inputs, want_hidden, keep)
+            return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep), head)
         finally:
             config._attn_implementation = saved
+
+
+def _restricted(out: BlockOutput, head) -> BlockOutput:
+    return out if head is None else BlockOutput(head.restrict(out.logits), out.hidden)
 
 
 def _hf_block(model, cache: BMCCache, input_ids: torch.Tensor, inputs, want_hidden: bool,

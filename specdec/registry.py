@@ -31,6 +31,7 @@ from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.quant_self import quant_self_drafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
+from specdec.drafters.vocab import packaged_vocabulary
 from specdec.models import float_dtype, text_config
 
 DrafterFactory = Callable[[object], "Drafter | Chooser | None"]
@@ -74,7 +75,7 @@ def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> S
         quant_self = float_dtype(target) in QUANT_SELF_IN_AUTO
     if quant_self:
         sources["quant-self"] = quant_self_drafter(target)
-    streaming = sources["streaming"] = StreamingDrafter(target, budget=512)
+    streaming = sources["streaming"] = StreamingDrafter(target, budget=512, vocab=packaged_vocabulary(target))
     streaming_from = partial(streaming.pays_from, SELF_SPEC_MAX_READ_RATIO)  # prompt tokens, given the batch size
     heads = [n for n in ("eagle", "eagle3") if n in sources]
     learned = [n for n in (*heads, "quant-self") if n in sources]  # keyed by prompt lookup's match
@@ -98,12 +99,13 @@ DRAFTERS: dict[str, DrafterFactory] = {
     "auto+quant-self": lambda target: make_auto(target, quant_self=True),
     # prompt lookup after a 2-gram match or longer, the EAGLE head elsewhere
     "eagle+lookup": lambda target: LookupHybridDrafter(make_eagle(target)),
-    # the target drafts for itself over 512 KV rows (MagicDec): 4 sinks + the recent window
-    "streaming": lambda target: StreamingDrafter(target, budget=512),
+    # the target drafts for itself over 512 KV rows (MagicDec): 4 sinks + the recent window; its output
+    # layer over the packaged draft vocabulary and the prompt's ids where that fits the target (drafters.vocab)
+    "streaming": lambda target: StreamingDrafter(target, budget=512, vocab=packaged_vocabulary(target)),
     # ... or over the prompt rows its last 32 prompt queries attend to most, plus the window
-    "snapkv": lambda target: SnapKVDrafter(target, budget=512),
-    # the target's own decoder layers quantized to Q4_0 blocks (its output layer to Q8_0), drafting over
-    # the target's own K/V rows
+    "snapkv": lambda target: SnapKVDrafter(target, budget=512, vocab=packaged_vocabulary(target)),
+    # the target's own decoder layers quantized to Q4_0 blocks (its output layer to Q8_0, over the draft
+    # vocabulary as streaming's), drafting over the target's own K/V rows
     "quant-self": quant_self_drafter,
     # a tree of what followed the longest matching suffix of the prompt and answer so far
     "suffix": lambda target: SuffixDrafter(),

@@ -77,11 +77,14 @@ def make_methods(names: list[str], budgets: list[int]) -> list[MethodSpec]:
 
 def make_drafter(spec: MethodSpec, model):
     from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+    from specdec.drafters.vocab import packaged_vocabulary
     from specdec.registry import make_drafter as by_name
 
     if spec.budget is None:
         return by_name(spec.drafter, model)
-    return {"streaming": StreamingDrafter, "snapkv": SnapKVDrafter}[spec.drafter](model, budget=spec.budget)
+    # as the registry's: over the packaged draft vocabulary where it fits the target
+    return {"streaming": StreamingDrafter, "snapkv": SnapKVDrafter}[spec.drafter](
+        model, budget=spec.budget, vocab=packaged_vocabulary(model))
 
 
 def step_figures(steps) -> dict:

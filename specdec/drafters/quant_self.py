@@ -8,6 +8,9 @@ with the target often, and its steps read ~1/7 of an fp32 target's bytes (throug
 ``runtime/qlinear.py``). It pays off for a higher-precision target (fp32, bf16, Q8_0); over a Q4 target
 it reads as much as the target itself. Measured: docs/decisions/015-quant-kernels.md.
 
+The registry's ``quant-self`` computes that output layer for the packaged draft vocabulary and the prompt's
+ids only (``drafters.vocab``), where the vocabulary fits the target.
+
 It drafts over the target's own K/V rows (``QuantSelfDrafter``, the registry's ``quant-self``): every
 committed token's rows are copied from the target's store, as self-speculation does, so the draft never
 prefills a prompt or catches up after a pause.
@@ -28,6 +31,7 @@ import torch.nn as nn
 
 from specdec.drafters.base import Prompt
 from specdec.drafters.self_spec import SelfSpecDrafter
+from specdec.drafters.vocab import DraftVocabulary, packaged_vocabulary
 from specdec.kv.bmc import BMCCache
 from specdec.kv.compressed import CompressedCacheConfig
 from specdec.models import float_dtype
@@ -131,9 +135,11 @@ class QuantSelfDrafter(SelfSpecDrafter):
 
     compresses = False  # every row: the draft is cheaper by its weights, not by its rows
 
-    def __init__(self, target: nn.Module, quant: str = DRAFT_QUANT, head: str | None = HEAD_QUANT) -> None:
+    def __init__(self, target: nn.Module, quant: str = DRAFT_QUANT, head: str | None = HEAD_QUANT,
+                 vocab: DraftVocabulary | None = None) -> None:
         # no compaction: the budget is past any context, so a row is never evicted
-        super().__init__(target, CompressedCacheConfig(budget=2**62, overshoot=0), quantized_copy(target, quant, head))
+        super().__init__(target, CompressedCacheConfig(budget=2**62, overshoot=0), quantized_copy(target, quant, head),
+                         vocab)
 
     def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
         L, H = self.num_layers, self.num_kv_heads
@@ -141,4 +147,5 @@ class QuantSelfDrafter(SelfSpecDrafter):
 
 
 def quant_self_drafter(target: nn.Module) -> QuantSelfDrafter:
-    return QuantSelfDrafter(target)
+    """The registry's ``quant-self``: Q4_0 layers, and the packaged draft vocabulary where it fits."""
+    return QuantSelfDrafter(target, vocab=packaged_vocabulary(target))

@@ -10,6 +10,9 @@ target's when the decoder samples (q handed to the verifier). At long contexts a
 cache, so reading a few hundred rows instead of thousands makes the draft cheap, and being the
 target it is accepted often.
 
+With ``vocab`` (``drafters.vocab``) the draft's output layer computes the frequent ids and the prompt's
+only: it never proposes another id, and its q is zero there.
+
 No second prefill, no drift. The compressed cache is copied from the target's store right after its
 prefill (``Prompt.cache``). Between steps it holds exactly the *target's* K/V rows of every committed
 token it keeps: ``accept`` drops the rows the draft wrote (the pending token and the drafts) and
@@ -34,6 +37,7 @@ from transformers import AttentionInterface
 from specdec.controller.cost import shortest_paying_prompt
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
+from specdec.drafters.vocab import DraftVocabulary, VocabHead
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache
 from specdec.models import attention_shape, float_dtype
@@ -52,10 +56,13 @@ class SelfSpecDrafter(Drafter):
     capabilities = Capabilities(batches=True, samples=True)  # controller-sized chains, sampled with q
     compresses = True  # the draft reads fewer rows than the target (a prompt within the budget: a warning)
 
-    def __init__(self, target, cache_config: CompressedCacheConfig, draft_model=None) -> None:
+    def __init__(self, target, cache_config: CompressedCacheConfig, draft_model=None,
+                 vocab: DraftVocabulary | None = None) -> None:
         self.target = target
         self.draft = target if draft_model is None else draft_model.eval()
         self.cache_config = cache_config
+        self.vocab = vocab  # the ids the draft's output layer computes (with each prompt's); None: all
+        self._head: VocabHead | None = None  # this prompt's: built at begin
         self.num_layers, self.num_kv_heads, self.head_dim = attention_shape(target)
         self.cache: CompressedCache | None = None
         self.source: BMCCache | None = None  # the target's store (read only)
@@ -103,6 +110,8 @@ class SelfSpecDrafter(Drafter):
         self._synced = list(self.source.lengths)
         self._pending = None
         self._before_propose = None
+        if self.vocab is not None:
+            self._head = VocabHead(self.draft.get_output_embeddings(), self.vocab.ids_for(prompt.input_ids))
 
     def propose(self, budget: int) -> DraftTree:
         B = self.cache.batch_size
@@ -115,7 +124,7 @@ class SelfSpecDrafter(Drafter):
         # verify that follows is the target's exact forward)
         with qlinear.approximate():
             for _ in range(budget):  # feed pending, d1, ..., d(K-1); d(K) is never fed
-                out = forward_block(self.draft, self.cache, ids, None, None)
+                out = forward_block(self.draft, self.cache, ids, None, None, head=self._head)
                 self.cache.commit([[0]] * B)
                 ids = pick_token(out.logits[:, -1], probs, self.sampling, self.generator)[:, None]  # [B, 1]
                 drafts.append(ids)
@@ -147,10 +156,11 @@ class SelfSpecDrafter(Drafter):
 class StreamingDrafter(SelfSpecDrafter):
     """StreamingLLM: the first ``sink`` tokens and the most recent ``budget - sink``."""
 
-    def __init__(self, target, budget: int = 512, sink: int = 4, overshoot: int = 64) -> None:
+    def __init__(self, target, budget: int = 512, sink: int = 4, overshoot: int = 64,
+                 vocab: DraftVocabulary | None = None) -> None:
         if sink < 0 or budget < sink + 1:
             raise ValueError(f"streaming budget {budget} must be at least sink + 1 = {sink + 1} rows")
-        super().__init__(target, CompressedCacheConfig(budget=budget, overshoot=overshoot))
+        super().__init__(target, CompressedCacheConfig(budget=budget, overshoot=overshoot), vocab=vocab)
         self.sink = sink
 
     def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:
@@ -170,12 +180,13 @@ class SnapKVDrafter(SelfSpecDrafter):
     most (pooled, summed per GQA group), plus the window; decoded tokens append, and past the budget
     the oldest decoded rows are evicted (the selected prompt rows stay)."""
 
-    def __init__(self, target, budget: int = 512, window: int = 32, kernel: int = 7, overshoot: int = 64) -> None:
+    def __init__(self, target, budget: int = 512, window: int = 32, kernel: int = 7, overshoot: int = 64,
+                 vocab: DraftVocabulary | None = None) -> None:
         if budget < 1:
             raise ValueError(f"snapkv budget must be at least 1 row, got {budget}")
         if window < 1 or kernel < 1 or kernel % 2 == 0:
             raise ValueError(f"snapkv needs window >= 1 and an odd kernel >= 1, got window {window}, kernel {kernel}")
-        super().__init__(target, CompressedCacheConfig(budget=budget, overshoot=overshoot))
+        super().__init__(target, CompressedCacheConfig(budget=budget, overshoot=overshoot), vocab=vocab)
         self.snap = SnapKVConfig(window, kernel)
 
     def prompt_rows(self, prompt: Prompt, source: BMCCache) -> tuple[list[torch.Tensor], list[int]]:

@@ -283,11 +283,12 @@ class FastPath:
     @torch.inference_mode()
     def __call__(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None, attention, logits_rows: int | None = None,
-                 keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                 keep: tuple[int, ...] = (), head: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, Q], position_ids [B, Q], attention_mask [B, 1, Q, L] additive, or None for a
         causal block over an empty cache (a prefill: SDPA's causal path, as HF runs it); attention: the HF
         attention function to run; logits_rows: only the last this many rows' logits (a prefill's last);
-        keep: layers whose inputs to return instead of the last hidden state (``forward.hidden_of``).
+        keep: layers whose inputs to return instead of the last hidden state (``forward.hidden_of``);
+        head: an output layer in the model's place (a module: a draft's ``drafters.vocab.VocabHead``).
         Returns (logits [B, Q or logits_rows, V], last hidden state after the norm [B, Q, C], or the
         kept layers' inputs [B, Q, C * len(keep)])."""
         x = self.decoder.embed_tokens(input_ids)  # [B, Q, C]
@@ -296,7 +297,8 @@ class FastPath:
         kept: dict[int, torch.Tensor | None] = dict.fromkeys(keep)  # filled by the loop
         hidden = self._layers(HF_OPS if ops is None else ops, cache, x, cos, sin, attention_mask, attention, kept)
         rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
-        return _apply(self.head, rows), torch.cat([kept[j] for j in keep], -1) if keep else hidden
+        logits = _apply(self.head, rows) if head is None else head(rows)
+        return logits, torch.cat([kept[j] for j in keep], -1) if keep else hidden
 
     def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor) -> LayerOps | None:
         """The kernels' fused layer ops if they take this forward (fp32 on CPU, the rotary table as wide
