@@ -51,6 +51,25 @@ def ragged_blocks(model, layers: tuple[int, ...] = ()) -> list[tuple[torch.Tenso
     return [(o.logits, o.hidden) for o in out]
 
 
+def sampled_pairs(target, drafter, prompt: torch.Tensor, n: int = 20_000, batch: int = 2_000, seed: int = 1):
+    """The first two new tokens of ``n`` sampled generations after ``prompt`` [1, P] (temperature 0.8,
+    ``batch`` rows a generate call, drafts sized without timing: bit-repeatable), and the draft counts:
+    (pairs [n, 2], drafted, accepted)."""
+    from specdec import SpecDecoder, SpecDecoderConfig
+    from specdec.controller import DraftLengthConfig
+
+    decoder = SpecDecoder(target, drafter, SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False)))
+    g = torch.Generator().manual_seed(seed)
+    pairs, drafted, accepted = [], 0, 0
+    for _ in range(n // batch):
+        out = decoder.generate(prompt.expand(batch, -1), max_new_tokens=3, do_sample=True, temperature=0.8,
+                               generator=g)
+        pairs.append(out.sequences[:, prompt.shape[1]: prompt.shape[1] + 2])
+        drafted += sum(sum(s.num_drafted) for s in out.steps)
+        accepted += sum(sum(s.num_accepted) for s in out.steps)
+    return torch.cat(pairs), drafted, accepted
+
+
 def bigram_llama(seed: int = 0, vocab: int = 128, peak: float = 1.0) -> LlamaForCausalLM:
     """A tiny Llama whose layers add nothing (o and down projections zero): its logits after a token
     are lm_head(norm(embed(token))), whatever came before (a bigram model). ``peak`` scales lm_head.

@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from transformers import LlamaConfig
 
-from conftest import hf_greedy, tiny_llama
+from conftest import hf_greedy, sampled_pairs, tiny_llama
 from specdec.bench.device.tiny import peaked
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
@@ -116,15 +116,8 @@ def test_streaming_over_a_vocabulary_samples_as_the_target_does():
     with torch.inference_mode():
         p1, p2 = two_token_tables(target, prompt, SamplingParams.resolve(target, temperature=0.8))
     vocab = DraftVocabulary(torch.arange(0, V, 2), V)  # the even ids, and the prompt's
-    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))
-    decoder = SpecDecoder(target, StreamingDrafter(target, budget=3, sink=1, overshoot=1, vocab=vocab), config)
-    g = torch.Generator().manual_seed(1)
-    pairs, drafted = [], 0
-    for _ in range(10):
-        out = decoder.generate(prompt.expand(2000, -1), max_new_tokens=3, do_sample=True, temperature=0.8, generator=g)
-        pairs.append(out.sequences[:, prompt.shape[1]: prompt.shape[1] + 2])
-        drafted += sum(sum(s.num_drafted) for s in out.steps)
-    pairs = torch.cat(pairs)
+    pairs, drafted, _ = sampled_pairs(target, StreamingDrafter(target, budget=3, sink=1, overshoot=1, vocab=vocab),
+                                      prompt)
     assert drafted > 0
     off = ~torch.isin(pairs[:, 1], vocab.ids_for(prompt))
     assert off.any()  # the target's own tokens off the vocabulary still come (the residual)

@@ -17,7 +17,7 @@ from specdec.quant import FORMATS, QuantLinear
 from specdec.quant.formats import dequantize, random_blocks
 from specdec.runtime import fastpath, kernels, qlinear, state
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS
-from conftest import perturbed
+from conftest import perturbed, sampled_pairs
 from test_quant import fp32_twin, prompts, tiny_quant_llama
 
 VARIANTS = ["native", "avx2"] if platform.machine() in ("x86_64", "AMD64") else ["native"]
@@ -548,14 +548,7 @@ def test_streaming_samples_through_the_int8_route_as_the_quantized_target_does(m
     prompt = torch.tensor([[1, 5, 7, 5, 7, 9]])
     with torch.inference_mode():
         p1, p2 = two_token_tables(target, prompt, SamplingParams.resolve(target, temperature=0.8))
-    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
-    decoder = SpecDecoder(target, StreamingDrafter(target, budget=3, sink=1, overshoot=1), config)
-    g = torch.Generator().manual_seed(1)
-    pairs, drafted = [], 0
-    for _ in range(10):
-        out = decoder.generate(prompt.expand(2000, -1), max_new_tokens=3, do_sample=True, temperature=0.8, generator=g)
-        pairs.append(out.sequences[:, prompt.shape[1]: prompt.shape[1] + 2])
-        drafted += sum(sum(s.num_drafted) for s in out.steps)
+    pairs, drafted, _ = sampled_pairs(target, StreamingDrafter(target, budget=3, sink=1, overshoot=1), prompt)
     assert drafted > 0 and asked
-    mismatch = pair_mismatch(torch.cat(pairs), p1[:, None] * p2)
+    mismatch = pair_mismatch(pairs, p1[:, None] * p2)
     assert mismatch is None, mismatch

@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 
 import specdec.verifiers.sampling as vs
-from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, perturbed
+from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, perturbed, sampled_pairs
 from specdec.bench.device.tiny import peaked
 from specdec.bench.distribution import pair_mismatch, two_token_tables
 from specdec.controller import DraftLengthConfig
@@ -379,16 +379,7 @@ def _eagle(target, draft_vocab=None, config=None):
 
 def _eagle_pairs(target, drafter, n: int = N_E2E, seed: int = 1):
     """The first two new tokens of n sampled generations (temperature 0.8), and the draft counts."""
-    decoder = SpecDecoder(target, drafter, SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False)))
-    g = torch.Generator().manual_seed(seed)
-    pairs, drafted, accepted = [], 0, 0
-    for _ in range(n // E2E_BATCH):
-        out = decoder.generate(PROMPT.expand(E2E_BATCH, -1), max_new_tokens=3, do_sample=True, temperature=0.8,
-                               generator=g)
-        pairs.append(out.sequences[:, PROMPT.shape[1]: PROMPT.shape[1] + 2])
-        drafted += sum(sum(s.num_drafted) for s in out.steps)
-        accepted += sum(sum(s.num_accepted) for s in out.steps)
-    return torch.cat(pairs), drafted, accepted
+    return sampled_pairs(target, drafter, PROMPT, n, E2E_BATCH, seed)
 
 
 @pytest.mark.parametrize("vocab", ["full", "reduced"])
