@@ -82,11 +82,15 @@ MAKERS = {
 }
 
 
-@pytest.mark.parametrize("kind", list(MAKERS))
+@pytest.mark.parametrize("kind", [*MAKERS, "streaming-eager"])
 def test_a_draft_over_its_vocabulary_proposes_only_those_ids_and_stays_the_targets_greedy(kind):
-    """A float64 target (HF's forward: logits restricted) for the compressed drafters, a Q4_1 target (the lean
-    forward: the head computed for the ids only) for quant-self; drafts partly accepted."""
+    """The lean forward computing the head for the ids only (a float64 target for the compressed drafters, a
+    Q4_1 one for quant-self), and HF's forward restricting its logits (eager attention); drafts partly
+    accepted."""
     target = tiny_quant_llama("Q4_1") if kind == "quant-self" else tiny_llama(3, layers=2)
+    if kind == "streaming-eager":
+        target.config._attn_implementation = "eager"  # forward_block leaves it to HF's forward
+        kind = "streaming"
     V = target.config.vocab_size
     ids = torch.randint(1, V, (1, 40), generator=torch.Generator().manual_seed(5))
     want = hf_greedy(target, ids, 24)
