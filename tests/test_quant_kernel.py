@@ -500,21 +500,28 @@ def test_a_layer_takes_the_int8_route_only_inside_approximate_and_for_few_rows(o
         assert torch.equal(layer(x[:1]), exact[:1])
 
 
-def test_streaming_drafts_through_the_int8_route_and_stays_exact(monkeypatch):
-    """StreamingLLM on a Q4_1 target: its draft forwards take the int8 route (each 1-row linear inside them),
-    its verify the exact kernel: the answer is the target's own generate, token for token, with drafts
-    partly accepted."""
-    from specdec.drafters.self_spec import StreamingDrafter
-
+def _int8_route_everywhere(monkeypatch) -> list[str]:
+    """Skip without a kernel build; else every format takes the int8 route inside ``approximate()`` (no
+    self-check), and the returned list collects the formats asked for."""
     if kernels.extension() is None:
         pytest.skip("no kernel on this machine")
-    asked = []
+    asked: list[str] = []
 
     def approximates(fmt, rt=None):
         asked.append(fmt.name)
         return True
 
     monkeypatch.setattr(qlinear, "approximates", approximates)
+    return asked
+
+
+def test_streaming_drafts_through_the_int8_route_and_stays_exact(monkeypatch):
+    """StreamingLLM on a Q4_1 target: its draft forwards take the int8 route (each 1-row linear inside them),
+    its verify the exact kernel: the answer is the target's own generate, token for token, with drafts
+    partly accepted."""
+    from specdec.drafters.self_spec import StreamingDrafter
+
+    asked = _int8_route_everywhere(monkeypatch)
     target = tiny_quant_llama("Q4_1")
     ids = prompts(96)[2][None]
     want = target.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
@@ -534,15 +541,7 @@ def test_streaming_samples_through_the_int8_route_as_the_quantized_target_does(m
     from specdec.drafters.self_spec import StreamingDrafter
     from specdec.sampling import SamplingParams
 
-    if kernels.extension() is None:
-        pytest.skip("no kernel on this machine")
-    asked = []
-
-    def approximates(fmt, rt=None):
-        asked.append(fmt.name)
-        return True
-
-    monkeypatch.setattr(qlinear, "approximates", approximates)
+    asked = _int8_route_everywhere(monkeypatch)
     monkeypatch.setattr(qlinear, "APPROX_ROWS", 4096)
     target = tiny_quant_llama("Q4_1", seed=3)
     prompt = torch.tensor([[1, 5, 7, 5, 7, 9]])
