@@ -1,10 +1,9 @@
 """A draft's output layer over part of the vocabulary: the ids the target emits most, and the prompt's.
 
 A self-speculative draft (StreamingLLM, SnapKV, quant-self) runs the target's own output layer at every
-draft token: for the default model 49,152 rows, a fifth of its weights, ~0.9 ms of a ~6 ms quant-self
-draft token. Computing only the rows of the ids a target emits most (FR-Spec's frequency-ranked draft
-vocabulary) and of every id in the prompt (the names and numbers an answer copies) cuts that to a sixth.
-The draft then never proposes an id outside the set: its logits there are -inf, so its distribution q is
+draft token (for the default model 49,152 rows, a fifth of its weights). It computes only the rows of the
+ids a target emits most (FR-Spec's frequency-ranked draft vocabulary) and of every id in the prompt (the
+names and numbers an answer copies). The draft then never proposes an id outside the set: its logits there are -inf, so its distribution q is
 zero there, and the verifier's rule is the one it always runs: the output stays the target's (greedy,
 token for token; sampled, in distribution). Measured, and why the prompt's ids:
 docs/decisions/015-quant-kernels.md, ninth session.
@@ -16,18 +15,14 @@ docs/decisions/015-quant-kernels.md, ninth session.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 from safetensors import safe_open
 
+from specdec.drafters.eagle3 import PACKAGED_HEAD3
 from specdec.models import text_config
 from specdec.quant.modules import QuantLinear
-
-# the ids of the packaged EAGLE-3 head's draft vocabulary: the most frequent ids of the default model's
-# self-distilled answers (specdec train-eagle --arch eagle3, draft_vocab)
-PACKAGED_VOCABULARY = Path(__file__).resolve().parent.parent / "data" / "eagle3_head"
 
 
 class DraftVocabulary:
@@ -54,9 +49,10 @@ class DraftVocabulary:
 
 def packaged_vocabulary(target) -> DraftVocabulary | None:
     """The packaged EAGLE-3 head's draft vocabulary where that head fits ``target`` (its hidden size, layer
-    count and vocabulary: the default model's), else None (the draft computes the whole output layer)."""
-    config_file = PACKAGED_VOCABULARY / "config.json"
-    weights = PACKAGED_VOCABULARY / "model.safetensors"
+    count and vocabulary: the default model's), else None (the draft computes the whole output layer). Its
+    ids are the most frequent of the default model's self-distilled answers (``train-eagle --arch eagle3``)."""
+    config_file = PACKAGED_HEAD3 / "config.json"
+    weights = PACKAGED_HEAD3 / "model.safetensors"
     if not (config_file.is_file() and weights.is_file()):
         return None
     head = json.loads(config_file.read_text())
