@@ -500,6 +500,42 @@ def test_a_layer_takes_the_int8_route_only_inside_approximate_and_for_few_rows(o
         assert torch.equal(layer(x[:1]), exact[:1])
 
 
+def test_the_int8_check_times_a_layer_as_a_draft_calls_it_and_keeps_the_faster(ops, monkeypatch):
+    """The calibrating check times a layer's linears in the calls a draft's forward makes (q, k, v side by
+    side; o; gate, up; down) by both kernels over the same blocks, and routes drafts to the int8 kernel
+    only where it was the faster of the two."""
+    import time
+
+    monkeypatch.setattr(qlinear, "APPROX_CHECK_MB", 1)
+    fmt = FORMATS["Q4_1"]
+
+    class Slowed:  # the real kernels, one of them made slower by a millisecond a call
+        def __init__(self, slow: str):
+            self.slow, self.calls = slow, []
+
+        def _timed(self, name, x, blocks, fmts):
+            self.calls.append((name, tuple(tuple(b.shape) for b in blocks)))
+            if name == self.slow:
+                time.sleep(1e-3)
+            return getattr(ops, name)(x, blocks, fmts)
+
+        def quant_linear_i8(self, x, blocks, fmts):
+            return self._timed("quant_linear_i8", x, blocks, fmts)
+
+        def quant_linear_parts(self, x, blocks, fmts):
+            return self._timed("quant_linear_parts", x, blocks, fmts)
+
+    d, f = qlinear.CHECK_FEATURES
+    row = lambda k: k // fmt.block_weights * fmt.block_bytes  # noqa: E731
+    layer = [((d, row(d)), (d // 3, row(d)), (d // 3, row(d))), ((d, row(d)),), ((f, row(d)), (f, row(d))), ((d, row(f)),)]
+    for slow, want in (("quant_linear_i8", False), ("quant_linear_parts", True)):
+        timed = Slowed(slow)
+        rt = state.Active(RuntimeConfig(), timed, state.uncalibrated(True))
+        assert qlinear._approx_check(rt, fmt, rounds=2) is want
+        for name in ("quant_linear_i8", "quant_linear_parts"):  # each round ends with a whole layer's calls
+            assert [shapes for n, shapes in timed.calls if n == name][-4:] == layer, name
+
+
 def _int8_route_everywhere(monkeypatch) -> list[str]:
     """Skip without a kernel build; else every format takes the int8 route inside ``approximate()`` (no
     self-check), and the returned list collects the formats asked for."""

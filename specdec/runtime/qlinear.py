@@ -63,6 +63,8 @@ APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/draft_linear.cpp multipli
 APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
 APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
 APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
+# ... the fastest of this many rounds each (3 let a shared machine's noise decide a 1.1x gain: 015, tenth session)
+APPROX_CHECK_ROUNDS = 9
 # (kernel variant, format name) -> whether drafts take the int8 route, once checked in this process
 APPROXIMATES: dict[tuple[str | None, str], bool] = {}
 _approximate: ContextVar[bool] = ContextVar("specdec_approximate", default=False)
@@ -216,8 +218,9 @@ def approximates(fmt: BlockFormat, rt: Active | None = None) -> bool:
     """Whether drafts take the int8 route for ``fmt`` (checked once per process, variant and format):
     its output within APPROX_ERROR of the reference's on random blocks at 1..APPROX_ROWS rows, and, where
     the configuration calibrates, faster than the exact kernel at one row over APPROX_CHECK_MB of a
-    layer's seven shapes streamed from memory (in cache the gain does not show; on a CPU with two 512-bit
-    FMA units the exact kernel can be the faster: docs/decisions/015-quant-kernels.md, eighth session)."""
+    layer's linears streamed from memory, called as a draft's forward calls them (in cache the gain does
+    not show; on a CPU with two 512-bit FMA units the exact kernel can be the faster:
+    docs/decisions/015-quant-kernels.md, eighth and tenth sessions)."""
     rt = state.active() if rt is None else rt
     key = (rt.config.variant, fmt.name)
     found = APPROXIMATES.get(key)
@@ -228,7 +231,7 @@ def approximates(fmt: BlockFormat, rt: Active | None = None) -> bool:
     return found
 
 
-def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = 3) -> bool:
+def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = APPROX_CHECK_ROUNDS) -> bool:
     g = torch.Generator().manual_seed(1)
     small = random_blocks(fmt, 48, 4 * fmt.block_weights, g)
     token = state.pin(rt)
@@ -244,33 +247,35 @@ def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = 3) -> bool:
             if not rt.config.calibrate:
                 return True
             # a step's weights come from memory, not a cache: time a pass over APPROX_CHECK_MB of blocks (the
-            # codes' values do not change the time; the scales are finite: random_blocks' for one matrix)
-            layer = [(k, random_blocks(fmt, n, k, g)) for n, k in _layer_shapes()]
-            copies = max(1, APPROX_CHECK_MB * 2**20 // sum(w.numel() for _, w in layer))
-            # layers' worth of distinct blocks, each a copy of the one random layer
-            weights = [(k, w.clone()) for _ in range(copies) for k, w in layer]
-            xs = {k: torch.randn(1, k, generator=g) for k, _ in layer}
+            # codes' values do not change the time; the scales are finite: random_blocks' for one matrix), each
+            # layer's linears in the calls a draft's forward makes (q, k, v and gate, up side by side)
+            layer = [[random_blocks(fmt, n, k, g) for n, k in call] for call in _layer_calls()]
+            copies = max(1, APPROX_CHECK_MB * 2**20 // sum(w.numel() for call in layer for w in call))
+            weights = [[w.clone() for w in call] for _ in range(copies) for call in layer]  # distinct blocks
+            xs = [torch.randn(1, call[0].shape[1] // fmt.block_bytes * fmt.block_weights, generator=g)
+                  for call in layer] * copies
+            types = [fmt.ggml_type] * 3
             best = {"i8": float("inf"), "exact": float("inf")}
             for _ in range(rounds):
                 for name in ("exact", "i8"):
+                    op = rt.ops.quant_linear_i8 if name == "i8" else rt.ops.quant_linear_parts
                     t = time.perf_counter()
-                    for k, w in weights:
-                        if name == "i8":
-                            rt.ops.quant_linear_i8(xs[k], [w], [fmt.ggml_type])
-                        else:
-                            rt.ops.quant_linear(xs[k], w, fmt.ggml_type)
+                    for x, call in zip(xs, weights):
+                        op(x, call, types[:len(call)])
                     best[name] = min(best[name], time.perf_counter() - t)
+            log.info("specdec kernels: a layer's %s linears at one row: int8 %.0f us, exact %.0f us (fastest of %d)",
+                     fmt.name, best["i8"] / copies * 1e6, best["exact"] / copies * 1e6, rounds)
             return best["i8"] < best["exact"]
     finally:
         state.unpin(token)
 
 
 
-def _layer_shapes() -> list[tuple[int, int]]:
-    """[N, K] of a Llama layer's seven linears at the CHECK_FEATURES width (the default model's: D = 576,
-    3 of 9 heads' K/V, an MLP of 1536): q, k, v, o, gate, up, down."""
+def _layer_calls() -> list[list[tuple[int, int]]]:
+    """[N, K] of a Llama layer's linears at the CHECK_FEATURES width (the default model's: D = 576, 3 of 9
+    heads' K/V, an MLP of 1536), grouped as the lean forward calls them: q, k, v; o; gate, up; down."""
     d, f = CHECK_FEATURES
-    return [(d, d), (d // 3, d), (d // 3, d), (d, d), (f, d), (f, d), (d, f)]
+    return [[(d, d), (d // 3, d), (d // 3, d)], [(d, d)], [(f, d), (f, d)], [(d, f)]]
 
 
 def agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
