@@ -55,6 +55,25 @@ inline __m128i as_m128i(const void* b, int n) {
   return r;
 }
 
+// b >> s and b << s a byte at a time (0 <= s < 8). GCC 12 shifts an 8-byte vector (AVX2's ``bytes``) byte
+// by byte in general registers, ~35 instructions (it ran Q4_0 at a third of Q8_0's speed): these shift
+// its bytes as 16-bit lanes of one SSE register and clear the bits that crossed from a neighbour.
+inline bytes shift_bytes(bytes b, int s, bool right) {
+  if constexpr (sizeof(bytes) == 16) {
+    return right ? b >> s : b << s;  // 16 bytes: GCC's own shift and mask
+  } else {
+    const __m128i n = _mm_cvtsi32_si128(s), x = as_m128i(&b, sizeof(b));
+    const __m128i y = right ? _mm_and_si128(_mm_srl_epi16(x, n), _mm_set1_epi8(static_cast<char>(0xff >> s)))
+                            : _mm_and_si128(_mm_sll_epi16(x, n), _mm_set1_epi8(static_cast<char>((0xff << s) & 0xff)));
+    bytes r;
+    std::memcpy(&r, &y, sizeof(r));
+    return r;
+  }
+}
+
+inline bytes shr(bytes b, int s) { return shift_bytes(b, s, true); }
+inline bytes shl(bytes b, int s) { return shift_bytes(b, s, false); }
+
 inline vec from_ints(__m128i b, bool is_signed) {
 #if defined(__AVX512F__)
   const __m512 f = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
@@ -134,7 +153,7 @@ inline void nibbles(const uint8_t* q, Value&& value, Emit&& emit) {
   for (int c = 0; c < 16; c += kLanes) {
     const bytes b = load_bytes(q + c);
     emit(c, value(to_float(b & 15)));
-    emit(16 + c, value(to_float(b >> 4)));
+    emit(16 + c, value(to_float(shr(b, 4))));
   }
 }
 #endif
@@ -238,8 +257,8 @@ struct QK4or5 {
       const uint8_t* qs = b + (Five ? 48 : 16);
       const int shift = (j & 1) * 4;
       for (int c = 0; c < 32; c += kLanes) {
-        bytes q = (load_bytes(qs + (j / 2) * 32 + c) >> shift) & 15;
-        if (Five) q |= ((load_bytes(b + 16 + c) >> j) & 1) << 4;
+        bytes q = shr(load_bytes(qs + (j / 2) * 32 + c), shift) & 15;
+        if (Five) q |= shl(shr(load_bytes(b + 16 + c), j) & 1, 4);
         emit(j * 32 + c, product(a, to_float(q)) - m);
       }
 #endif
@@ -266,7 +285,7 @@ struct Q6_K {
     const int h = j / 4, r = j % 4;
     for (int l = 0; l < 32; l += 16) {
       const bytes low = load_bytes(b + 64 * h + 32 * (r % 2) + l);
-      const bytes q = ((r < 2 ? low : low >> 4) & 15) | (((load_bytes(b + 128 + 32 * h + l) >> (2 * r)) & 3) << 4);
+      const bytes q = ((r < 2 ? low : shr(low, 4)) & 15) | shl(shr(load_bytes(b + 128 + 32 * h + l), 2 * r) & 3, 4);
       w[l / 16] = splat(scale[2 * j + l / 16]) * (to_float(q) - 32.f);
     }
   }
@@ -280,7 +299,7 @@ struct Q6_K {
         for (int l = 0; l < 32; l += kLanes) {
           const int at = 128 * h + 32 * r + l;
           const bytes low = load_bytes(b + 64 * h + 32 * (r % 2) + l);
-          const bytes q = ((r < 2 ? low : low >> 4) & 15) | (((load_bytes(b + 128 + 32 * h + l) >> (2 * r)) & 3) << 4);
+          const bytes q = ((r < 2 ? low : shr(low, 4)) & 15) | shl(shr(load_bytes(b + 128 + 32 * h + l), 2 * r) & 3, 4);
           emit(at, splat(d * static_cast<float>(scales[at / 16])) * (to_float(q) - 32.f));
         }
   }
