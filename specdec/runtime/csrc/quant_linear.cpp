@@ -304,11 +304,17 @@ struct Q6_K {
     const int8_t* scales = reinterpret_cast<const int8_t*>(b + 192);
     for (int h = 0; h < 2; ++h)
       for (int r = 0; r < 4; ++r)
-        for (int l = 0; l < 32; l += kLanes) {
+        for (int l = 0; l < 32; l += 16) {  // 16 codes a register (one scale), widened kLanes at a time
           const int at = 128 * h + 32 * r + l;
-          const bytes low = load_bytes(b + 64 * h + 32 * (r % 2) + l);
-          const bytes q = ((r < 2 ? low : shr(low, 4)) & 15) | shl(shr(load_bytes(b + 128 + 32 * h + l), 2 * r) & 3, 4);
-          emit(at, splat(d * static_cast<float>(scales[at / 16])) * (to_float(q) - 32.f));
+          const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + 32 * (r % 2) + l));
+          const __m128i top = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + l));
+          const __m128i three = _mm_set1_epi8(3), fifteen = _mm_set1_epi8(15);
+          // as 16-bit lanes: a byte's bits moved within it, what crosses from its neighbour masked off
+          const __m128i q = _mm_or_si128(_mm_and_si128(r < 2 ? low : _mm_srli_epi16(low, 4), fifteen),
+                                         _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(top, _mm_cvtsi32_si128(2 * r)), three), 4));
+          const vec scale = splat(d * static_cast<float>(scales[at / 16]));
+          for (int c = 0; c < 16; c += kLanes)
+            emit(at + c, scale * (from_ints(c ? _mm_srli_si128(q, 8) : q, false) - 32.f));
         }
   }
 };
