@@ -55,25 +55,6 @@ inline __m128i as_m128i(const void* b, int n) {
   return r;
 }
 
-// b >> s and b << s a byte at a time (0 <= s < 8). GCC 12 shifts an 8-byte vector (AVX2's ``bytes``) byte
-// by byte in general registers, ~35 instructions (it ran Q4_0 at a third of Q8_0's speed): these shift
-// its bytes as 16-bit lanes of one SSE register and clear the bits that crossed from a neighbour.
-inline bytes shift_bytes(bytes b, int s, bool right) {
-  if constexpr (sizeof(bytes) == 16) {
-    return right ? b >> s : b << s;  // 16 bytes: GCC's own shift and mask
-  } else {
-    const __m128i n = _mm_cvtsi32_si128(s), x = as_m128i(&b, sizeof(b));
-    const __m128i y = right ? _mm_and_si128(_mm_srl_epi16(x, n), _mm_set1_epi8(static_cast<char>(0xff >> s)))
-                            : _mm_and_si128(_mm_sll_epi16(x, n), _mm_set1_epi8(static_cast<char>((0xff << s) & 0xff)));
-    bytes r;
-    std::memcpy(&r, &y, sizeof(r));
-    return r;
-  }
-}
-
-inline bytes shr(bytes b, int s) { return shift_bytes(b, s, true); }
-inline bytes shl(bytes b, int s) { return shift_bytes(b, s, false); }
-
 inline vec from_ints(__m128i b, bool is_signed) {
 #if defined(__AVX512F__)
   const __m512 f = _mm512_cvtepi32_ps(is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b));
@@ -148,8 +129,9 @@ inline void nibbles(const uint8_t* q, Value&& value, Emit&& emit) {
   emit(16, lookup(_mm512_srli_epi32(idx, 4), table));
 }
 #else
-// AVX2: the 16 bytes split into low and high nibbles once, each half widened 8 at a time (emitted in the
-// order the 8-byte loop had: 0, 16, 8, 24)
+// AVX2: the 16 bytes split into low and high nibbles in one SSE register (shifted as 16-bit lanes, the bits
+// crossing from a neighbour masked off: GCC 12 shifts an 8-byte vector a byte at a time in general registers,
+// ~35 instructions; 015, tenth session), each half widened 8 at a time, emitted in the order 0, 16, 8, 24
 template <class Value, class Emit>
 inline void nibbles(const uint8_t* q, Value&& value, Emit&& emit) {
   const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q)), mask = _mm_set1_epi8(15);
@@ -293,7 +275,7 @@ struct Q6_K {
     const int h = j / 4, r = j % 4;
     for (int l = 0; l < 32; l += 16) {
       const bytes low = load_bytes(b + 64 * h + 32 * (r % 2) + l);
-      const bytes q = ((r < 2 ? low : shr(low, 4)) & 15) | shl(shr(load_bytes(b + 128 + 32 * h + l), 2 * r) & 3, 4);
+      const bytes q = ((r < 2 ? low : low >> 4) & 15) | (((load_bytes(b + 128 + 32 * h + l) >> (2 * r)) & 3) << 4);
       w[l / 16] = splat(scale[2 * j + l / 16]) * (to_float(q) - 32.f);
     }
   }
