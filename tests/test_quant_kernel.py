@@ -526,8 +526,8 @@ def test_the_int8_check_times_a_layer_as_a_draft_calls_it_and_keeps_the_faster(o
             return self._timed("quant_linear_parts", x, blocks, fmts)
 
     d, f = qlinear.CHECK_FEATURES
-    row = lambda k: k // fmt.block_weights * fmt.block_bytes  # noqa: E731
-    layer = [((d, row(d)), (d // 3, row(d)), (d // 3, row(d))), ((d, row(d)),), ((f, row(d)), (f, row(d))), ((d, row(f)),)]
+    bd, bf = (k // fmt.block_weights * fmt.block_bytes for k in (d, f))  # a row's bytes at K = d, f
+    layer = [((d, bd), (d // 3, bd), (d // 3, bd)), ((d, bd),), ((f, bd), (f, bd)), ((d, bf),)]  # blocks' shapes
     for slow, want in (("quant_linear_i8", False), ("quant_linear_parts", True)):
         timed = Slowed(slow)
         rt = state.Active(RuntimeConfig(), timed, state.uncalibrated(True))
