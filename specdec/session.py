@@ -409,7 +409,7 @@ class DecodeSession:
         chooser = self.decoder.chooser
         if chooser is not None and not self._drafters_behind:  # also after the last step: a drafter's
             chooser.accept(commit)  # state ends in step
-        self.pending = next_token[:, None].to(self.cache.device)  # the target's (not model.device: it walks the modules)
+        self.pending = next_token[:, None].to(self.cache.device)  # the target's; model.device walks the modules
         self._keep(keep)
         return events
 

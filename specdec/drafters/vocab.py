@@ -3,9 +3,9 @@
 A self-speculative draft (StreamingLLM, SnapKV, quant-self) runs the target's own output layer at every
 draft token (for the default model 49,152 rows, a fifth of its weights). It computes only the rows of the
 ids a target emits most (FR-Spec's frequency-ranked draft vocabulary) and of every id in the prompt (the
-names and numbers an answer copies). The draft then never proposes an id outside the set: its logits there are -inf, so its distribution q is
-zero there, and the verifier's rule is the one it always runs: the output stays the target's (greedy,
-token for token; sampled, in distribution). Measured, and why the prompt's ids:
+names and numbers an answer copies). The draft then never proposes an id outside the set: its logits
+there are -inf, so its distribution q is zero there, and the verifier's rule is the one it always runs:
+the output stays the target's (greedy, token for token; sampled, in distribution). Measured, and why the prompt's ids:
 docs/decisions/015-quant-kernels.md, ninth session.
 
     vocab = DraftVocabulary(frequent_ids, vocab_size)       # e.g. packaged_vocabulary(target)

@@ -290,10 +290,10 @@ struct Q6_K {
           const int at = 128 * h + 32 * r + l;
           const __m128i low = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 64 * h + 32 * (r % 2) + l));
           const __m128i top = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 128 + 32 * h + l));
-          const __m128i three = _mm_set1_epi8(3), fifteen = _mm_set1_epi8(15);
+          const __m128i three = _mm_set1_epi8(3), fifteen = _mm_set1_epi8(15), shift = _mm_cvtsi32_si128(2 * r);
           // as 16-bit lanes: a byte's bits moved within it, what crosses from its neighbour masked off
           const __m128i q = _mm_or_si128(_mm_and_si128(r < 2 ? low : _mm_srli_epi16(low, 4), fifteen),
-                                         _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(top, _mm_cvtsi32_si128(2 * r)), three), 4));
+                                         _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(top, shift), three), 4));
           const vec scale = splat(d * static_cast<float>(scales[at / 16]));
           for (int c = 0; c < 16; c += kLanes)
             emit(at + c, scale * (from_ints(c ? _mm_srli_si128(q, 8) : q, false) - 32.f));
