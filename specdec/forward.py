@@ -94,7 +94,7 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     path = fastpath.get(model, check=False)  # under the runtime the decoder's block pinned
     with block_scope([n + input_ids.shape[1] for n in cache.lengths] if split else None):
         if path is not None:  # a Llama-shaped target: the same ops without HF's per-module Python
-            # the cache's device is the model's (``model.device`` walks its modules: ~70 us a packed step)
+            # the cache's device is the model's (``model.device`` walks its modules at every call)
             logits, hidden = path(cache, input_ids.to(cache.device), inputs.position_ids, inputs.attention_mask,
                                   split_attention if split else grouped_attention, keep=keep, head=head)
             return BlockOutput(logits, hidden if want_hidden else None)

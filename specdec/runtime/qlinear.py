@@ -63,7 +63,7 @@ APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/draft_linear.cpp multipli
 APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
 APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
 APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
-# ... the fastest of this many rounds each (3 let a shared machine's noise decide a 1.1x gain: 015, tenth session)
+# ... the fastest of this many rounds each (fewer let a shared machine's noise decide: 015, tenth session)
 APPROX_CHECK_ROUNDS = 9
 # (kernel variant, format name) -> whether drafts take the int8 route, once checked in this process
 APPROXIMATES: dict[tuple[str | None, str], bool] = {}
