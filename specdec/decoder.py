@@ -237,7 +237,9 @@ class SpecDecoder:
         replaced = [m for p in paths for m in p.replaced()]
         # the CPU kernels serve CPU targets only: elsewhere no self-check, no build, no patched linears
         rows = self.config.skinny_rows if self.target.device.type == "cpu" else 0
-        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime):
+        drafts = self.chooser is not None and self.chooser.capabilities.approximate_forwards
+        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime,
+                                                            drafts=drafts):
             kernels.prepack([w for p in paths for w in p.fused_weights()], rows)
             yield
 

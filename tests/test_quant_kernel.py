@@ -569,6 +569,24 @@ def test_streaming_drafts_through_the_int8_route_and_stays_exact(monkeypatch):
     assert not qlinear._approximate.get()
 
 
+def test_the_decoder_checks_the_int8_route_up_front_only_for_drafters_that_declare_it(monkeypatch):
+    """Entering a generation's kernels checks the int8 draft route of the target's formats for a drafter
+    that declares ``approximate_forwards`` (self-speculation, and a chooser with it among its sources),
+    and not for one that does not (a copying drafter): that check is paid only where drafts use it."""
+    from specdec.drafters import PromptLookupDrafter
+    from specdec.drafters.chooser import Sources
+    from specdec.drafters.self_spec import StreamingDrafter
+
+    asked = _int8_route_everywhere(monkeypatch)
+    target = tiny_quant_llama("Q4_1")
+    streaming = StreamingDrafter(target, budget=12, sink=2, overshoot=4)
+    for drafter, want in ((PromptLookupDrafter(), set()), (None, set()), (streaming, {"Q4_1"}),
+                          (Sources({"lookup": PromptLookupDrafter(), "streaming": streaming}), {"Q4_1"})):
+        asked.clear()
+        with SpecDecoder(target, drafter).running():
+            assert set(asked) == want, drafter
+
+
 def test_streaming_samples_through_the_int8_route_as_the_quantized_target_does(monkeypatch):
     """Sampling with StreamingLLM drafts whose q comes through the int8 route (allowed for every row count
     here, so that 2,000-row batches take it): the first two new tokens follow the Q4_1 target's own joint

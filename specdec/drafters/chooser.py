@@ -85,7 +85,8 @@ class Chooser(ABC):
                             hidden_layers=_hidden_layers(self.sources),
                             sizes_own_tree=any(c.sizes_own_tree for c in caps),
                             free_drafts=all(c.free_drafts for c in caps),
-                            batches=all(c.batches for c in caps), samples=all(c.samples for c in caps))
+                            batches=all(c.batches for c in caps), samples=all(c.samples for c in caps),
+                            approximate_forwards=any(c.approximate_forwards for c in caps))
 
     @property
     def vocab_size(self) -> int | None:

@@ -41,7 +41,8 @@ class LookupHybridDrafter(Drafter):
         o = other.capabilities  # lookup batches and samples: the other drafter decides those
         self.capabilities = Capabilities(reads_hidden_states=o.reads_hidden_states, hidden_layers=o.hidden_layers,
                                          sizes_own_tree=o.sizes_own_tree,
-                                         batches=o.batches, samples=o.samples)
+                                         batches=o.batches, samples=o.samples,
+                                         approximate_forwards=o.approximate_forwards)
         self._use_lookup: list[bool] | None = None  # per row: this step's source is lookup; None until chosen
         self.drafts = Counter()  # row proposals per source ("lookup", "other"): what a run relied on
 

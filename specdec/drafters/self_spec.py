@@ -53,7 +53,8 @@ class SelfSpecDrafter(Drafter):
     draft forward is the target's own, or ``draft_model``'s: a model of the same shape and positions
     (the target's layers quantized, ``drafters.quant_self``) reading the target's rows in the store."""
 
-    capabilities = Capabilities(batches=True, samples=True)  # controller-sized chains, sampled with q
+    # controller-sized chains, sampled with q; drafts by the int8 route where the weights are quantized
+    capabilities = Capabilities(batches=True, samples=True, approximate_forwards=True)
     compresses = True  # the draft reads fewer rows than the target (a prompt within the budget: a warning)
 
     def __init__(self, target, cache_config: CompressedCacheConfig, draft_model=None,

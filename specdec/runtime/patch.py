@@ -22,12 +22,14 @@ def _forward(module: nn.Linear, max_rows: int, x: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=(), runtime: RuntimeConfig | None = None):
+def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=(), runtime: RuntimeConfig | None = None,
+                   drafts: bool = False):
     """Route every plain ``nn.Linear`` under ``roots`` through ``linear`` while the block runs, under
     ``runtime`` (default: the configuration in force).
 
     The routes are calibrated first (once per process and variant, before any timed step; the block
-    kernel's too, for the formats of the ``QuantLinear`` layers under ``roots``) and pinned
+    kernel's too, for the formats of the ``QuantLinear`` layers under ``roots``, and with ``drafts`` the int8
+    route of a drafter's approximate forwards over them) and pinned
     with the configuration and its ops for the block (a generation), so no call looks them up again.
     The modules are patched per instance (no Python in the other ops of the forward) and restored
     on exit; a module another ``skinny_linears`` already patched is left to that one, and so are the
@@ -38,7 +40,8 @@ def skinny_linears(*roots: nn.Module, max_rows: int = MAX_ROWS, skip=(), runtime
     config = current() if runtime is None else runtime
     if max_rows > 0:
         calibrate(config)  # once per process and variant, before any timed step
-        qlinear.prepare({m.fmt for root in roots for m in root.modules() if isinstance(m, QuantLinear)}, config)
+        qlinear.prepare({m.fmt for root in roots for m in root.modules() if isinstance(m, QuantLinear)}, config,
+                        drafts)
     token = state.pin(state.resolve(config, max_rows))
     patched = []
     skip = {id(m) for m in skip}

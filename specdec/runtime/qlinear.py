@@ -104,13 +104,14 @@ def routes(fmt: BlockFormat, rt: Active | None = None) -> QuantRoutes:
     return found
 
 
-def prepare(formats, config: RuntimeConfig | None = None) -> None:
-    """Check the routes of ``formats`` now (before any timed step; drafts' int8 route too), under ``config``
-    (default: in force)."""
+def prepare(formats, config: RuntimeConfig | None = None, drafts: bool = False) -> None:
+    """Check the routes of ``formats`` now (before any timed step), under ``config`` (default: in force);
+    with ``drafts``, the int8 route of drafts over them too (else checked on a draft's first use, if any)."""
     rt = state.resolve(current() if config is None else config)
     for fmt in formats:
         routes(fmt, rt)
-        approximates(fmt, rt)
+        if drafts:
+            approximates(fmt, rt)
 
 
 def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None
