@@ -248,6 +248,35 @@ def test_quantize_model_writes_q4_k_through_specdecs_quantizer():
     assert len(quant) == 8 and all(m.fmt.name == "Q4_K" for m in quant.values())  # 7 + lm_head
 
 
+@pytest.mark.parametrize("quant", ["Q4_0", "Q8_0"])
+def test_quantize_model_makes_a_tied_output_layer_and_embedding_one_set_of_q8_0_blocks(quant):
+    """A tied output layer is not left fp32 beside quantized layers (a step would stream it whole): it and
+    the embedding read one set of TIED_QUANT blocks, whatever the layers' format, and the target stays
+    exact against its own generate."""
+    from specdec.quant.modules import TIED_QUANT, QuantEmbedding
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
+                      bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    fp32 = LlamaForCausalLM(cfg).eval()
+    weight = fp32.get_output_embeddings().weight.detach().clone()
+    model = quantize_model(fp32, quant)
+    out, emb = model.get_output_embeddings(), model.get_input_embeddings()
+    assert isinstance(out, QuantLinear) and isinstance(emb, QuantEmbedding)
+    assert out.fmt.name == emb.fmt.name == TIED_QUANT and out.blocks is emb.blocks
+    assert not any(p.dim() == 2 for p in model.parameters())  # no fp32 matrix left
+    assert all(m.fmt.name == quant for n, m in model.named_modules() if isinstance(m, QuantLinear) and m is not out)
+    assert (out.dequantized() - weight).abs().max() <= weight.abs().max() / 127  # Q8_0's half step, at most
+    ids = torch.tensor([[3, 7, 3, 7, 9, 3, 7]])
+    torch.testing.assert_close(emb(ids), out.dequantized()[ids])
+    want = model.generate(ids, max_new_tokens=10, do_sample=False, pad_token_id=0)
+    got = SpecDecoder(model, PromptLookupDrafter()).generate(ids, max_new_tokens=10)
+    assert torch.equal(got.sequences, want)
+    kept = quantize_model(LlamaForCausalLM(cfg).eval(), quant, skip=("lm_head",))
+    assert type(kept.get_output_embeddings()) is torch.nn.Linear and type(kept.get_input_embeddings()) is torch.nn.Embedding
+
+
 def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypatch):
     import specdec.quant.modules as qm
 

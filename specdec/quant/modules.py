@@ -27,6 +27,9 @@ from specdec.runtime import qlinear
 # the formats ``quantize_model`` can write: the gguf package's quantizers and specdec's own Q4_K
 # (``specdec.quant.q4k``); the other K formats load from files
 QUANTIZE_ON_LOAD = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+# a tied embedding and output layer's blocks on load, whatever the layers' format: the matrix is both the
+# embedding and the output layer, and GGUF files keep it at 8 bits or so (the default model's Q4_1 file: Q8_0)
+TIED_QUANT = "Q8_0"
 
 
 def _check_blocks(blocks: torch.Tensor, fmt: BlockFormat, row_weights: int, what: str, rows: str) -> None:
@@ -127,15 +130,23 @@ def quantize_blocks(weight: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
 
 def quantize_model(model: nn.Module, quant: str, skip: tuple[str, ...] = ()) -> nn.Module:
     """Every nn.Linear of ``model`` becomes a QuantLinear of ``quant`` blocks, in place (aside: names in
-    ``skip``, layers whose rows are not whole blocks, an output layer tied to the embedding); the fp32 weights are dropped. The user opts into that
-    target: its outputs are the quantized model's, exactly, not the fp32 model's."""
+    ``skip``, layers whose rows are not whole blocks); an output layer tied to the embedding becomes
+    TIED_QUANT blocks that the embedding reads too (a ``QuantEmbedding``), as a GGUF file holds that
+    matrix. The fp32 weights are dropped. The user opts into that target: its outputs are the quantized
+    model's, exactly, not the fp32 model's."""
     fmt = block_format(quant)
     _check_quantizable(fmt)  # before the loop: a model with no layer to quantize still hears of it
-    tied = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    emb = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    tied = type(out) is nn.Linear and type(emb) is nn.Embedding and out.weight is emb.weight
+    names = {id(m): name for name, m in model.named_modules()}
     for name, mod in list(model.named_modules()):
-        if type(mod) is not nn.Linear or name in skip or mod.in_features % fmt.block_weights:
+        if type(mod) is not nn.Linear or name in skip or mod.in_features % fmt.block_weights or (tied and mod is out):
             continue
-        if tied is mod and tied.weight is model.get_input_embeddings().weight:
-            continue  # a tied output layer shares the embedding's fp32 weight: left as it is
         swap_module(model, name, QuantLinear(quantize_blocks(mod.weight, fmt), fmt, mod.in_features, mod.bias))
+    head = block_format(TIED_QUANT)
+    if tied and names[id(out)] not in skip and out.in_features % head.block_weights == 0:
+        blocks = quantize_blocks(out.weight, head)
+        swap_module(model, names[id(out)], QuantLinear(blocks, head, out.in_features, out.bias))
+        swap_module(model, names[id(emb)], QuantEmbedding(blocks, head, emb.embedding_dim, emb.padding_idx))
     return model
