@@ -277,6 +277,27 @@ def test_quantize_model_makes_a_tied_output_layer_and_embedding_one_set_of_q8_0_
     assert type(kept.get_output_embeddings()) is torch.nn.Linear and type(kept.get_input_embeddings()) is torch.nn.Embedding
 
 
+def test_quantize_model_leaves_no_parameter_viewing_the_checkpoint_it_loaded_from():
+    """The fp32 parameters a quantized model keeps (norms) are copies: a view into the loaded checkpoint
+    (a memory-mapped file, as transformers loads safetensors) would keep all of it resident."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = LlamaForCausalLM(cfg).eval()
+    params = dict(model.named_parameters())
+    file = torch.cat([p.detach().reshape(-1) for p in params.values()])  # one buffer, as a mapped file
+    with torch.no_grad():
+        at = 0
+        for p in params.values():
+            p.data = file[at:at + p.numel()].view_as(p)
+            at += p.numel()
+    norms = {n: p.detach().clone() for n, p in params.items() if p.dim() == 1}
+    quantize_model(model, "Q8_0")
+    mapped = file.untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() != mapped for p in model.parameters())
+    assert all(torch.equal(model.get_parameter(n), v) for n, v in norms.items())
+
+
 def test_a_large_quantized_layer_computes_in_slices_of_output_features(monkeypatch):
     import specdec.quant.modules as qm
 

@@ -132,7 +132,8 @@ def quantize_model(model: nn.Module, quant: str, skip: tuple[str, ...] = ()) -> 
     """Every nn.Linear of ``model`` becomes a QuantLinear of ``quant`` blocks, in place (aside: names in
     ``skip``, layers whose rows are not whole blocks); an output layer tied to the embedding becomes
     TIED_QUANT blocks that the embedding reads too (a ``QuantEmbedding``), as a GGUF file holds that
-    matrix. The fp32 weights are dropped. The user opts into that target: its outputs are the quantized
+    matrix. The fp32 weights are dropped, and with them the checkpoint they were memory-mapped from: what
+    stays fp32 (norms) is copied out of it. The user opts into that target: its outputs are the quantized
     model's, exactly, not the fp32 model's."""
     fmt = block_format(quant)
     _check_quantizable(fmt)  # before the loop: a model with no layer to quantize still hears of it
@@ -149,4 +150,7 @@ def quantize_model(model: nn.Module, quant: str, skip: tuple[str, ...] = ()) -> 
         blocks = quantize_blocks(out.weight, head)
         swap_module(model, names[id(out)], QuantLinear(blocks, head, out.in_features, out.bias))
         swap_module(model, names[id(emb)], QuantEmbedding(blocks, head, emb.embedding_dim, emb.padding_idx))
+    with torch.no_grad():  # a norm viewing the mapped checkpoint kept all of it resident (decision 015)
+        for p in model.parameters():
+            p.data = p.data.clone()
     return model
