@@ -36,6 +36,7 @@ from specdec.drafters.chooser import Shadow, draft_step
 from specdec.forward import forward_block, prefill
 from specdec.kv.bmc import BMCCache
 from specdec.models import attention_shape
+from specdec.runtime import kernels
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
 from specdec.verifiers.sampling import verify_sampling
@@ -80,7 +81,7 @@ class Acceptance:
         # to the host, where the loop reads it
         tree = tree.to(logits.device)
         if self.sampling is None:  # argmax over float32 scores, as HF's greedy search takes it
-            ver = verify_greedy(logits.float(), tree)
+            ver = verify_greedy(logits.float(), tree, kernels.argmax)
         else:
             ver = verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
         return ver.cpu()

@@ -7,6 +7,7 @@ target's own greedy decoding, with drafts accepted in part.
 """
 
 import dataclasses
+import platform
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
 from specdec.config import RuntimeConfig
 from specdec.runtime import fastpath
+from specdec.runtime.build import extension
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
@@ -53,6 +55,33 @@ def test_silu_mul_matches_torch(ops, shape):
     gu = torch.randn(shape, generator=torch.Generator().manual_seed(shape[-1])) * 6
     gate, up = gu.chunk(2, dim=-1)
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["native", "avx2"] if platform.machine() in ("x86_64", "AMD64") else ["native"])
+def test_argmax_rows_is_torchs_first_maximum_on_ties_infinities_and_nans(variant):
+    """The op's index is torch.max(-1).indices on 4,000 random rows, both builds: ties (a few integer values,
+    so most rows hold several maxima), signed zeros, infinities, NaNs (torch's max propagates the first), rows
+    shorter and longer than four vectors with a tail, and the 49k-token rows of a verify; a row count of 0 and
+    leading dims kept."""
+    ops = extension(RuntimeConfig(kernel=variant))
+    if ops is None:
+        pytest.skip(f"the {variant} kernel is not built here")
+    g = torch.Generator().manual_seed(0)
+    specials = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan")])
+    for case in range(4000):
+        V = [1, 3, 16, 17, 40, 64, 71, 49152][case % 8] if case % 50 else 49152
+        x = torch.randint(-3, 3, (case % 3 + 1, V), generator=g).float()
+        if case % 4 == 0:
+            x = torch.randn(x.shape, generator=g)
+        if case % 5 == 1:  # sprinkle specials
+            n = torch.randint(1, 4, (), generator=g).item()
+            idx = torch.randint(0, x.numel(), (n,), generator=g)
+            x.view(-1)[idx] = specials[torch.randint(0, 5, (n,), generator=g)]
+        assert torch.equal(ops.argmax_rows(x), x.max(-1).indices), (case, x)
+    x = torch.randn(2, 3, 40, generator=g)
+    assert torch.equal(ops.argmax_rows(x), x.max(-1).indices) and ops.argmax_rows(x[:0]).shape == (0, 3)
+    with pytest.raises(RuntimeError, match="argmax_rows: rows of at least one value"):
+        ops.argmax_rows(torch.randn(2, 0))
 
 
 def test_bad_shapes_are_named(ops):

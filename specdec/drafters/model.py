@@ -11,7 +11,8 @@ from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHi
 from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import vocab_size_of
-from specdec.sampling import SamplingParams, draw, greedy, target_probs
+from specdec.runtime import kernels
+from specdec.sampling import SamplingParams, draw, target_probs
 from specdec.tree import DraftTree
 
 
@@ -130,7 +131,7 @@ def pick_token(logits: torch.Tensor, probs: list, sampling: SamplingParams | Non
     distribution processed as the target's is, which is appended to ``probs`` (on the logits' device,
     where the verifier reads q; the uniforms come from ``generator``, a CPU one)."""
     if sampling is None:
-        return greedy(logits)
+        return kernels.argmax(logits)
     q = target_probs(logits[:, None], sampling)[:, 0]  # [B, V] float64
     probs.append(q)
     return draw(q, generator)

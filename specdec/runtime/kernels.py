@@ -23,6 +23,8 @@ take ``W @ x^T`` and 5-16 the kernel. ``SpecDecoder`` calibrates before its firs
 
 from __future__ import annotations
 
+import torch
+
 from specdec.config import RuntimeConfig, current, use
 from specdec.runtime.attention import ATTENTION_POINTS, ATTENTION_ROWS, attention, attention_op
 from specdec.runtime.build import VARIANTS, extension
@@ -30,10 +32,12 @@ from specdec.runtime.calibrate import calibrate, fastest_routes
 from specdec.runtime.linear import chunks, linear, max_rows, packed, plan, prepack
 from specdec.runtime.memory import HUGE_PAGE, Slabs, huge_empty
 from specdec.runtime.patch import skinny_linears
+from specdec.runtime import state
 from specdec.runtime.state import CHUNK_ROWS, KERNEL_ROUTES, MAX_ROWS, MM_ROWS, ROUTES, Routes, resolve
+from specdec.sampling import greedy
 
 __all__ = ["ATTENTION_POINTS", "ATTENTION_ROWS", "CHUNK_ROWS", "HUGE_PAGE", "KERNEL_ROUTES", "MAX_ROWS", "MM_ROWS",
-           "ROUTES", "VARIANTS", "Routes", "RuntimeConfig", "Slabs", "attention", "attention_op", "calibrate",
+           "ROUTES", "VARIANTS", "Routes", "RuntimeConfig", "Slabs", "argmax", "attention", "attention_op", "calibrate",
            "chunks", "extension", "fastest_routes", "huge_empty", "linear", "max_rows", "packed", "plan",
            "prepack", "prepare", "routes", "skinny_linears", "use", "variant"]
 
@@ -47,6 +51,17 @@ def routes(config: RuntimeConfig | None = None) -> tuple[str, ...]:
     """The route each block size 1..MAX_ROWS takes (index 0 = 1 row) under ``config``, as things stand
     (calibrated, or not yet)."""
     return resolve(current() if config is None else config).routes.linear
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """``specdec.sampling.greedy(x)``: each row's first maximum (a row with a NaN: its first NaN), by the build's
+    op inside a generation's block for fp32 CPU rows (torch's with indices took ~24 us a 49k-token row;
+    docs/decisions/015-quant-kernels.md, eleventh session), else by torch."""
+    rt = state.pinned()
+    if (rt is None or rt.ops is None or not hasattr(rt.ops, "argmax_rows") or x.dtype != torch.float32
+            or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0 or not x.is_contiguous()):
+        return greedy(x)
+    return rt.ops.argmax_rows(x)
 
 
 def prepare(config: RuntimeConfig | None = None) -> Routes:
