@@ -195,8 +195,9 @@ def test_auto_scores_its_free_sources_unverified_at_batch_1_greedy_only():
 
 
 def test_a_single_free_drafter_scores_its_gated_off_class_unverified():
-    """Prompt lookup alone: a step its class drafts nothing in (gated off, priced out) still scores
-    a shadow draft of that class against the committed token, greedy only, exact every way."""
+    """Prompt lookup alone: a step its class drafts nothing in (gated off: the controller finds that drafting
+    does not pay, made so here, since a tiny model's measured times on a shared machine may say either) still
+    scores a shadow draft of that class against the committed token, greedy only, exact every way."""
     target = tiny_llama(5)
     base = torch.randint(0, 128, (1, 30), generator=torch.Generator().manual_seed(5))
     ids = torch.cat([base, base[:, :20]], dim=1)
@@ -205,6 +206,7 @@ def test_a_single_free_drafter_scores_its_gated_off_class_unverified():
     def run(shadow_drafts, **kw):
         decoder = SpecDecoder(target, PromptLookupDrafter(), SpecDecoderConfig(shadow_drafts=shadow_drafts))
         scored, observe = [], decoder.controller.observe_shadow
+        decoder.controller._pays = lambda state: False  # past its first min_samples drafts, gated off but probes
 
         def spy(parents, accepted, judged, draft_time=None, key=None):
             scored.append((key, max(len(p) for p in parents)))
@@ -215,7 +217,8 @@ def test_a_single_free_drafter_scores_its_gated_off_class_unverified():
         return out, scored, plain
 
     out, scored, plain = run(True)
-    assert torch.equal(out.sequences, ref) and 0 < len(scored) <= plain and all(n >= 1 for _, n in scored)
+    matched = [n for key, n in scored if key]  # classes with an n-gram match (class 0, none: an empty draft)
+    assert torch.equal(out.sequences, ref) and 0 < len(scored) <= plain and matched and all(n >= 1 for n in matched)
     out, scored, _ = run(False)
     assert torch.equal(out.sequences, ref) and scored == []
     _, scored, _ = run(True, do_sample=True, seed=0)
