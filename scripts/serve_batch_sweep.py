@@ -28,8 +28,8 @@ from specdec.bench.serve_load import same_answers, run_load
 from specdec.jsonl import write_json_atomic
 
 
-def start(drafter: str, port: int, model: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--drafter", drafter,
+def start(drafter: str, port: int, model: str, weights: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", model, "--weights", weights, "--drafter", drafter,
            "--no-suffix-cache", "--max-batch", "16", "--port", str(port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
@@ -50,6 +50,7 @@ def start(drafter: str, port: int, model: str) -> subprocess.Popen:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="default")
+    p.add_argument("--weights", default="fp32", help="the servers' --weights (fp32: docs/benchmarks.md's sweeps)")
     p.add_argument("--drafters", type=name_list, default=["none", "auto"], help="the first is the baseline")
     p.add_argument("--clients", type=name_list, default=["1", "2", "4", "8", "16"])
     p.add_argument("--requests", type=positive_int, default=2, help="requests per client")
@@ -61,7 +62,7 @@ def main() -> int:
     bodies = [{"model": "default", "messages": [{"role": "user", "content": q.turns[0]}], "stream": True,
                "stream_options": {"include_usage": True}, "max_tokens": args.max_tokens, "temperature": 0}
               for q in load_questions(None)]
-    servers = {d: start(d, args.port + i, args.model) for i, d in enumerate(args.drafters)}
+    servers = {d: start(d, args.port + i, args.model, args.weights) for i, d in enumerate(args.drafters)}
     result = {"config": vars(args), "loads": []}
     try:
         for r in range(args.rounds):

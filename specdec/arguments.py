@@ -86,6 +86,25 @@ def name_list(text: str) -> list[str]:
 
 # ---------------------------------------------------------------- sampling (chat, generate)
 
+def add_weights_argument(p) -> None:
+    """``--weights``: how the target's weights are held (``weights_for`` resolves the default, "auto")."""
+    from specdec.models import WEIGHTS
+
+    p.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
+                   help="auto (default): a GGUF's (the default model's) quantized blocks kept packed, a HF "
+                        "directory's weights as they are; fp32: a GGUF dequantized; packed: a GGUF's blocks (the "
+                        "same outputs as fp32 up to summation order, a fraction of the memory and time); "
+                        "q8_0/q4_0/q4_1/q4_k: quantize on load (another target)")
+
+
+def weights_for(model: str, weights: str) -> str:
+    """``load_model``'s ``weights`` for a command's ``--model`` and ``--weights``: "auto" is "packed" for a GGUF
+    (the default model, a .gguf file: the file as people run it) and "fp32" for anything else."""
+    if weights != "auto":
+        return weights
+    return "packed" if model == "default" or model.endswith(".gguf") else "fp32"
+
+
 def add_sampling_arguments(p) -> None:
     """``--temperature/--top-p/--top-k/--seed`` for the commands that generate (chat, generate)."""
     p.add_argument("--temperature", type=non_negative_float, default=0.0,

@@ -193,6 +193,23 @@ def test_load_model_names_a_bad_weights_choice():
         load_model("default", weights="q5")
 
 
+def test_commands_run_a_gguf_packed_and_a_hf_directory_as_it_is_unless_told():
+    """``--weights auto`` (the commands' default): a GGUF's blocks kept packed (the default model, a .gguf
+    file), a HF directory's weights as loaded; any explicit choice passes through; the choices are parsed."""
+    import argparse
+
+    from specdec.arguments import add_weights_argument, weights_for
+
+    assert weights_for("default", "auto") == "packed" and weights_for("/m/x.Q4_K_M.gguf", "auto") == "packed"
+    assert weights_for("/models/smollm2", "auto") == "fp32"
+    assert weights_for("default", "fp32") == "fp32" and weights_for("/models/smollm2", "q8_0") == "q8_0"
+    p = argparse.ArgumentParser()
+    add_weights_argument(p)
+    assert p.parse_args([]).weights == "auto" and p.parse_args(["--weights", "q4_k"]).weights == "q4_k"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--weights", "q5"])
+
+
 def q4_k_input(rng: np.random.Generator) -> np.ndarray:
     """float32 [16, 512]: Gaussian rows with the sub-blocks a quantizer can get wrong, made by hand: all
     zeros, all positive (offset 0), all negative, one outlier far above its super-block's rest."""

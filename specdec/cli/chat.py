@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.decoder import SpecDecoder, StepEvent
-from specdec.arguments import add_sampling_arguments, positive_int, sampling_arguments
+from specdec.arguments import add_sampling_arguments, add_weights_argument, positive_int, sampling_arguments, weights_for
 from specdec.prompting import context_window, eos_ids, fit_conversation, has_chat_template
 from specdec.registry import DRAFTERS, make_drafter
 
@@ -227,6 +227,7 @@ class ChatSession:
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
+    add_weights_argument(p)
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply")
     p.add_argument("--no-color", action="store_true", help="no colours (drafted tokens not marked)")
@@ -249,7 +250,7 @@ def run(args) -> int:
 
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar: noise here
     with console.status(f"loading {args.model} ..."):
-        loaded = load_model(args.model)
+        loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; chat needs one with a chat template")
     color = not args.no_color and console.color_system is not None

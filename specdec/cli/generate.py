@@ -10,17 +10,14 @@ from rich.console import Console
 from specdec.runtime import kernels
 from specdec.decoder import SpecDecoder
 from specdec.registry import DRAFTERS, make_drafter
-from specdec.arguments import add_sampling_arguments, positive_int, sampling_arguments
-from specdec.models import WEIGHTS
+from specdec.arguments import add_sampling_arguments, add_weights_argument, positive_int, sampling_arguments, weights_for
 from specdec.prompting import encode_prompt
 
 
 def add_arguments(p) -> None:
     p.add_argument("prompt", nargs="?", default="Explain in three sentences why the sky is blue.")
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
-    p.add_argument("--weights", default="fp32", choices=WEIGHTS,
-                   help="fp32; packed: a GGUF's quantized blocks kept as they are (same outputs, a fraction of "
-                        "the memory, few-row steps by the block kernel); q8_0/q4_0/q4_1/q4_k: quantize on load")
+    add_weights_argument(p)
     p.add_argument("--drafter", default="prompt-lookup", choices=sorted(DRAFTERS))
     p.add_argument("--max-new-tokens", type=positive_int, default=128)
     p.add_argument("--no-chat-template", action="store_true", help="feed the prompt as raw text")
@@ -37,7 +34,7 @@ def run(args) -> int:
     sampling = sampling_arguments(args)  # bad flags fail before the model loads
     texts = [args.prompt] if args.prompts_file is None else _read_prompts(args.prompts_file)
     with console.status(f"loading {args.model} ..."):
-        loaded = load_model(args.model, weights=args.weights)
+        loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
     tok = loaded.tokenizer
     prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
     ids = prompts[0][None] if len(prompts) == 1 else prompts

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import logging
 
-from specdec.arguments import non_negative_float, non_negative_int, positive_int
+from specdec.arguments import add_weights_argument, non_negative_float, non_negative_int, positive_int, weights_for
 from specdec.registry import DRAFTERS, make_drafter
-from specdec.models import WEIGHTS
 
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
-    p.add_argument("--weights", default="fp32", choices=WEIGHTS, help="as for `specdec generate`")
+    add_weights_argument(p)
     p.add_argument("--drafter", default="auto", choices=sorted(DRAFTERS))
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=positive_int, default=8000)
@@ -55,7 +54,7 @@ def run(args) -> int:
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specdec.serve")
-    loaded = load_model(args.model, weights=args.weights)
+    loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model), SpecDecoderConfig(runtime=args.runtime))
     log.info("preparing the CPU kernels and packed weights ...")
     kernels.prepare()
