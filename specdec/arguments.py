@@ -99,10 +99,12 @@ def add_weights_argument(p) -> None:
 
 def weights_for(model: str, weights: str) -> str:
     """``load_model``'s ``weights`` for a command's ``--model`` and ``--weights``: "auto" is "packed" for a GGUF
-    (the default model, a .gguf file: the file as people run it) and "fp32" for anything else."""
+    (``models.names_gguf``: the file as people run it) and "fp32" for anything else."""
+    from specdec.models import names_gguf
+
     if weights != "auto":
         return weights
-    return "packed" if model == "default" or model.endswith(".gguf") else "fp32"
+    return "packed" if names_gguf(model) else "fp32"
 
 
 def add_sampling_arguments(p) -> None:

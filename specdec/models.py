@@ -96,6 +96,11 @@ def default_gguf_path() -> Path:
 WEIGHTS = ("fp32", "packed", *(name.lower() for name in QUANTIZE_ON_LOAD))
 
 
+def names_gguf(spec: str) -> bool:
+    """Whether ``spec`` names a GGUF for ``load_model``: the default model, or a path ending in .gguf."""
+    return spec == DEFAULT_MODEL or Path(spec).expanduser().suffix == ".gguf"
+
+
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
                trust_remote_code: bool = False, weights: str = "fp32") -> LoadedModel:
     """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory (local
@@ -116,7 +121,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
         loaded = load(gguf, dtype, "SmolLM2-135M-Instruct")
     else:
         path = Path(spec).expanduser()
-        if path.is_file() and path.suffix == ".gguf":
+        if path.is_file() and names_gguf(spec):
             gguf = path
             loaded = load(path, dtype, path.stem)
         elif path.is_dir():

@@ -11,7 +11,8 @@
 //   rope_split(qkv, cos, sin, hq, hkv)  a fused q/k/v projection's rows split into q [B, hq, Q, D],
 //                                k and v [B, hkv, Q, D] (contiguous), q and k rotated as HF's
 //                                apply_rotary_pos_emb does: x * cos + rotate_half(x) * sin;
-//   silu_mul(gu)                 silu(g) * u for the fused gate/up output [..., 2I] -> [..., I].
+//   silu_mul(gu)                 silu(g) * u for the fused gate/up output [..., 2I] -> [..., I];
+//   argmax_rows(x)               each row's first maximum (a greedy verify's and a draft's next tokens).
 // Same formulas in the same order as HF's ops, compiled without contracting a * b + c into one FMA,
 // so the rotary embedding is bit for bit torch's; the norm's sum of squares is added in another order
 // and SiLU's exp is Cephes' (~1 ulp, torch's is Sleef's): those agree with torch to fp32 rounding,
@@ -151,9 +152,9 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   return out;
 }
 
-// Per row of x [..., V]: the index of its first maximum, as torch.max(x, -1).indices gives it (a row with a NaN:
-// its first NaN's, as torch's NaN-propagating max). torch's kernel with indices ran ~24 us a 49k-token row, 7x
-// its max alone: a greedy verify's argmax cost ~0.15 ms a step of ~10 (decision 015, eleventh session).
+// argmax_rows: per row of x [..., V], the index of its first maximum, as torch.max(x, -1).indices gives it (a row
+// with a NaN: its first NaN's, as torch's NaN-propagating max); why an op of our own: decision 015, eleventh session.
+
 // the lanes of one vector of x equal to b, as bits (lane l: bit l)
 inline uint32_t equal_lanes(const float* x, float b) {
 #if defined(__AVX512F__)
