@@ -26,7 +26,8 @@ from specdec.config import current as current_runtime
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 1  # bump when the cached layout changes
+CACHE_FORMAT = 2  # bump when the cached layout changes (2: configs fixed per architecture, rope divisors)
+ROPE_DIVISORS = "rope_freqs.safetensors"  # a cache folder's Llama 3.x rope divisors (``quant.gguf_arch``)
 
 
 @dataclass
@@ -224,6 +225,7 @@ def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     loaded = _load_hf_dir(d, dtype, False, name)
     if loaded.tokenizer is None:
         raise ModelLoadError(f"cached tokenizer missing in {d}; delete the folder to rebuild it")
+    _apply_cached_rope(loaded.model, d)
     return loaded
 
 
@@ -246,29 +248,71 @@ def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     tokenizer = _load_hf_dir_tokenizer(d)
     with torch.device("meta"):  # shapes only: no weight is allocated or initialized
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)
-    pack_gguf_weights(model, gguf, reader)
+    try:
+        pack_gguf_weights(model, gguf, reader)
+    except ValueError as e:
+        raise ModelLoadError(str(e)) from e
     _materialize(model, d / "model.safetensors")
+    _apply_cached_rope(model, d)
     model.generation_config = GenerationConfig.from_pretrained(d)
     return LoadedModel(model.eval(), tokenizer, name)
+
+
+def _gguf_config(gguf: Path, reader):
+    """The file's HF config as transformers reads it, with what it gets wrong for this architecture
+    fixed from the file's metadata (``quant.gguf_arch``); an unsupported architecture is named."""
+    from transformers import AutoConfig
+
+    from specdec.quant.gguf_arch import architecture_of, fix_config
+
+    arch = architecture_of(reader, gguf)  # before transformers: its own message does not say what specdec reads
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    fix_config(config, reader, arch)
+    return config, arch
+
+
+def _rope_divisors_saver(reader):
+    """What ``_write_cache`` writes beside the weights: the file's rope divisors, if it has them."""
+    from safetensors.torch import save_file
+
+    from specdec.quant.gguf_arch import rope_divisors
+
+    divisors = rope_divisors(reader)
+    return None if divisors is None else (lambda folder: save_file({"divisors": divisors}, str(folder / ROPE_DIVISORS)))
+
+
+def _apply_cached_rope(model, d: Path) -> None:
+    from safetensors.torch import load_file
+
+    from specdec.quant.gguf_arch import apply_rope_divisors
+
+    if (d / ROPE_DIVISORS).is_file():
+        apply_rope_divisors(model, load_file(str(d / ROPE_DIVISORS))["divisors"])
 
 
 def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path, reader=None) -> None:
     """The file's config, tokenizer and float tensors (norms), as transformers reads them, cached."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
     from specdec.quant.gguf import float_tensors
 
+    from specdec.quant.gguf import open_reader
+
+    reader = open_reader(gguf) if reader is None else reader
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        config, arch = _gguf_config(gguf, reader)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-        floats = {k: v.to(dtype) for k, v in float_tensors(model, gguf, config.model_type, reader).items()}
+        # transformers' tensor processors are keyed by the file's architecture (gemma3, not gemma3_text)
+        floats = {k: v.to(dtype) for k, v in float_tensors(model, gguf, arch.name, reader).items()}
+    except ModelLoadError:
+        raise
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
     _write_cache(dest, gguf, config, GenerationConfig.from_model_config(config), tokenizer,
-                 lambda f: save_file(floats, str(f)))
+                 lambda f: save_file(floats, str(f)), _rope_divisors_saver(reader))
 
 
 def _load_hf_dir_tokenizer(d: Path):
@@ -309,18 +353,24 @@ def _build_gguf_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
     from safetensors.torch import save_model
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from specdec.quant.gguf import open_reader
+
     try:
+        reader = open_reader(gguf)
+        config, _ = _gguf_config(gguf, reader)
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype, config=config)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
+        raise ModelLoadError(str(e) if isinstance(e, ModelLoadError) else f"could not read GGUF file {gguf}: {e}") from e
     # handles the tied embedding / lm_head
-    _write_cache(dest, gguf, model.config, model.generation_config, tokenizer, lambda f: save_model(model, str(f)))
+    _write_cache(dest, gguf, model.config, model.generation_config, tokenizer, lambda f: save_model(model, str(f)),
+                 _rope_divisors_saver(reader))
 
 
-def _write_cache(dest: Path, gguf: Path, config, generation_config, tokenizer, save_weights) -> None:
+def _write_cache(dest: Path, gguf: Path, config, generation_config, tokenizer, save_weights, save_extra=None) -> None:
     """A cache folder at ``dest``: config, generation config, tokenizer, ``model.safetensors`` (written
-    by ``save_weights(path)``) and a manifest with its SHA-256, built aside and renamed into place."""
+    by ``save_weights(path)``), whatever ``save_extra(folder)`` adds, and a manifest with the weights'
+    SHA-256, built aside and renamed into place."""
     # save_pretrained refuses a GGUF-loaded model; a plain config + safetensors of the same weights
     # reloads as the same model (the quantization entry only describes the source file).
     if hasattr(config, "quantization_config"):
@@ -333,6 +383,8 @@ def _write_cache(dest: Path, gguf: Path, config, generation_config, tokenizer, s
         tokenizer.save_pretrained(tmp)
         weights = tmp / "model.safetensors"
         save_weights(weights)
+        if save_extra is not None:
+            save_extra(tmp)
         manifest = {"format": CACHE_FORMAT, "source": str(gguf), "size": weights.stat().st_size,
                     "sha256": _sha256(weights)}
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))

@@ -71,6 +71,11 @@ class _TargetParts:
         self.embed = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.rotary = _decoder(target).rotary_emb
+        # a rotary module with a table per layer type (Gemma 3's rope_type dict) is asked for the type of
+        # the head's one layer, the target's first (EagleHead builds it from layer_types[:1])
+        types = getattr(text_config(target), "layer_types", None)
+        self.rotary_kwargs = {"layer_type": types[0]} if isinstance(getattr(self.rotary, "rope_type", None), dict) \
+            and types else {}
 
     def inputs(self, hidden: torch.Tensor, tokens: torch.Tensor, position_ids: torch.Tensor,
                attention_mask: torch.Tensor | None):
@@ -83,7 +88,7 @@ class _TargetParts:
             emb = self.embed(tokens).to(hidden.dtype)
         if attention_mask is None:
             attention_mask = causal_bias(B, S, hidden.dtype, hidden.device)
-        return emb, attention_mask, self.rotary(hidden, position_ids)
+        return emb, attention_mask, self.rotary(hidden, position_ids, **self.rotary_kwargs)
 
 
 class EagleHead(nn.Module):

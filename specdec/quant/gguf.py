@@ -1,12 +1,13 @@
-"""A Llama-family GGUF file as a target whose quantized weights stay in their blocks.
+"""A GGUF file as a target whose quantized weights stay in their blocks.
 
 The fp32 model transformers builds from the file gives the structure, the norms and the tokenizer;
 then each quantized tensor of the file replaces its fp32 layer by a ``QuantLinear`` /
 ``QuantEmbedding`` over the file's own blocks (memory-mapped: the pages are the file's), and the
-fp32 copy is dropped. Tensor names follow llama.cpp's (``blk.N.attn_q.weight``); the q and k
-projections are stored with their rows permuted for llama.cpp's rotary layout, which is undone
+fp32 copy is dropped. Tensor names follow llama.cpp's (``blk.N.attn_q.weight``); in the ``llama`` family the q and
+k projections are stored with their rows permuted for llama.cpp's rotary layout, which is undone
 here as a row gather of whole blocks (the same permutation transformers undoes on load, so the
-dequantized weights equal its fp32 ones bit for bit).
+dequantized weights equal its fp32 ones bit for bit); other families keep HF's row order. What each
+family needs: ``specdec.quant.gguf_arch``.
 """
 
 from __future__ import annotations
@@ -20,26 +21,23 @@ import torch
 import torch.nn as nn
 
 from specdec.quant.formats import BY_GGML_TYPE, FORMATS, block_format
+from specdec.quant.gguf_arch import ARCHITECTURES, Architecture, architecture_of
 from specdec.quant.modules import QuantEmbedding, QuantLinear, swap_module
 
-_LAYER_TENSORS = {  # llama.cpp name in block N -> HF module under model.layers.N
-    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
-    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
-    "ffn_down": "mlp.down_proj",
-}
 _FLOAT_TYPES = {0, 1, 30}  # F32, F16, BF16: loaded as transformers loads them (fp32 layers)
 
 
-def hf_module_name(gguf_name: str) -> str | None:
+def hf_module_name(gguf_name: str, arch: Architecture = ARCHITECTURES["llama"]) -> str | None:
     """``blk.3.ffn_up.weight`` -> ``model.layers.3.mlp.up_proj``; ``token_embd.weight`` ->
-    ``model.embed_tokens``; ``output.weight`` -> ``lm_head``; None for a tensor kept as loaded."""
+    ``model.embed_tokens``; ``output.weight`` -> ``lm_head``; None for a tensor kept as loaded.
+    ``arch``: the file's family (its layer tensor names, ``gguf_arch``)."""
     if gguf_name == "token_embd.weight":
         return "model.embed_tokens"
     if gguf_name == "output.weight":
         return "lm_head"
     m = re.fullmatch(r"blk\.(\d+)\.(\w+)\.weight", gguf_name)
-    if m and m.group(2) in _LAYER_TENSORS:
-        return f"model.layers.{m.group(1)}.{_LAYER_TENSORS[m.group(2)]}"
+    if m and m.group(2) in arch.layer_tensors:
+        return f"model.layers.{m.group(1)}.{arch.layer_tensors[m.group(2)]}"
     return None
 
 
@@ -71,16 +69,17 @@ def open_reader(gguf_path: str | Path):
 
 
 def pack_gguf_weights(model: nn.Module, gguf_path: str | Path, reader=None) -> nn.Module:
-    """Replace ``model``'s layers (a Llama-family HF model loaded from the same file) by the file's
-    quantized blocks, in place. A quantized type specdec does not keep packed is named with the
-    supported list; a float tensor stays as loaded. ``reader``: the file already parsed (``open_reader``)."""
+    """Replace ``model``'s layers (the HF model of the same file) by the file's quantized blocks, in
+    place. An architecture or a quantized type specdec does not keep packed is named with the supported
+    list; a float tensor stays as loaded. ``reader``: the file already parsed (``open_reader``)."""
     reader = open_reader(gguf_path) if reader is None else reader
+    arch = architecture_of(reader, gguf_path)
     cfg = model.config
     heads = {"attn_q": cfg.num_attention_heads, "attn_k": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads}
     tied = model.get_output_embeddings() is not None and \
         model.get_output_embeddings().weight is model.get_input_embeddings().weight
     for t in reader.tensors:
-        name = hf_module_name(t.name)
+        name = hf_module_name(t.name, arch)
         if name is None or int(t.tensor_type) in _FLOAT_TYPES:
             continue
         if int(t.tensor_type) not in BY_GGML_TYPE:
@@ -90,11 +89,11 @@ def pack_gguf_weights(model: nn.Module, gguf_path: str | Path, reader=None) -> n
         blocks = _blocks(t)  # [rows, row_bytes] uint8
         k = int(t.shape[0])  # GGUF lists dimensions innermost first: [in_features, out_features]
         kind = t.name.split(".")[2] if t.name.startswith("blk.") else None
-        if kind in heads:
+        if arch.permuted_qk and kind in heads:
             blocks = blocks.index_select(0, rotary_rows(blocks.shape[0], heads[kind]))
         if name == "model.embed_tokens":
             old = model.get_input_embeddings()
-            emb = QuantEmbedding(blocks, fmt, k, old.padding_idx)
+            emb = QuantEmbedding(blocks, fmt, k, old.padding_idx, getattr(old, "scalar_embed_scale", None))
             swap_module(model, name, emb)
             if tied:  # the output layer reads the same blocks
                 swap_module(model, "lm_head", QuantLinear(blocks, fmt, k))

@@ -79,16 +79,20 @@ class QuantLinear(nn.Module):
 
 class QuantEmbedding(nn.Module):
     def __init__(self, blocks: torch.Tensor, fmt: BlockFormat, embedding_dim: int,
-                 padding_idx: int | None = None) -> None:
+                 padding_idx: int | None = None, embed_scale: float | None = None) -> None:
+        """embed_scale: what the rows are multiplied by, as a scaled embedding does (Gemma's sqrt(hidden),
+        a float32 scalar as transformers keeps it), or None."""
         super().__init__()
         _check_blocks(blocks, fmt, embedding_dim, f"an embedding of {embedding_dim} dimensions", "vocab")
         self.fmt = fmt
         self.num_embeddings, self.embedding_dim = blocks.shape[0], embedding_dim
         self.padding_idx = padding_idx
         self.register_buffer("blocks", blocks, persistent=False)  # [V, row_bytes] uint8
+        self.embed_scale = None if embed_scale is None else torch.tensor(float(embed_scale), dtype=torch.float32)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # ids [...] -> [..., embedding_dim] float32
-        return _dequantized_rows(self.blocks, self.fmt, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+        out = _dequantized_rows(self.blocks, self.fmt, ids.reshape(-1)).reshape(*ids.shape, self.embedding_dim)
+        return out if self.embed_scale is None else out * self.embed_scale.to(out.dtype)
 
     def dequantized(self) -> torch.Tensor:
         return dequantize(self.blocks, self.fmt)
