@@ -41,7 +41,7 @@ from specdec.session import PREFILL_TOKENS, Acceptance, DecodeSession, StepEvent
 ATTENTION = ("pad", "split", "auto")
 # a target computing in these rounds each layer's output to 8 or 11 bits: another summation order (the
 # store's padded width, a verify's rows) moves a near tie, so greedy outputs follow generate's only until
-# one (docs/decisions/015-quant-kernels.md, sixth session)
+# one (docs/decisions/015-quant-kernels.md, Decision: quantized self-drafter)
 INEXACT_DTYPES = (torch.bfloat16, torch.float16)
 
 

@@ -46,7 +46,7 @@ SELF_SPEC_MAX_READ_RATIO = 0.5
 EAGLE_MAX_PROMPT = 4 * 512 - 1  # twice the conversations its head learned from (008-auto-sources.md)
 # the target dtypes ``auto`` drafts with quant-self for: where a target step runs HF's ops (bf16, fp16) its
 # fp32 Q4_0 copy is cheap enough to pay beside the copying sources; beside an fp32 target's lean forward it
-# is not (docs/decisions/015-quant-kernels.md, sixth session)
+# is not (docs/decisions/015-quant-kernels.md, Decision: quantized self-drafter)
 QUANT_SELF_IN_AUTO = (torch.bfloat16, torch.float16)
 
 

@@ -17,7 +17,7 @@ prefills a prompt or catches up after a pause.
 
 The draft computes in float32 whatever the target's dtype: the block kernel and the lean forward's fused
 ops take fp32 rows only, and a bf16 draft would dequantize every matrix in Python at every token
-(decision 015, sixth session). So for a bf16 / fp16 target the draft's norms and any layer
+(decision 015, Decision: quantized self-drafter). So for a bf16 / fp16 target the draft's norms and any layer
 it keeps unquantized are fp32 copies (small), and the shared embedding's rows are cast as they are
 looked up (no copy of the table).
 """
@@ -39,7 +39,7 @@ from specdec.quant.formats import block_format
 from specdec.quant.modules import QuantLinear, quantize_blocks
 
 DRAFT_QUANT = "Q4_0"  # the draft's block format: the cheapest one the gguf package writes
-# the draft's output layer where the target's is not quantized (why Q8_0: decision 015, fifth session)
+# the draft's output layer where the target's is not quantized (why Q8_0: decision 015, Tried and dropped)
 HEAD_QUANT = "Q8_0"
 
 
@@ -131,7 +131,7 @@ class QuantSelfDrafter(SelfSpecDrafter):
     self-speculation does, ``drafters.self_spec``), and no drift (its only K/V rows of its own are the
     pending token's and the drafts', dropped after each verify). The draft computes in float32 (see the
     module doc), so its store copy is float32. Why not a ``ModelDrafter`` over the copy: decision 015,
-    sixth session."""
+    Tried and dropped."""
 
     compresses = False  # every row: the draft is cheaper by its weights, not by its rows
 

@@ -6,7 +6,7 @@ ids a target emits most (FR-Spec's frequency-ranked draft vocabulary) and of eve
 names and numbers an answer copies). The draft then never proposes an id outside the set: its logits
 there are -inf, so its distribution q is zero there, and the verifier's rule is the one it always runs:
 the output stays the target's (greedy, token for token; sampled, in distribution). Measured, and why the prompt's ids:
-docs/decisions/015-quant-kernels.md, ninth session.
+docs/decisions/015-quant-kernels.md, Decision: draft vocabulary.
 
     vocab = DraftVocabulary(frequent_ids, vocab_size)       # e.g. packaged_vocabulary(target)
     StreamingDrafter(target, budget=512, vocab=vocab)

@@ -73,7 +73,8 @@ def _calibrate(rt: Active, features: tuple[int, int], rounds: int, vocab: int, s
     count = max(1, -(-(stream_mb * 2**20 // 4 - vocab * K) // (N * K)))  # MLP matrices to fill stream_mb
     # the random weights, their packs and the attention's stores are cut from slabs of their own, mapped
     # for the check and unmapped after it (from the C heap they stayed as freed pages glibc keeps:
-    # docs/decisions/015-quant-kernels.md, "memory"); the weights and the stores on ordinary pages, as a
+    # docs/decisions/015-quant-kernels.md, Decision: memory and build); the weights and the stores on
+    # ordinary pages, as a
     # model's fp32 weights and its KV store are
     scratch = Slabs(hugepages=False)
     ws = [_uniform((N, K), g, scratch) for _ in range(count)]

@@ -7,8 +7,8 @@ used (``runtime.attention``: ``grouped_attention``, PAD, or ``split_attention``,
 through ``runtime.linear.linear``. q/k/v and gate/up are each fused into one matrix (copies kept beside
 the model; the modules they replace are not packed for the kernel). Quantized layers (``QuantLinear``)
 run themselves (the block kernel, ``runtime.qlinear``), q/k/v and gate/up side by side on their own
-blocks, never copied; a target with them takes the loop, not the one call
-(docs/decisions/015-quant-kernels.md).
+blocks, never copied; a target whose layers are all quantized and have no biases takes the one call too,
+others the loop (docs/decisions/015-quant-kernels.md, Decision: the lean forward and the one call).
 
 One layer loop (``_layers``) with its ops between the linears as a parameter (``LayerOps``, chosen once
 a forward):

@@ -55,8 +55,8 @@ def routes(config: RuntimeConfig | None = None) -> tuple[str, ...]:
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """``specdec.sampling.greedy(x)``: each row's first maximum (a row with a NaN: its first NaN), by the build's
-    op inside a generation's block for fp32 CPU rows (why: docs/decisions/015-quant-kernels.md, eleventh
-    session), else by torch."""
+    op inside a generation's block for fp32 CPU rows (why: docs/decisions/015-quant-kernels.md, Decision:
+    greedy verify: argmax and walk), else by torch."""
     rt = state.pinned()
     if (rt is None or rt.ops is None or not hasattr(rt.ops, "argmax_rows") or x.dtype != torch.float32
             or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0 or not x.is_contiguous()):

@@ -15,7 +15,7 @@ Which sizes take the kernel is a self-check per process, kernel variant and form
 ``calibrate`` does for the fp32 routes: the kernel against the reference on random blocks for
 1..2 * MAX_ROWS rows, kept for a size only where it agrees to fp32 rounding and is faster than the
 GEMM on a [N, K] = CHECK_FEATURES matrix; past MAX_ROWS its passes run up to the largest of CHUNK_SIZES
-at which they still win (docs/decisions/015-quant-kernels.md, "prefill" update).
+at which they still win (docs/decisions/015-quant-kernels.md, Decision: routes and the prefill).
 
 A third route is for drafts only: inside ``approximate()`` (a self-speculative drafter's own forwards),
 one or two rows over Q4_0 / Q4_1 / Q8_0 blocks may take ``quant_linear_i8`` (``csrc/draft_linear.cpp``: x
@@ -46,7 +46,7 @@ KERNEL_FORMATS = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")  # what csrc/q
 CHECK_FEATURES = (576, 1536)  # [N, K] of the self-check's matrices (the default model's MLP; K: whole K blocks)
 CHUNK_SIZES = (24, 32, 48, 64, 96, CHUNK_ROWS)  # past MAX_ROWS, the block sizes the self-check times
 # uncalibrated, the kernel's passes take blocks of up to this many rows and the GEMM larger ones (one
-# machine's figure: docs/decisions/015-quant-kernels.md, "prefill")
+# machine's figure: docs/decisions/015-quant-kernels.md, Decision: routes and the prefill)
 UNCALIBRATED_CHUNKS = 32
 
 
@@ -63,7 +63,7 @@ APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/draft_linear.cpp multipli
 APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
 APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
 APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
-# ... the fastest of this many rounds each (fewer let a shared machine's noise decide: 015, tenth session)
+# ... the fastest of this many rounds each (fewer let a shared machine's noise decide: 015, Measurements)
 APPROX_CHECK_ROUNDS = 9
 # (kernel variant, format name) -> whether drafts take the int8 route, once checked in this process
 APPROXIMATES: dict[tuple[str | None, str], bool] = {}
@@ -187,7 +187,7 @@ def gemm(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat], o
                 slices.append([(part, f)])
     outs = []
     # one buffer for every slice's dequantization, each overwriting the last: a new one per slice fragmented
-    # the C heap, which glibc then kept (decision 015, "memory")
+    # the C heap, which glibc then kept (decision 015, Decision: memory and build)
     features = [sum(p.shape[0] for p, _ in parts) for parts in slices]
     buffer = torch.empty(max(features) * K, dtype=torch.float32, device=x.device)
     for parts, n in zip(slices, features):  # each slice dequantized, its output features computed
@@ -221,7 +221,7 @@ def approximates(fmt: BlockFormat, rt: Active | None = None) -> bool:
     the configuration calibrates, faster than the exact kernel at one row over APPROX_CHECK_MB of a
     layer's linears streamed from memory, called as a draft's forward calls them (in cache the gain does
     not show; on a CPU with two 512-bit FMA units the exact kernel can be the faster:
-    docs/decisions/015-quant-kernels.md, eighth and tenth sessions)."""
+    docs/decisions/015-quant-kernels.md, Decision: int8 draft route)."""
     rt = state.active() if rt is None else rt
     key = (rt.config.variant, fmt.name)
     found = APPROXIMATES.get(key)

@@ -65,7 +65,7 @@ def verify_greedy(target_logits: torch.Tensor, tree: DraftTree, argmax=greedy) -
 def walk_greedy(target_next: torch.Tensor, tree: DraftTree) -> Verification:
     """``verify_greedy`` given the target's greedy token after each block row, target_next [B, Q]: on the
     host a loop over each row's few nodes (not a dozen small tensor ops and a gather per node: decision 015,
-    eleventh session), elsewhere tensor ops with one sync. Both give the same verdict (tests/test_tree.py)."""
+    Decision: greedy verify: argmax and walk), elsewhere tensor ops with one sync. Both give the same verdict (tests/test_tree.py)."""
     if target_next.device.type == "cpu":
         return _walk_host(target_next, tree)
     return _walk_tensors(target_next, tree)

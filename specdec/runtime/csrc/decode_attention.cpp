@@ -394,7 +394,7 @@ at::Tensor attention(const at::Tensor& q, const at::Tensor& k, const at::Tensor&
     b_row = bc.stride(2);
   }
   // q * scale as torch computes it (the scalar rounded to float, one product a value), into a buffer of
-  // our own: no op dispatched and no tensor allocated for it (015, tenth session)
+  // our own: no op dispatched and no tensor allocated for it (015, Decision: per-call costs)
   const at::Tensor qc = q.contiguous();
   std::vector<float> qs(static_cast<size_t>(qc.numel()));
   const float s = static_cast<float>(scale);

@@ -153,7 +153,8 @@ at::Tensor silu_mul(const at::Tensor& gu) {
 }
 
 // argmax_rows: per row of x [..., V], the index of its first maximum, as torch.max(x, -1).indices gives it (a row
-// with a NaN: its first NaN's, as torch's NaN-propagating max); why an op of our own: decision 015, eleventh session.
+// with a NaN: its first NaN's, as torch's NaN-propagating max); why an op of our own: decision 015, Decision:
+// greedy verify: argmax and walk.
 
 // the lanes of one vector of x equal to b, as bits (lane l: bit l)
 inline uint32_t equal_lanes(const float* x, float b) {
