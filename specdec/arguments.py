@@ -95,6 +95,15 @@ def add_weights_argument(p) -> None:
                         "directory's weights as they are; fp32: a GGUF dequantized; packed: a GGUF's blocks (the "
                         "same outputs as fp32 up to summation order, a fraction of the memory and time); "
                         "q8_0/q4_0/q4_1/q4_k: quantize on load (another target)")
+    add_numerics_argument(p)
+
+
+def add_numerics_argument(p) -> None:
+    """``--numerics``: the arithmetic of a quantized target (``specdec.quant.numerics``)."""
+    p.add_argument("--numerics", default="exact", choices=("exact", "int8"),
+                   help="exact (default): the blocks' fp32 values, fp32 products; int8: activations rounded to "
+                        "8 bits, integer products, batch-invariant (speculation exact against this target's own "
+                        "plain decoding); Q4_0/Q4_1/Q8_0 weights")
 
 
 def weights_for(model: str, weights: str) -> str:

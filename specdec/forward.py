@@ -31,6 +31,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from specdec.kv.bmc import BMCCache
 from specdec.runtime import fastpath
+from specdec.quant.numerics import numerics_of
 from specdec.runtime.attention import block_scope, grouped_attention, split_attention
 
 PAD, SPLIT = "specdec_pad", "specdec_split"  # the attention implementation names the blocks run under
@@ -92,7 +93,8 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     if not ours:  # flash, flex: HF's forward as the user set it up
         return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep), head)
     path = fastpath.get(model, check=False)  # under the runtime the decoder's block pinned
-    with block_scope([n + input_ids.shape[1] for n in cache.lengths] if split else None):
+    rows = numerics_of(model) == "int8"  # its attention a row at a time (quant.numerics)
+    with block_scope([n + input_ids.shape[1] for n in cache.lengths] if split else None, rows):
         if path is not None:  # a Llama-shaped target: the same ops without HF's per-module Python
             # the cache's device is the model's (``model.device`` walks its modules at every call)
             logits, hidden = path(cache, input_ids.to(cache.device), inputs.position_ids, inputs.attention_mask,

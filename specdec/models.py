@@ -103,7 +103,7 @@ def names_gguf(spec: str) -> bool:
 
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False, weights: str = "fp32") -> LoadedModel:
+               trust_remote_code: bool = False, weights: str = "fp32", numerics: str = "exact") -> LoadedModel:
     """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory (local
     files only: the CLI also sets HF_HUB_OFFLINE=1 for the process).
 
@@ -112,9 +112,19 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     outputs as fp32 up to summation order, a fraction of the memory; few-row forwards by the block
     kernel), or "q8_0" / "q4_0" /
     "q4_1" / "q4_k" (any model's linear layers quantized on load: a new target whose outputs are its own;
-    a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's 256-weight blocks, stays fp32)."""
+    a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's 256-weight blocks, stays fp32).
+
+    numerics: "exact" (the blocks' fp32 values, fp32 products) or "int8" (a quantized target's
+    batch-invariant integer arithmetic: ``specdec.quant.numerics``; Q4_0 / Q4_1 / Q8_0 layers only)."""
+    from specdec.quant.numerics import NUMERICS, set_numerics
+
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics={numerics!r}: expected one of {', '.join(NUMERICS)}")
+    if numerics != "exact" and weights == "fp32":
+        raise ValueError(f"numerics={numerics!r} is for quantized weights: load with weights='packed' (a GGUF) or a "
+                         f"format to quantize to ({', '.join(repr(w) for w in WEIGHTS[2:])})")
     gguf = None
     load = _load_gguf_packed if weights == "packed" else _load_gguf_cached
     if spec == DEFAULT_MODEL:
@@ -137,6 +147,11 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
         from specdec.quant import quantize_model
 
         quantize_model(loaded.model, weights.upper())
+    if numerics != "exact":
+        try:
+            set_numerics(loaded.model, numerics)
+        except ValueError as e:
+            raise ModelLoadError(f"{spec}: {e}") from e
     loaded.model.to(device)
     return loaded
 

@@ -164,13 +164,14 @@ def measure_in_decoder(model, context: int = 200, sizes=SIZES, repeats: int = 3,
 
 
 def add_arguments(p) -> None:
-    from specdec.arguments import non_negative_int, positive_int
+    from specdec.arguments import add_numerics_argument, non_negative_int, positive_int
     from specdec.models import WEIGHTS
 
     p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
     p.add_argument("--weights", choices=WEIGHTS, default="fp32",
                    help="the target's weights, as for `specdec generate` (packed: a GGUF's blocks kept "
                         "packed); other than fp32 only with --in-decoder")
+    add_numerics_argument(p)
     p.add_argument("--context", type=non_negative_int, default=200, help="tokens already in the cache")
     p.add_argument("--repeats", type=positive_int, default=20)
     p.add_argument("--sizes", default=",".join(map(str, SIZES)), help="block sizes q, comma-separated")
@@ -210,7 +211,7 @@ def _run(args) -> int:
     if args.weights != "fp32" and not args.in_decoder:
         raise ValueError(f"--weights {args.weights}: only with --in-decoder (the single-forward methods are "
                          "fp32 paths)")
-    model = load_model(args.model, weights=args.weights).model.eval()
+    model = load_model(args.model, weights=args.weights, numerics=args.numerics).model.eval()
     kernels.prepare()
     routes = kernels.routes()
     if args.in_decoder:

@@ -250,7 +250,7 @@ def run(args) -> int:
 
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar: noise here
     with console.status(f"loading {args.model} ..."):
-        loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
+        loaded = load_model(args.model, weights=weights_for(args.model, args.weights), numerics=args.numerics)
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; chat needs one with a chat template")
     color = not args.no_color and console.color_system is not None

@@ -34,7 +34,7 @@ def run(args) -> int:
     sampling = sampling_arguments(args)  # bad flags fail before the model loads
     texts = [args.prompt] if args.prompts_file is None else _read_prompts(args.prompts_file)
     with console.status(f"loading {args.model} ..."):
-        loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
+        loaded = load_model(args.model, weights=weights_for(args.model, args.weights), numerics=args.numerics)
     tok = loaded.tokenizer
     prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
     ids = prompts[0][None] if len(prompts) == 1 else prompts

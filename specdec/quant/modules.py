@@ -53,13 +53,14 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = in_features, blocks.shape[0]
         self.register_buffer("blocks", blocks, persistent=False)  # [N, row_bytes] uint8
         self.bias = None if bias is None else nn.Parameter(bias.detach().to(torch.float32), requires_grad=False)
+        self.numerics = "exact"  # or "int8": the arithmetic this layer computes in (``quant.numerics``)
 
     def dequantized(self) -> torch.Tensor:
         """The weight the blocks define: float32 [out_features, in_features]."""
         return dequantize(self.blocks, self.fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features] -> [..., out_features]
-        y = qlinear.linear(x, self.blocks, self.fmt, self.bias)  # the kernel or the GEMM (qlinear's routes)
+        y = qlinear.linear(x, self.blocks, self.fmt, self.bias, self.numerics)  # the kernel or the GEMM (qlinear's routes)
         return self.reference(x) if y is None else y
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,8 @@ ATTENTION_POINTS = ((3, 6, 12, 24, 48), (256, 2048))
 
 # row b of a SPLIT block attends columns [0, ends[b]) (set by ``block_scope``)
 _split_ends: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("specdec_split_ends", default=None)
+# a target in int8 numerics: every masked (or one-row) block attends a row at a time (``rows_mode``)
+_rows: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_row_attention", default=False)
 # the mask repeated for grouped queries, made by the forward's first layer and reused by the others
 _grouped_masks: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdec_grouped_masks", default=None)
 
@@ -65,9 +67,33 @@ def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias:
     return None if ops is None else ops.attention(query, key, value, bias, scale)
 
 
+class _RowOps:
+    """The kernel build seen through ``attention``'s signature, its attention a row at a time
+    (``csrc/row_attention.cpp``: batch-invariant, whatever the rows or keys)."""
+
+    def __init__(self, ops) -> None:
+        self.ops = ops
+
+    def attention(self, query, key, value, bias, scale):
+        return self.ops.row_attention(query, key, value, bias, scale)
+
+
+def rows_mode() -> bool:
+    """Whether this forward attends a row at a time (a target in int8 numerics: ``block_scope(rows=True)``)."""
+    return _rows.get()
+
+
 def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None):
     """The compiled ops whose ``attention`` takes this call (``attention``'s arguments, its rules), or
-    None for SDPA. A forward whose layers all attend alike asks once (``fastpath``), not per layer."""
+    None for SDPA. A forward whose layers all attend alike asks once (``fastpath``), not per layer.
+    In ``rows_mode`` every call takes the row kernel (an error where it cannot: never another arithmetic)."""
+    if _rows.get():
+        ops = state.active().ops
+        if ops is None or query.device.type != "cpu" or query.dtype != torch.float32 or query.shape[-1] % 8:
+            raise RuntimeError("numerics='int8' attends with specdec's CPU kernels: fp32 on the CPU, head size a "
+                               f"multiple of 8, the kernels built (here: {query.dtype} on {query.device.type}, "
+                               f"head size {query.shape[-1]}, kernels {'built' if ops is not None else 'not built'})")
+        return _RowOps(ops)
     if (query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
             or value.dtype != torch.float32 or query.shape[2] > ATTENTION_ROWS
             or key.stride(-1) != 1 or value.stride(-1) != 1
@@ -138,12 +164,13 @@ def split_attention(module, query, key, value, attention_mask, **kwargs):
 
 
 @contextmanager
-def block_scope(split_ends: list[int] | None) -> Iterator[None]:
-    """One forward's attention state: the columns each row of a SPLIT block attends (None for PAD), and
-    the grouped masks its layers share."""
-    ends, masks = _split_ends.set(split_ends), _grouped_masks.set({})
+def block_scope(split_ends: list[int] | None, rows: bool = False) -> Iterator[None]:
+    """One forward's attention state: the columns each row of a SPLIT block attends (None for PAD), the
+    grouped masks its layers share, and ``rows``: attention a row at a time (int8 numerics)."""
+    ends, masks, by_rows = _split_ends.set(split_ends), _grouped_masks.set({}), _rows.set(rows)
     try:
         yield
     finally:
         _split_ends.reset(ends)
         _grouped_masks.reset(masks)
+        _rows.reset(by_rows)

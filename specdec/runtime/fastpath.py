@@ -43,6 +43,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import DynamicCache
+
+from specdec.quant.numerics import exact_numerics
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.config import RuntimeConfig
@@ -72,7 +74,8 @@ class _Stacked(nn.Module):
         self.bias = _joined_bias(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., sum of out_features]
-        y = qlinear.linear_parts(x, [m.blocks for m in self.parts], [m.fmt for m in self.parts], self.bias)
+        y = qlinear.linear_parts(x, [m.blocks for m in self.parts], [m.fmt for m in self.parts], self.bias,
+                                 self.parts[0].numerics)  # set_numerics sets every layer of a model alike
         return torch.cat([m(x) for m in self.parts], dim=-1) if y is None else y
 
 
@@ -351,6 +354,8 @@ class FastPath:
         hands over its buffers (a BMC store); attention as ``grouped_attention`` runs it (PAD), or with
         ``split`` as ``split_attention`` does (each batch row over its own rows); None otherwise (the
         loop then runs). Returns (the last norm's output, the inputs of the ``keep`` layers concatenated)."""
+        if attn.rows_mode():  # int8 numerics: the loop, its attention a row at a time (quant.numerics)
+            return None
         buffers = getattr(cache, "direct_buffers", None)
         buffers = buffers() if buffers is not None and self._scale is not None else None
         if buffers is None:
@@ -461,13 +466,14 @@ def get(model, runtime: RuntimeConfig | None = None, check: bool = True) -> Fast
         return None
     with torch.inference_mode(False), torch.no_grad():  # the fused copies: normal tensors, whoever calls
         path = FastPath(model, config)
-    ok = path.agrees(model)
-    if not ok and path.fuse:  # the fused layer ops may be what disagrees: the path without them
-        path.fuse = False
+    with exact_numerics(model):  # the check is of the forward's structure (quant.numerics.exact_numerics)
         ok = path.agrees(model)
-        if ok:
-            log.warning("specdec: the fused layer ops disagree with HF's forward for %s; running its ops one "
-                        "by one", type(model).__name__)
+        if not ok and path.fuse:  # the fused layer ops may be what disagrees: the path without them
+            path.fuse = False
+            ok = path.agrees(model)
+            if ok:
+                log.warning("specdec: the fused layer ops disagree with HF's forward for %s; running its ops one "
+                            "by one", type(model).__name__)
     if not ok:
         log.warning("specdec: the lean forward disagrees with HF's forward for %s; using HF's",
                     type(model).__name__)

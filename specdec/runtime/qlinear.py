@@ -114,19 +114,23 @@ def prepare(formats, config: RuntimeConfig | None = None, drafts: bool = False) 
             approximates(fmt, rt)
 
 
-def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None
-           ) -> torch.Tensor | None:
+def linear(x: torch.Tensor, blocks: torch.Tensor, fmt: BlockFormat, bias: torch.Tensor | None = None,
+           numerics: str = "exact") -> torch.Tensor | None:
     """x [..., K] @ W^T (+ bias) -> [..., N] for W = ``blocks`` (uint8 [N, row_bytes] of ``fmt``) by the
-    routes (fp32 on CPU, the kernels built); None: the caller's reference."""
-    return linear_parts(x, [blocks], [fmt], bias)
+    routes (fp32 on CPU, the kernels built); None: the caller's reference. numerics: ``linear_parts``."""
+    return linear_parts(x, [blocks], [fmt], bias, numerics)
 
 
 def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],
-                 bias: torch.Tensor | None = None) -> torch.Tensor | None:
+                 bias: torch.Tensor | None = None, numerics: str = "exact") -> torch.Tensor | None:
     """x [..., K] through several weights side by side (q, k, v; gate, up) -> [..., sum of N] (+ bias
     [sum of N]): the kernel's one call over them where its routes take this many rows for every format,
     else the GEMM; None where neither runs (another dtype or device, grad, no kernels built, a format
-    whose dequantization disagreed): the caller's reference."""
+    whose dequantization disagreed): the caller's reference. With numerics "int8" (``quant.numerics``)
+    every row count takes the int8 kernel, whose arithmetic defines that target: no other route, and
+    an error where it cannot run."""
+    if numerics == "int8":
+        return _int8(x, blocks, fmts, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu"
             or any(b.device.type != "cpu" for b in blocks) or (torch.is_grad_enabled() and x.requires_grad)):
@@ -148,6 +152,23 @@ def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFo
     else:
         return None
     return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _int8(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],
+          bias: torch.Tensor | None) -> torch.Tensor:
+    """``linear_parts`` in int8 numerics: the int8 kernel for any number of rows (its rows are batch-invariant)."""
+    if x.device.type != "cpu" or any(b.device.type != "cpu" for b in blocks):
+        raise RuntimeError("numerics='int8' runs on the CPU kernels only (this target is on "
+                           f"{x.device.type}); load it with numerics='exact'")
+    ops = state.active().ops
+    if ops is None:
+        raise RuntimeError("numerics='int8' needs specdec's CPU kernels, which are not built here (a C++ compiler "
+                           "and ninja; see the README); load the target with numerics='exact'")
+    x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
+    y = ops.quant_linear_i8(x2, blocks, [f.ggml_type for f in fmts])
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)
 
 
 def dequantized(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor | None:

@@ -18,7 +18,7 @@
 // quantized target (``quant`` given), every linear by the block kernel (csrc/quant_linear.cpp) over its
 // parts' blocks side by side (q, k, v; gate, up), outputs concatenated as fastpath.py's _Stacked does, or
 // with ``approx`` (a draft's forward of one or two rows, runtime/qlinear.py's int8 route) by the int8 draft
-// kernel (csrc/draft_linear.cpp). Same ops, same order, same arguments as specdec/runtime/fastpath.py's
+// kernel (csrc/int8_linear.cpp). Same ops, same order, same arguments as specdec/runtime/fastpath.py's
 // loop: the results are the loop's, bit for bit.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
 #include <ATen/core/Tensor.h>  // the Tensor, its methods, and each op used from its own header
@@ -116,7 +116,7 @@ QuantParts quant_parts(at::IntArrayRef quant, at::TensorList blocks, int64_t lin
 }
 
 // x [..., K] through linear l's parts by the block kernel in one call, outputs side by side -> [..., sum of N_p];
-// with ``approx``, by the int8 draft kernel (csrc/draft_linear.cpp: a draft's forward, never a verify)
+// with ``approx``, by the int8 draft kernel (csrc/int8_linear.cpp: a draft's forward, never a verify)
 Tensor quant_linear(const Tensor& x, const QuantParts& q, int64_t l, bool approx) {
   const int64_t K = x.size(-1), rows = x.numel() / K;
   const auto parts = at::TensorList(q.blocks).slice(q.first[l], q.count[l]);

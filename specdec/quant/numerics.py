@@ -1,0 +1,73 @@
+"""Which arithmetic a quantized target computes in: ``exact`` or ``int8``.
+
+- ``exact`` (the default): the blocks decoded to the reference's fp32 values, fp32 products; the same
+  outputs as the dequantized model up to summation order (``QuantLinear.reference`` defines it).
+- ``int8``: every linear layer rounds its input per row to 8-bit blocks of 32 and multiplies the blocks'
+  codes by them as integers, fp32 scales (``runtime/csrc/int8_linear.cpp``), and attention runs one
+  query row at a time over the keys that row sees (``runtime/csrc/row_attention.cpp``). A target in int8
+  numerics is its own reference: both ops are batch-invariant (a row's outputs are bit-equal computed
+  alone, at any place in a block of any size, in a ragged batch, with any thread count), the norms,
+  rotary and elementwise ops are per row, so a verify's rows are bit-equal to plain decoding's and
+  speculation stays exactly lossless against the same target's plain decoding (specdec's ``none``; HF
+  ``generate`` on it runs HF's attention, another arithmetic). Prompts are prefilled as in exact numerics
+  (SDPA's causal path for the attention: every decoding of a prompt shares it).
+  Why and what it is worth: docs/decisions/019-int8-numerics.md.
+
+    set_numerics(model, "int8")     # a packed GGUF or a model quantized on load (Q4_0 / Q4_1 / Q8_0)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch.nn as nn
+
+from specdec.quant.modules import QuantLinear
+
+NUMERICS = ("exact", "int8")
+INT8_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # the formats csrc/int8_linear.cpp multiplies as integers
+_ATTR = "specdec_numerics"  # the model's attribute, read by the forward (``numerics_of``)
+
+
+def numerics_of(model) -> str:
+    """The numerics a model computes in ("exact" unless ``set_numerics`` said otherwise)."""
+    return getattr(model, _ATTR, "exact")
+
+
+def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
+    """Make ``model`` compute in ``numerics`` (in place). int8 needs every linear layer of the model in
+    blocks of INT8_FORMATS (a ValueError names the first that is not: an fp32 layer, or another format),
+    and specdec's CPU kernels (checked at the first forward)."""
+    if numerics not in NUMERICS:
+        raise ValueError(f"numerics={numerics!r}: expected one of {', '.join(NUMERICS)}")
+    if numerics == "int8":
+        for name, mod in model.named_modules():
+            if isinstance(mod, nn.Linear):
+                raise ValueError(f"numerics='int8' needs every linear layer quantized; {name} holds fp32 weights "
+                                 f"(load a GGUF packed, or quantize on load: weights='q8_0', 'q4_0' or 'q4_1')")
+            if isinstance(mod, QuantLinear) and mod.fmt.name not in INT8_FORMATS:
+                raise ValueError(f"numerics='int8' multiplies {', '.join(INT8_FORMATS)} blocks; {name} is "
+                                 f"{mod.fmt.name} (use numerics='exact' for this model)")
+    for mod in model.modules():
+        if isinstance(mod, QuantLinear):
+            mod.numerics = numerics
+    setattr(model, _ATTR, numerics)
+    return model
+
+
+@contextmanager
+def exact_numerics(model: nn.Module) -> Iterator[None]:
+    """Within: ``model`` computes in exact numerics, then in what it computed in before. For checks of a
+    forward's structure against HF's (``runtime.fastpath``): int8 rounding turns a last-bit difference
+    of two equivalent forwards (another summation order) into a step of its 8-bit grid, which says
+    nothing about whether they compute the same model."""
+    before = numerics_of(model)
+    if before == "exact":
+        yield
+        return
+    set_numerics(model, "exact")
+    try:
+        yield
+    finally:
+        set_numerics(model, before)

@@ -1,0 +1,282 @@
+"""int8 numerics (``specdec.quant.numerics``): a quantized target's integer arithmetic, batch-invariant.
+
+The int8 kernel is its documented arithmetic (a float64 model of it from the blocks' bytes); it and the
+row attention give a row the same bits alone or in any block, at any place, with any thread count and
+in both builds; so a target in int8 numerics gives each row of a verify block, a tree, a ragged batch the
+bits plain decoding gives it, and every drafter is token-identical to that target's plain decoding, with
+drafts accepted, and samples its distribution.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import bigram_llama, sampled_pairs, tiny_llama
+from specdec import SpecDecoder
+from specdec.config import RuntimeConfig, use
+from specdec.drafters import ModelDrafter, PromptLookupDrafter, Sources, SuffixDrafter
+from specdec.drafters.self_spec import StreamingDrafter
+from specdec.forward import forward_block
+from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.models import ModelLoadError, load_model
+from specdec.quant import FORMATS, quantize_model
+from specdec.quant.formats import dequantize, random_blocks
+from specdec.quant.numerics import INT8_FORMATS, numerics_of, set_numerics
+from specdec.registry import drafter_names, make_drafter
+from specdec.tree import ancestor_mask
+from test_quant_kernel import VARIANTS, _int8_model, _ops
+
+NEG = torch.finfo(torch.float32).min
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("name", INT8_FORMATS)
+def test_the_kernel_is_its_arithmetic_for_any_rows(variant, name):
+    """quant_linear_i8 equals the float64 model of its integer arithmetic to fp32 rounding, for 1-70 rows
+    (row tiles and their remainders) and features not a multiple of its tile, within the approximation
+    bound of the exact reference."""
+    ops = _ops(variant)
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(3)
+    for rows, N, K in ((1, 9, 64), (5, 130, 96), (70, 33, 576)):
+        w = random_blocks(fmt, N, K, g)
+        x = torch.randn(rows, K, generator=g)
+        y = ops.quant_linear_i8(x, [w], [fmt.ggml_type]).double()
+        want = _int8_model(x, w, name)
+        assert ((y - want).abs() <= 1e-6 * _terms_bound(x, w, name) + 1e-30).all(), (variant, name, rows, N, K)
+        ref = F.linear(x, dequantize(w, fmt)).double()
+        assert (y - ref).norm() <= 0.05 * ref.norm()
+
+
+def _terms_bound(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    """[M, N]: the sum over blocks of |d dx dot| + |offset|, the magnitudes the kernel's fp32 sums add up
+    (its rounding error is a small multiple of eps times this)."""
+    K = x.shape[1]
+    xb = x.double().reshape(x.shape[0], K // 32, 32)
+    dx = xb.abs().amax(-1) / 127
+    xq = torch.where(dx[..., None] > 0, torch.round(xb / dx[..., None].clamp(min=1e-300)), torch.zeros_like(xb))
+    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
+    b = w.reshape(w.shape[0], K // 32, size)
+    d = b[..., 0:2].contiguous().view(torch.float16).double()[..., 0].abs()
+    if name == "Q8_0":
+        q = b[..., 2:34].contiguous().view(torch.int8).double()
+    else:
+        nib = b[..., size - 16:].long()
+        q = torch.cat([nib & 15, nib >> 4], -1).double()
+    dots = torch.einsum("nbk,xbk->xnb", q, xq).abs()
+    bound = torch.einsum("xnb,nb,xb->xn", dots, d, dx)
+    if name != "Q8_0":
+        m = 8 * d if name == "Q4_0" else b[..., 2:4].contiguous().view(torch.float16).double()[..., 0].abs()
+        bound = bound + torch.einsum("nb,xb->xn", m, (dx * xq.sum(-1)).abs())
+    return bound
+
+
+@pytest.mark.parametrize("name", INT8_FORMATS)
+def test_the_kernel_is_batch_invariant(name):
+    """A row's outputs are bit-equal alone, in blocks of 2-64 rows at every place, split over parts, with
+    1 and 2 threads, and in both builds (the same integers and the same float operations)."""
+    fmt = FORMATS[name]
+    g = torch.Generator().manual_seed(5)
+    w, w2 = random_blocks(fmt, 37, 192, g), random_blocks(fmt, 11, 192, g)
+    x = torch.randn(64, 192, generator=g)
+    builds = [_ops(v) for v in VARIANTS]
+    ops = builds[0]
+    alone = torch.cat([ops.quant_linear_i8(x[i:i + 1], [w], [fmt.ggml_type]) for i in range(64)])
+    threads = torch.get_num_threads()
+    try:
+        for t in (1, 2):
+            torch.set_num_threads(t)
+            for size in (2, 3, 4, 5, 8, 13, 64):
+                for start in range(0, 64 - size + 1, max(1, (64 - size) // 3 or 1)):
+                    block = ops.quant_linear_i8(x[start:start + size], [w], [fmt.ggml_type])
+                    assert torch.equal(block, alone[start:start + size]), (t, size, start)
+    finally:
+        torch.set_num_threads(threads)
+    parts = ops.quant_linear_i8(x, [w, w2], [fmt.ggml_type] * 2)
+    assert torch.equal(parts[:, :37], alone)
+    for other in builds[1:]:
+        assert torch.equal(other.quant_linear_i8(x, [w], [fmt.ggml_type]), alone)
+
+
+def test_row_attention_is_each_rows_own_and_matches_sdpa(ops):
+    """A row's attention is bit-equal over only its visible keys, in order, whatever is masked between
+    them, whatever the other rows and the store's length; and equal to SDPA to fp32 rounding."""
+    g = torch.Generator().manual_seed(9)
+    B, H, R, D, L = 2, 3, 8, 64, 70
+    q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (R, L, L))
+    bias = torch.where(torch.rand(B, 1, R, L, generator=g) < 0.3, NEG, 0.0)
+    bias[..., 0] = 0.0  # every row sees a key
+    out = ops.row_attention(q, k, v, bias, 0.125)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.125)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    for b in range(B):
+        for r in range(R):
+            seen = (bias[b, 0, r] == 0).nonzero().flatten()
+            alone = ops.row_attention(q[b:b + 1, :, r:r + 1], k[b:b + 1, :, seen], v[b:b + 1, :, seen], None, 0.125)
+            assert torch.equal(alone[0, :, 0], out[b, :, r]), (b, r)
+    grouped = ops.row_attention(q, k, v, bias[:, :, :2], 0.125)  # R = 4 x Q: row r takes bias row r % 2
+    assert torch.equal(grouped[:, :, 2], ops.row_attention(q[:, :, 2:3], k, v, bias[:, :, :1], 0.125)[:, :, 0])
+
+
+def _int8_llama(seed: int = 0, fmt: str = "Q4_1"):
+    model = tiny_llama(seed, layers=2).float()
+    quantize_model(model, fmt)
+    return set_numerics(model, "int8")
+
+
+def test_a_model_takes_int8_only_with_every_linear_in_its_formats():
+    model = tiny_llama(0).float()
+    with pytest.raises(ValueError, match="holds fp32 weights"):
+        set_numerics(model, "int8")
+    with pytest.raises(ValueError, match="numerics='fast'"):
+        set_numerics(model, "fast")
+    quantize_model(model, "Q4_0")
+    assert numerics_of(set_numerics(model, "int8")) == "int8"
+    assert all(m.numerics == "int8" for m in model.modules() if hasattr(m, "numerics"))
+    assert numerics_of(set_numerics(model, "exact")) == "exact"
+
+
+def test_load_model_refuses_int8_on_fp32_weights():
+    with pytest.raises(ValueError, match="is for quantized weights"):
+        load_model("default", weights="fp32", numerics="int8")
+    with pytest.raises(ValueError, match="numerics='fp8'"):
+        load_model("default", weights="packed", numerics="fp8")
+
+
+def _rows_one_at_a_time(model, history: list[int], path: list[int]) -> torch.Tensor:
+    """Logits [len(path), V] of ``path`` after ``history``, every token its own 1-row block (plain decoding)."""
+    cache = BMCCache.for_model(model, 1, BMCConfig(4))
+    out = []
+    for t in history + path:
+        logits = forward_block(model, cache, torch.tensor([[t]]), None, None).logits
+        cache.commit([[0]])
+        out.append(logits[0, -1])
+    return torch.stack(out[len(history):])
+
+
+def _block_rows_vs_plain(model) -> list[bool]:
+    """A chain block, a tree block and a ragged batch of two: per row compared, whether its logits are
+    bit-equal to the same token decoded alone after its own history."""
+    g = torch.Generator().manual_seed(2)
+    hist = [torch.randint(1, 128, (9,), generator=g).tolist(), torch.randint(1, 128, (5,), generator=g).tolist()]
+    same = []
+    # a ragged batch: row 0 keeps 9 of its block of 9, row 1 keeps 5
+    cache = BMCCache.for_model(model, 2, BMCConfig(8))
+    first = forward_block(model, cache, torch.tensor([hist[0], hist[1] + [7, 7, 7, 7]]), None, None).logits
+    for b in range(2):
+        same.append(torch.equal(first[b, :len(hist[b])], _rows_one_at_a_time(model, [], hist[b])))
+    cache.commit([list(range(9)), list(range(5))])
+    # a tree block per row: the pending token, node a under it, nodes b and c both under a (siblings:
+    # c's row sees a but not b, which sits between them in the store)
+    mask = ancestor_mask(torch.tensor([[-1, 0, 0], [-1, 0, 0]]))  # [2, 4, 4] with the pending token's row
+    depth = torch.tensor([[0, 1, 2, 2], [0, 1, 2, 2]])
+    tokens = torch.randint(1, 128, (2, 4), generator=g)
+    tree = forward_block(model, cache, tokens, mask, depth).logits
+    for b in range(2):
+        for node, path in ((2, [0, 1, 2]), (3, [0, 1, 3])):
+            want = _rows_one_at_a_time(model, hist[b], tokens[b, path].tolist())[-1]
+            same.append(torch.equal(tree[b, node], want))
+    return same
+
+
+def test_rows_of_chains_trees_and_ragged_batches_equal_plain_decoding_bit_for_bit():
+    """Every row of a verify block (chain, tree with siblings, ragged batch) is plain decoding's row."""
+    assert all(_block_rows_vs_plain(_int8_llama(1)))
+
+
+def test_a_broken_invariance_is_caught(monkeypatch):
+    """The bit test's premise: were a block's rows computed otherwise than one row alone (here: blocks of
+    several rows through fp32 products, one row through the int8 kernel), it fails."""
+    from specdec.runtime import qlinear
+
+    real = qlinear._int8
+
+    def by_rows(x, blocks, fmts, bias):
+        if x.numel() // x.shape[-1] == 1:
+            return real(x, blocks, fmts, bias)
+        return F.linear(x, torch.cat([dequantize(b, f) for b, f in zip(blocks, fmts)]), bias)
+
+    monkeypatch.setattr(qlinear, "_int8", by_rows)
+    assert not any(_block_rows_vs_plain(_int8_llama(1)))
+
+
+NEW = 16
+
+
+def _prompts() -> list[torch.Tensor]:
+    ids = torch.randint(0, 128, (10,), generator=torch.Generator().manual_seed(0))
+    return [torch.cat([ids, ids]), torch.cat([ids[3:9], ids[3:9], ids[:4]])]
+
+
+def _build(name: str, target):
+    """Registered drafters that need a trained head or SmolLM2 answers get the contract test's model-free
+    stand-ins (their acceptance is that test's subject); the rest their own factories."""
+    if name in ("eagle", "eagle3", "eagle+lookup", "auto+eagle3", "suffix-corpus", "auto", "auto+quant-self"):
+        return Sources({"lookup": PromptLookupDrafter(), "suffix": SuffixDrafter(),
+                        "streaming": StreamingDrafter(target, budget=16, sink=2)})
+    return make_drafter(name, target)
+
+
+@pytest.mark.filterwarnings("ignore:.*fits the budget")
+def test_every_drafter_equals_the_int8_targets_plain_decoding():
+    """Greedy at batch 1 and in a ragged batch of two: each drafter's tokens are the int8 target's plain
+    decoding's (not HF generate's: HF's attention is another arithmetic), with drafts accepted."""
+    target = _int8_llama(4)
+    prompts = _prompts()
+    plain = SpecDecoder(target, None).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+    for name in drafter_names():
+        if name == "none":
+            continue
+        out = SpecDecoder(target, _build(name, target)).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+        for b in range(len(prompts)):
+            assert out.generated(b).tolist() == plain.generated(b).tolist(), (name, b)
+        assert sum(out.accepted_per_sequence) > 0, name
+
+
+def test_sampling_on_an_int8_target_follows_its_distribution():
+    """The first two sampled tokens after a one-token prompt, through a drafter whose q differs from the
+    target's p, follow the int8 target's exact joint distribution (its own row forwards: a one-token
+    prefill attends one key, which SDPA and the row attention give bit for bit); a wrong acceptance rule
+    fails the same check."""
+    from specdec.bench.distribution import pair_mismatch
+    from specdec.sampling import SamplingParams, target_probs
+    from specdec.verifiers import sampling as vs
+
+    target = set_numerics(quantize_model(bigram_llama(6, peak=4.0).float(), "Q4_1"), "int8")  # peaked: a strong test
+    prompt = torch.tensor([[5]])
+    V = target.config.vocab_size
+    params = SamplingParams.resolve(target, temperature=0.8)  # sampled_pairs' temperature, the model's top-k
+    cache = BMCCache.for_model(target, V, BMCConfig(4))
+    logits = forward_block(target, cache, torch.cat([prompt.expand(V, 1), torch.arange(V)[:, None]], 1), None, None).logits
+    p1 = target_probs(logits[:1, :1], params)[0, 0]  # [V]
+    p2 = target_probs(logits[:, 1:2], params)[:, 0]  # [V, V]: p(y | x)
+    other = lambda: ModelDrafter(tiny_llama(7, layers=1).float())  # another model: its q is not the target's p
+    pairs, drafted, accepted = sampled_pairs(target, other(), prompt, n=4000, batch=2000)
+    assert 0 < accepted < drafted
+    assert pair_mismatch(pairs, p1[:, None] * p2) is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(vs, "acceptance_probability", lambda p_x, q_x: torch.ones_like(p_x))
+        wrong, _, _ = sampled_pairs(target, other(), prompt, n=4000, batch=2000)
+    assert pair_mismatch(wrong, p1[:, None] * p2) is not None
+
+
+def test_the_default_model_loads_in_int8_and_speculates_exactly(real_int8):
+    ids = real_int8.tokenizer.apply_chat_template([{"role": "user", "content": "Count from one to twelve in words."}],
+                                                  add_generation_prompt=True, return_tensors="pt",
+                                                  return_dict=True)["input_ids"]
+    plain = SpecDecoder(real_int8.model, None).generate(ids, max_new_tokens=40)
+    out = SpecDecoder(real_int8.model, make_drafter("prompt-lookup", real_int8.model)).generate(ids, max_new_tokens=40)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.accepted_per_sequence[0] > 0
+
+
+@pytest.fixture(scope="module")
+def real_int8():
+    from specdec.models import default_gguf_path
+
+    try:
+        default_gguf_path()
+    except ModelLoadError as e:
+        pytest.skip(f"the default model is not installed: {e}")
+    with use(RuntimeConfig()):
+        return load_model("default", weights="packed", numerics="int8")
