@@ -10,7 +10,9 @@ import uvicorn
 
 from specdec import SpecDecoder
 from specdec.config import RuntimeConfig
+from specdec.controller.draft_length import DraftLengthConfig
 from specdec.decoder import SpecDecoderConfig
+from specdec.drafters.model import ModelDrafter
 from specdec.serve.app import ServeConfig, Service, create_app
 
 from conftest import tiny_llama
@@ -19,10 +21,23 @@ from tiny_chat import VOCAB, tiny_tokenizer
 WINDOW = 256  # the tiny model's context window: small, so "over the context" is cheap to ask for
 
 
-def tiny_decoder(drafter=None, seed: int = 0) -> SpecDecoder:
-    """No kernel self-check (seconds on a busy machine; the float64 model never uses the kernels)."""
-    model = tiny_llama(seed, vocab=VOCAB, layers=2, max_pos=WINDOW)
-    return SpecDecoder(model, drafter, SpecDecoderConfig(runtime=RuntimeConfig(calibrate=False)))
+def tiny_model(seed: int = 0):
+    return tiny_llama(seed, vocab=VOCAB, layers=2, max_pos=WINDOW)
+
+
+def tiny_decoder(drafter=None, seed: int = 0, cost_aware: bool = True) -> SpecDecoder:
+    """No kernel self-check (seconds on a busy machine; the float64 model never uses the kernels).
+    ``cost_aware`` False: the controller drafts at every step whatever the timings (a test that counts
+    accepted drafts must not depend on how busy the machine is)."""
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=cost_aware),
+                               runtime=RuntimeConfig(calibrate=False))
+    return SpecDecoder(tiny_model(seed), drafter, config)
+
+
+def self_drafter(seed: int = 0) -> ModelDrafter:
+    """The tiny target's own weights as a draft model: its greedy drafts are the target's greedy tokens,
+    so every one is accepted (as far as the answer's length and EOS let them count)."""
+    return ModelDrafter(tiny_model(seed))
 
 
 class LiveServer:

@@ -1,6 +1,8 @@
-"""`specdec serve` through the official openai client and raw HTTP: answers, errors, limits."""
+"""`specdec serve` through the official openai client and raw HTTP: answers (with their drafts
+accepted), errors, limits, the API key."""
 
 import json
+import socket
 import threading
 import time
 
@@ -8,20 +10,32 @@ import httpx
 import pytest
 import torch
 
-from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.prompting import chat_ids
 from specdec.serve.app import ServeConfig
 from specdec.serve.engine import EngineConfig
 
-from serve_helpers import WINDOW, LiveServer, tiny_decoder
+from serve_helpers import WINDOW, LiveServer, self_drafter, tiny_decoder
 
 openai = pytest.importorskip("openai")
 EOS = 256  # the tiny tokenizer's <|im_end|>
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny float64 forwards: on a shared 2-core machine the intra-op pool's wake-ups cost more than
+    the work (a step 5-10x slower under load)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
 @pytest.fixture(scope="module")
-def server():
-    live = LiveServer(tiny_decoder(PromptLookupDrafter()),
+def server(one_thread):
+    """The target drafting for itself, at every step: greedy answers accept drafts for certain, so the
+    exactness tests below also show that the server's verifier accepts them (one that rejected every
+    draft would answer the same)."""
+    live = LiveServer(tiny_decoder(self_drafter(), cost_aware=False),
                       ServeConfig(model_name="tiny", default_max_tokens=24, engine=EngineConfig(max_batch=4)))
     yield live
     live.stop()
@@ -36,7 +50,7 @@ def alone(server, messages=None, prompt=None, max_new=24) -> str:
     """What SpecDecoder.generate answers for this prompt alone (a fresh decoder of the same target)."""
     tok = server.tokenizer
     ids = chat_ids(tok, messages)[0] if messages is not None else torch.tensor(tok(prompt)["input_ids"])
-    decoder = tiny_decoder(PromptLookupDrafter())
+    decoder = tiny_decoder(self_drafter(), cost_aware=False)
     out = decoder.generate(ids, max_new_tokens=max_new, eos_token_id=EOS)
     assert torch.equal(out.sequences, decoder.target.generate(ids[None], max_new_tokens=max_new, do_sample=False,
                                                               eos_token_id=EOS, pad_token_id=0,
@@ -48,12 +62,25 @@ def chat(text: str) -> list[dict]:
     return [{"role": "user", "content": text}]
 
 
+def drafts(usage, accepted: bool = True) -> dict:
+    """usage.specdec, checked: drafted >= accepted (> 0 if ``accepted``), accepted <= the answer's tokens,
+    a time to first token."""
+    extra = usage["specdec"] if isinstance(usage, dict) else usage.specdec
+    completion = usage["completion_tokens"] if isinstance(usage, dict) else usage.completion_tokens
+    assert set(extra) == {"drafted_tokens", "accepted_tokens", "time_to_first_token_s"}
+    assert extra["drafted_tokens"] >= extra["accepted_tokens"] >= (1 if accepted else 0), extra
+    assert extra["accepted_tokens"] < max(completion, 1)  # the first token is never a draft
+    assert isinstance(extra["time_to_first_token_s"], float) and extra["time_to_first_token_s"] >= 0
+    return extra
+
+
 def test_openai_chat_answers_as_generate_alone(server, client):
     r = client.chat.completions.create(model="tiny", messages=chat("abc abc abc"), temperature=0, max_tokens=20)
     assert r.choices[0].message.content == alone(server, chat("abc abc abc"), max_new=20)
     assert r.choices[0].finish_reason in ("stop", "length")
     assert r.usage.completion_tokens <= 20 and r.usage.prompt_tokens > 0
     assert r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
+    drafts(r.usage)
 
 
 def test_openai_chat_stream_concatenates_to_the_same_answer(server, client):
@@ -68,25 +95,29 @@ def test_openai_chat_stream_concatenates_to_the_same_answer(server, client):
             finish = ch.finish_reason or finish
     assert "".join(parts) == alone(server, chat("hello hello"), max_new=20)
     assert finish in ("stop", "length") and use is not None and use.completion_tokens >= 1
+    drafts(use)
 
 
 def test_openai_completions_stream_and_not(server, client):
     r = client.completions.create(model="tiny", prompt="once upon a time", temperature=0, max_tokens=16)
     expected = alone(server, prompt="once upon a time", max_new=16)
     assert r.choices[0].text == expected
-    streamed = "".join(c.choices[0].text for c in client.completions.create(
-        model="tiny", prompt="once upon a time", temperature=0, max_tokens=16, stream=True) if c.choices)
-    assert streamed == expected
+    drafts(r.usage)
+    chunks = list(client.completions.create(model="tiny", prompt="once upon a time", temperature=0, max_tokens=16,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected
+    assert drafts(chunks[-1].usage)["accepted_tokens"] == r.usage.specdec["accepted_tokens"]  # the same steps
 
 
 def test_concurrent_clients_arriving_mid_batch_get_their_alone_answers(server, client):
     texts = [f"question {i}: " + "xy" * (i + 1) for i in range(8)]
     answers: dict[int, str] = {}
+    usages = {}
 
     def ask(i: int) -> None:
         time.sleep(0.05 * i)  # staggered: later ones join a running batch
         r = client.chat.completions.create(model="tiny", messages=chat(texts[i]), temperature=0, max_tokens=24)
-        answers[i] = r.choices[0].message.content
+        answers[i], usages[i] = r.choices[0].message.content, r.usage
 
     threads = [threading.Thread(target=ask, args=(i,)) for i in range(8)]  # 8 at once, 4 rows: some wait
     for t in threads:
@@ -96,6 +127,8 @@ def test_concurrent_clients_arriving_mid_batch_get_their_alone_answers(server, c
     assert sorted(answers) == list(range(8))
     for i, text in enumerate(texts):
         assert answers[i] == alone(server, chat(text), max_new=24)
+        drafts(usages[i], accepted=False)  # consistent; a row may have drafted nothing yet
+    assert sum(drafts(u, accepted=False)["accepted_tokens"] for u in usages.values()) > 0
 
 
 def test_a_seeded_sampled_answer_repeats(client):
@@ -132,6 +165,17 @@ BAD = [  # (body or raw bytes, status, words the message must hold)
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3}, 400,
      "not supported"),
     ([1, 2], 400, "JSON object"),
+    (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', 400, "not UTF-8"),  # Latin-1
+    ('{"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}'.encode("utf-16"), 400, "not UTF-8"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "temperature": NaN}', 400, "NaN"),
+    (b'{"model": "tiny", "messages": [{"role": "user", "content": "a\\ud800"}]}', 400, "lone surrogate"),
+    (b'{"model": "\\ud800", "messages": [{"role": "user", "content": "hi"}]}', 404, "does not exist"),
+    ({"model": "tiny", "messages": [{}]}, 400, "role"),
+    ({"model": "tiny", "messages": ["hi"]}, 400, "must be an object"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "seed": 2**70}, 400, "'seed' must be between"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": True,
+      "stream_options": {"include_usage": "yes"}}, 400, "boolean"),
 ]
 
 
@@ -157,7 +201,10 @@ def _batch_size(server) -> int:
 
 
 def test_a_client_leaving_mid_stream_frees_its_row(server):
-    body = {"model": "tiny", "prompt": "go on and on", "max_tokens": 200, "temperature": 0, "stream": True}
+    # sampled hot: the greedy drafts are rarely kept, a step yields ~1 token and the answer is still running
+    # when the client leaves (greedy, every draft is kept: 200 tokens in ~20 steps)
+    body = {"model": "tiny", "prompt": "go on and on", "max_tokens": 200, "temperature": 1.5, "seed": 3,
+            "stream": True}
     with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=30) as r:
         lines = r.iter_lines()
         got = [next(lines) for _ in range(3)]
@@ -173,13 +220,13 @@ def test_a_client_leaving_mid_stream_frees_its_row(server):
 
 def test_models_health_and_metrics(server, client):
     assert [m.id for m in client.models.list().data] == ["tiny"]
-    # a request of its own: prompt lookup drafts on its repeats, so the drafter's counter exists when read
+    # a request of its own: the drafter drafts, so its counter exists when read
     client.completions.create(model="tiny", prompt="abc abc abc abc", temperature=0, max_tokens=8)
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     metrics = httpx.get(server.url + "/metrics").text
     for name in ("specdec_queue_length", "specdec_batch_size", "specdec_generated_tokens_total",
                  "specdec_tokens_per_second", "specdec_tau", "specdec_http_requests_total",
-                 'specdec_drafted_tokens_total{drafter="PromptLookupDrafter"}'):
+                 'specdec_drafted_tokens_total{drafter="ModelDrafter"}'):
         assert name in metrics
 
 
@@ -289,3 +336,152 @@ def test_a_client_gone_before_its_whole_answer_frees_its_row(server):
     while engine.counters.finished.get("cancelled", 0) == before or _batch_size(server) != 0:
         assert time.monotonic() < deadline, "the row of the departed client was not freed"
         time.sleep(0.02)
+
+
+# -- hardening: the API key, the body limit, work off the event loop, the time limit
+
+KEY = "test-key-\u00e9"  # not ASCII: the header's bytes are compared, not its latin-1 text
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    live = LiveServer(tiny_decoder(), ServeConfig(model_name="tiny", default_max_tokens=8, api_key=KEY))
+    yield live
+    live.stop()
+
+
+def _bearer(key: str) -> dict:
+    return {"authorization": b"Bearer " + key.encode()}
+
+
+def test_an_api_key_guards_every_route_but_health(guarded):
+    body = {"model": "tiny", "prompt": "hi", "max_tokens": 2, "temperature": 0}
+    assert httpx.get(guarded.url + "/health").status_code == 200
+    routes = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"), ("GET", "/metrics")]
+    wrong = [_bearer("wrong"), _bearer(KEY[:-1]), {"authorization": b"Basic " + KEY.encode()}]
+    for (method, path), headers in [(route, {}) for route in routes] + [(routes[0], h) for h in wrong]:
+        r = httpx.request(method, guarded.url + path, json=body if method == "POST" else None, headers=headers)
+        assert r.status_code == 401, (path, headers)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["code"] == "invalid_api_key"
+        assert ("no API key" if not headers else "not valid") in err["message"]
+        assert r.headers["www-authenticate"] == "Bearer"
+    r = httpx.post(guarded.url + "/v1/completions", json=body, headers=_bearer(KEY))
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+    metrics = httpx.get(guarded.url + "/metrics", headers=_bearer(KEY))
+    assert metrics.status_code == 200
+    assert 'specdec_http_requests_total{endpoint="unauthorized",status="401"} 7.0' in metrics.text
+    wrong = openai.OpenAI(base_url=guarded.url + "/v1", api_key="wrong", max_retries=0, timeout=30)
+    with pytest.raises(openai.AuthenticationError):
+        wrong.models.list()
+
+
+def test_a_request_over_its_time_limit_is_cancelled_and_answered_with_an_error():
+    """Whole: 504 naming the limit; streaming: the stream ends with the error event. Both are cancelled
+    (the engine is held between two steps meanwhile, so neither can finish in time)."""
+    live = LiveServer(tiny_decoder(), ServeConfig(model_name="tiny", request_timeout=0.5))
+    engine = live.service.engine
+    held, release = threading.Event(), threading.Event()
+    engine.call(lambda: (held.set(), release.wait(30)))
+    try:
+        assert held.wait(10)
+        body = {"model": "tiny", "prompt": "slow", "max_tokens": 4, "temperature": 0}
+        r = httpx.post(live.url + "/v1/completions", json=body, timeout=30)
+        assert r.status_code == 504
+        err = r.json()["error"]
+        assert err["code"] == "request_timeout" and "--request-timeout" in err["message"]
+        with httpx.stream("POST", live.url + "/v1/completions", json={**body, "stream": True}, timeout=30) as s:
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert s.status_code == 200 and events[-1] == "data: [DONE]"
+        assert json.loads(events[-2][6:])["error"]["code"] == "request_timeout"
+        release.set()
+        deadline = time.monotonic() + 10
+        while engine.counters.finished.get("cancelled", 0) < 2:
+            assert time.monotonic() < deadline, "the timed-out requests were not cancelled"
+            time.sleep(0.02)
+    finally:
+        release.set()
+        live.stop()
+
+
+def _status_line(sock: socket.socket) -> str:
+    """The response's status line (reads until the headers end)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed first: {data!r}"
+        data += chunk
+    return data.split(b"\r\n", 1)[0].decode()
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    """8 MiB by default. A Content-Length of 20 MB is answered 413 though not a byte of the body was sent;
+    a chunked body as soon as it passes the limit, though it never ends; 20 MB sent whole by the openai
+    client's transport, 413 too; and the next request is served."""
+    limit = server.service.config.max_body_bytes
+    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Authorization: Bearer none\r\n")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall((head + f"Content-Length: {20 * 10**6}\r\n\r\n").encode())
+        assert _status_line(sock).startswith("HTTP/1.1 413")
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        sock.sendall((head + "Transfer-Encoding: chunked\r\n\r\n").encode())
+        piece = 2**20
+        for _ in range(limit // piece + 1):  # just past the limit, no last chunk
+            sock.sendall(f"{piece:x}\r\n".encode() + b" " * piece + b"\r\n")
+        assert _status_line(sock).startswith("HTTP/1.1 413")
+    r = httpx.post(server.url + "/v1/completions", content=b" " * (20 * 10**6), timeout=60,
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+    err = r.json()["error"]
+    assert err["code"] == "request_too_large" and "--max-body-bytes" in err["message"]
+    ok = httpx.post(server.url + "/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                          "temperature": 0}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_a_prompt_longer_than_the_window_can_hold_is_refused_before_tokenizing(server, monkeypatch):
+    class Untouchable:  # any tokenizer call would be a 500
+        def __getattr__(self, name):
+            raise AssertionError(f"tokenizer.{name} used")
+
+    chars = server.service.max_prompt_chars  # window 256 x 13 ("<|im_start|>" + 1) x 4
+    assert chars == WINDOW * 13 * 4
+    monkeypatch.setattr(server.service, "tokenizer", Untouchable())
+    for path, body in (("/v1/completions", {"prompt": "z" * (chars + 1)}),
+                       ("/v1/chat/completions", {"messages": chat("z" * (chars // 2)) * 2 + chat("z")})):
+        r = httpx.post(server.url + path, json={"model": "tiny", **body})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+        assert f"at most {chars} characters" in r.json()["error"]["message"]
+
+
+def test_a_chat_template_refusing_the_messages_is_a_400(server, monkeypatch):
+    monkeypatch.setattr(server.service.tokenizer, "chat_template",
+                        "{{ raise_exception('Conversation roles must alternate user/assistant') }}")
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("hi")})
+    assert r.status_code == 400
+    assert "chat template refuses the messages: Conversation roles must alternate" in r.json()["error"]["message"]
+
+
+def test_tokenizing_runs_off_the_event_loop(server, monkeypatch):
+    """A request whose tokenization does not end until another request has been answered: on the event
+    loop, that other request could never be answered (the wait below would run out)."""
+    entered, other_done, waited = threading.Event(), threading.Event(), []
+    encode = server.service.encode
+
+    def slow_encode(g):
+        if g.prompt == "slow one":
+            entered.set()
+            waited.append(other_done.wait(10))
+        return encode(g)
+
+    monkeypatch.setattr(server.service, "encode", slow_encode)
+    body = {"model": "tiny", "max_tokens": 2, "temperature": 0}
+    slow = threading.Thread(target=lambda: httpx.post(server.url + "/v1/completions", timeout=60,
+                                                      json={**body, "prompt": "slow one"}))
+    slow.start()
+    assert entered.wait(30)
+    r = httpx.post(server.url + "/v1/completions", json={**body, "prompt": "quick one"}, timeout=60)
+    other_done.set()
+    slow.join(60)
+    assert r.status_code == 200 and waited == [True]

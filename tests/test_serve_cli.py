@@ -78,3 +78,28 @@ def test_serve_restarts_with_its_suffix_cache(tmp_path):
     assert again == first
     assert accepted > 0, out  # drafted from the answer served before the restart
     assert "1 answers loaded" in out
+
+
+def test_the_hardening_options_reach_the_server_and_uvicorn(tmp_path):
+    """--api-key-file's first line is the key; --max-body-bytes, --request-timeout go to the app,
+    --max-connections to uvicorn's limit_concurrency (by default the batch, the queue and 32 more)."""
+    from specdec.cli import build_parser
+    from specdec.cli.serve import serve_config, uvicorn_options
+
+    key = tmp_path / "key"
+    key.write_text("s3cret \nignored\n")
+    args = build_parser().parse_args(["serve", "--api-key-file", str(key), "--max-body-bytes", "1000",
+                                      "--request-timeout", "2.5", "--max-batch", "4", "--max-queue", "10"])
+    config = serve_config(args)
+    assert (config.api_key, config.max_body_bytes, config.request_timeout) == ("s3cret", 1000, 2.5)
+    assert "s3cret" not in repr(config)
+    assert uvicorn_options(args)["limit_concurrency"] == 4 + 10 + 32
+    args = build_parser().parse_args(["serve", "--api-key", "k", "--max-connections", "5"])
+    assert serve_config(args).api_key == "k" and serve_config(args).request_timeout == 0
+    assert uvicorn_options(args)["limit_concurrency"] == 5 and serve_config(args).max_body_bytes == 8 * 2**20
+    assert serve_config(build_parser().parse_args(["serve"])).api_key is None
+    key.write_text("\n")
+    with pytest.raises(ValueError, match="first line is empty"):
+        serve_config(build_parser().parse_args(["serve", "--api-key-file", str(key)]))
+    with pytest.raises(SystemExit):  # one or the other
+        build_parser().parse_args(["serve", "--api-key", "k", "--api-key-file", str(key)])

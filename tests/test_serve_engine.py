@@ -1,25 +1,50 @@
-"""The server's decode loop: requests joining a running batch answer exactly as alone."""
+"""The server's decode loop: requests joining a running batch answer exactly as alone, with drafts
+accepted; the per-request sampling rule samples the target's distribution, and a seed's answer depends
+neither on the drafts nor on the batch."""
 
 import threading
 
 import pytest
 import torch
 
+import specdec.serve.acceptance as acceptance
 from specdec import SpecDecoder as _SpecDecoder
+from specdec.bench.distribution import pair_mismatch
 from specdec.config import RuntimeConfig
+from specdec.controller.draft_length import DraftLengthConfig
 from specdec.decoder import SpecDecoderConfig
+from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.suffix import SuffixDrafter
-from specdec.sampling import SamplingParams
-from specdec.serve.acceptance import GumbelStream
+from specdec.sampling import SamplingParams, target_probs
+from specdec.serve.acceptance import GumbelStream, RowAcceptance, RowRule
 from specdec.serve.engine import Busy, Engine, EngineConfig, Request
+from specdec.tree import DraftTree
 
-from conftest import hf_greedy
+from conftest import hf_greedy, tiny_llama
 
 
-def SpecDecoder(target, drafter):
-    """No kernel self-check (seconds on a busy machine; the tiny float64 model never uses the kernels)."""
-    return _SpecDecoder(target, drafter, SpecDecoderConfig(runtime=RuntimeConfig(calibrate=False)))
+def SpecDecoder(target, drafter, cost_aware: bool = True):
+    """No kernel self-check (seconds on a busy machine; the tiny float64 model never uses the kernels).
+    ``cost_aware`` False: drafts at every step whatever the timings (tests that count accepted drafts)."""
+    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=cost_aware),
+                               runtime=RuntimeConfig(calibrate=False))
+    return _SpecDecoder(target, drafter, config)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny float64 forwards and per-row ops: on a shared 2-core machine the intra-op pool's wake-ups
+    cost more than the work (a step 5-10x slower under load)."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def _self_drafter() -> ModelDrafter:
+    """The ``target`` fixture's own weights drafting: its greedy drafts are the target's greedy tokens."""
+    return ModelDrafter(tiny_llama(0))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -37,11 +62,14 @@ class _Client:
 
     def __init__(self, engine: Engine, prompt, max_new, sampling=None, seed=None, hold=None) -> None:
         self.tokens, self.finish, self.done = [], None, threading.Event()
+        self.drafted = self.accepted = 0  # draft tokens verified for this request, and kept
         self.first, self.hold = threading.Event(), hold
         self.handle = engine.submit(Request(prompt, max_new, sampling, seed, self._emit))
 
     def _emit(self, u) -> None:
         self.tokens += u.tokens
+        self.drafted += u.drafted
+        self.accepted += u.from_draft
         if not self.first.is_set():
             self.first.set()
             if self.hold is not None:
@@ -53,8 +81,10 @@ class _Client:
 
 @pytest.mark.parametrize("make", [PromptLookupDrafter, SuffixDrafter], ids=["lookup", "suffix"])
 def test_requests_joining_mid_batch_answer_as_generate_alone(target, make):
+    """And drafts were accepted on the way (the prompts repeat; drafting is not priced, so it happens
+    whatever the timings): a verifier that rejected every draft would answer the same and fail here."""
     prompts, max_new = _prompts(5), [20, 6, 24, 14, 10]
-    engine = Engine(SpecDecoder(target, make()), eos=set(), config=EngineConfig(max_batch=4))
+    engine = Engine(SpecDecoder(target, make(), cost_aware=False), eos=set(), config=EngineConfig(max_batch=4))
     engine.start()
     try:
         hold = threading.Event()
@@ -67,39 +97,122 @@ def test_requests_joining_mid_batch_answer_as_generate_alone(target, make):
     finally:
         engine.stop()
     for p, m, c in zip(prompts, max_new, first + later):
-        alone = SpecDecoder(target, make()).generate(torch.tensor(p), max_new_tokens=m)
+        alone = SpecDecoder(target, make(), cost_aware=False).generate(torch.tensor(p), max_new_tokens=m)
         assert c.tokens == alone.generated(0).tolist()
+        assert 0 <= c.accepted <= c.drafted
         if make is SuffixDrafter:  # and the target's own greedy output (once: generate is pinned to it elsewhere)
             assert c.tokens == hf_greedy(target, torch.tensor([p]), m)[0, len(p):].tolist()
         assert c.finish == "length"
     assert engine.counters.tokens == sum(max_new)
     assert engine.counters.joins >= 1  # some arrived while rows were live
+    clients = first + later
+    assert sum(c.accepted for c in clients) > 0, [(c.drafted, c.accepted) for c in clients]
+    # /metrics counts what the verifier kept; a request, what its answer kept (not cut by max_tokens)
+    assert sum(engine.counters.drafted.values()) == sum(c.drafted for c in clients)
+    assert sum(engine.counters.accepted.values()) >= sum(c.accepted for c in clients)
 
 
-def test_seeded_sampling_repeats_whatever_the_batch_mates(target):
-    sampling = SamplingParams(temperature=0.9, top_k=20)
-    prompt = _prompts(1)[0]
-    answers = []
-    for mates in (0, 3):
-        engine = Engine(SpecDecoder(target, PromptLookupDrafter()), eos=set())
-        engine.start()
-        try:
-            others = [_Client(engine, p, 20, sampling if i % 2 else None) for i, p in enumerate(_prompts(mates, 1))]
-            c = _Client(engine, prompt, 20, sampling, seed=1234)
-            for x in others + [c]:
-                assert x.done.wait(60)
-        finally:
-            engine.stop()
-        answers.append(c.tokens)
-    assert answers[0] == answers[1]
-    other_seed = Engine(SpecDecoder(target, None), eos=set())
-    other_seed.start()
+def _answer(engine: Engine, prompt, max_new, sampling, seed, mates=()) -> _Client:
+    """The seeded request's answer; ``mates`` (prompt, max_new, sampling, seed) start first and the
+    request joins their running batch."""
+    engine.start()
     try:
-        d = _Client(other_seed, prompt, 20, sampling, seed=99)
-        assert d.done.wait(60)
+        hold = threading.Event()
+        others = [_Client(engine, *m, hold=hold if i == 0 else None) for i, m in enumerate(mates)]
+        if others:
+            assert others[0].first.wait(30)  # the batch is live (the engine thread waits in its emit)
+        c = _Client(engine, prompt, max_new, sampling, seed)
+        hold.set()
+        for x in others + [c]:
+            assert x.done.wait(60)
     finally:
-        other_seed.stop()
-    assert d.tokens != answers[0]  # the seed matters
+        engine.stop()
+    return c
+
+
+def test_a_seed_answers_the_same_with_and_without_drafts_whatever_the_batch(target):
+    """README's promise: a seed gives the same answer whatever else is running, with or without drafts.
+    The seeded request alone on a decoder that never drafts == the same request joining a running batch
+    of greedy and sampled mates on one whose drafts it accepts; another seed answers otherwise."""
+    sampling = SamplingParams(temperature=0.7, top_k=20)
+    prompt, max_new = _prompts(1)[0], 24
+    plain = _answer(Engine(SpecDecoder(target, None), eos=set()), prompt, max_new, sampling, 1234)
+    mates = [(p, m, s, seed) for p, m, s, seed in zip(_prompts(3, 1), [30, 8, 16], [None, sampling, sampling],
+                                                     [None, 7, None])]
+    engine = Engine(SpecDecoder(target, _self_drafter(), cost_aware=False), eos=set(), config=EngineConfig(max_batch=4))
+    drafted = _answer(engine, prompt, max_new, sampling, 1234, mates)
+    assert engine.counters.joins >= 1  # it joined a live batch
+    assert plain.drafted == 0 and drafted.accepted > 0, (drafted.drafted, drafted.accepted)
+    assert drafted.tokens == plain.tokens and len(plain.tokens) == max_new
+    other = _answer(Engine(SpecDecoder(target, None), eos=set()), prompt, max_new, sampling, 99)
+    assert other.tokens != plain.tokens  # the seed matters
+
+
+# -- the per-request sampling rule's distribution: RowAcceptance on hand-built logits, no model
+
+V_DIST = 5
+L0 = torch.tensor([1.5, 1.0, 0.5, 0.0, -0.5], dtype=torch.float64)  # [V] the first token's logits
+L1 = torch.stack([L0.roll(t) for t in range(V_DIST)])  # [V, V] the second's after each first token
+DIST_SAMPLING = SamplingParams(temperature=0.6, top_k=4)  # top-k: token 4 never comes first
+# step 1's draft, a tree: tokens 0 and 1 for the first position, token 2 after 0 for the second
+DIST_TREE = ([0, 1, 2], [-1, -1, 0])  # (tokens [N], parents [N])
+_advance = GumbelStream.advance
+WRONG_RULES = {  # deliberately wrong pieces of specdec.serve.acceptance: (owner, name, replacement)
+    # every node of a block judged with the pending row's noise (depth offsets dropped)
+    "shared-noise": (acceptance, "node_depths", lambda parents: torch.zeros_like(parents)),
+    # the stream moves on by the accepted drafts only, not the bonus token: the next step reuses its noise
+    "stale-noise": (GumbelStream, "advance", lambda self, n: _advance(self, n - 1)),
+    # the unprocessed distribution (temperature and top-k ignored)
+    "raw-logits": (acceptance, "target_probs", lambda logits, params: torch.softmax(logits.to(torch.float64), -1)),
+}
+
+
+def _first_two_tokens(n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first two tokens [n, 2] of n seeded requests (seeds 0..n-1) under ``RowAcceptance``, the
+    engine's rule, over two steps as a session runs them: step 1 verifies DIST_TREE (block rows: the
+    pending token, then each node, with the logits of the position each predicts); rows that kept no
+    draft take step 2 (pending: their first token, a one-token draft [3]). Also the drafts each row
+    kept in step 1 [n]."""
+    judge = RowAcceptance([RowRule.make(DIST_SAMPLING, seed) for seed in range(n)])
+    tokens, parents = (torch.tensor([x] * n) for x in DIST_TREE)
+    block = torch.stack([L0, L1[0], L1[1], L0]).expand(n, 4, V_DIST)  # [B, 1 + N, V]; node 2's row: unused
+    ver = judge(block, DraftTree(tokens, parents, torch.full((n,), 3)))
+    k, path = ver.num_accepted, torch.nn.functional.pad(ver.accepted, (0, 2), value=-1)  # [B], [B, >= 2]
+    drafted = tokens.gather(1, path[:, :2].clamp(min=0))  # [B, 2] the accepted nodes' tokens
+    first = torch.where(k > 0, drafted[:, 0], ver.next_token)
+    second = torch.where(k > 1, drafted[:, 1], ver.next_token)
+    again = (k == 0).nonzero()[:, 0]  # [R] rows whose first token was the bonus: a second step
+    judge.select(again.tolist())
+    R = len(again)
+    ver2 = judge(torch.stack([L1[first[again]], L0.expand(R, V_DIST)], dim=1),  # [R, 2, V]
+                 DraftTree.chain(torch.full((R, 1), 3)))
+    second[again] = torch.where(ver2.num_accepted > 0, 3, ver2.next_token)
+    return torch.stack([first, second], dim=1), k
+
+
+def _exact_joint() -> torch.Tensor:
+    """[V, V] p(x) p(y | x), the target's processed distributions."""
+    p0 = target_probs(L0[None, None], DIST_SAMPLING)[0, 0]  # [V]
+    p1 = target_probs(L1[None], DIST_SAMPLING)[0]  # [V, V]
+    return p0[:, None] * p1
+
+
+def test_seeded_sampling_draws_the_first_two_tokens_from_the_target_distribution():
+    """Over 4000 seeds, with drafts accepted whole, in part or not at all: the pairs match p(x) p(y | x)
+    (chi-square and total variation, specdec.bench.distribution), and a filtered token never comes."""
+    pairs, kept = _first_two_tokens(4000)
+    assert all((kept == k).any() for k in (0, 1, 2))  # none, one and both of the drafts kept: every path
+    mismatch = pair_mismatch(pairs, _exact_joint())
+    assert mismatch is None, mismatch
+    assert (pairs[:, 0] != 4).all()
+
+
+@pytest.mark.parametrize("wrong", sorted(WRONG_RULES))
+def test_the_distribution_test_fails_a_wrong_sampling_rule(monkeypatch, wrong):
+    """The same check rejects each deliberately wrong rule (fewer seeds: each is off by far)."""
+    monkeypatch.setattr(*WRONG_RULES[wrong])
+    mismatch = pair_mismatch(_first_two_tokens(2000)[0], _exact_joint())
+    assert mismatch is not None and "chi-square" in mismatch
 
 
 def test_gumbel_rule_samples_the_target_distribution():

@@ -2,7 +2,7 @@
 
 import pytest
 
-from specdec.serve.protocol import ApiError, TextStream, parse_request
+from specdec.serve.protocol import ApiError, TextStream, parse_json, parse_request
 
 MODELS = ("tiny",)
 
@@ -34,6 +34,37 @@ def test_each_bad_field_is_named(kw, param):
     with pytest.raises(ApiError) as e:
         _chat(**kw)
     assert e.value.status == 400 and e.value.param == param and param in e.value.message
+
+
+@pytest.mark.parametrize("raw,words", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),  # past json's recursion limit: once a 500
+    (b'{"a": "\xff"}', "not UTF-8 text: byte 0xff at offset 7"),
+    (b'{"a": Infinity}', "Infinity is not a JSON number"),
+    (b'{"a": 1', "not valid JSON"),
+])
+def test_a_body_that_is_not_utf8_json_is_a_400_naming_why(raw, words):
+    with pytest.raises(ApiError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and words in e.value.message
+
+
+def test_a_utf8_json_body_parses():
+    assert parse_json('{"a": [1, "é", "\\u00e9"]}'.encode()) == {"a": [1, "é", "é"]}
+
+
+@pytest.mark.parametrize("body,words", [
+    ({"messages": [{}]}, "messages[0].role"),  # checked before it is read (once a KeyError: a 500)
+    ({"messages": [None]}, "messages[0] must be an object"),
+    ({"messages": [{"role": "user", "content": "a\ud800"}]}, "lone surrogate"),  # as json reads "\\ud800"
+    ({"messages": [{"role": "user", "content": "hi"}], "stop": ["\udfff"]}, "lone surrogate"),
+    ({"messages": [{"role": "user", "content": "hi"}], "seed": 2**64}, "'seed' must be between"),
+    ({"messages": [{"role": "user", "content": "hi"}], "model": ["tiny"]}, "'model' must be a string"),
+    ({"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": "yes"}}, "boolean"),
+])
+def test_wrong_shapes_and_values_are_400s_not_crashes(body, words):
+    with pytest.raises(ApiError) as e:
+        parse_request(body, True, MODELS)
+    assert e.value.status == 400 and words in e.value.message
 
 
 def _decode(tokens):

@@ -1,10 +1,12 @@
 """`specdec serve`: an OpenAI-compatible HTTP server (chat and completions, streaming or not) over
 one continuously batched decode loop; the suffix drafter's memory of served text persists across
-restarts (``--no-suffix-cache`` opts out)."""
+restarts (``--no-suffix-cache`` opts out). ``--api-key`` / ``--api-key-file``, ``--max-body-bytes``,
+``--request-timeout`` and ``--max-connections`` make it fit to face other people (no TLS: see README)."""
 
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from specdec.arguments import add_weights_argument, non_negative_float, non_negative_int, positive_int, weights_for
 from specdec.registry import DRAFTERS, make_drafter
@@ -34,11 +36,53 @@ def add_arguments(p) -> None:
     p.add_argument("--trim-every", type=non_negative_float, default=0.0,
                    help="seconds between returning freed memory to the system (glibc's malloc_trim; 0: never, "
                         "the default: it lowers RSS peaks and costs throughput under load)")
+    key = p.add_mutually_exclusive_group()
+    key.add_argument("--api-key", default=None,
+                     help="clients must send 'Authorization: Bearer KEY' (every route but /health; 401 otherwise); "
+                          "visible to other local users in the process list: prefer --api-key-file")
+    key.add_argument("--api-key-file", default=None, help="read the API key from this file (its first line)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=8 * 2**20,
+                   help="request bodies larger than this are refused (413) before they are read (default 8 MiB)")
+    p.add_argument("--request-timeout", type=non_negative_float, default=0.0,
+                   help="seconds a request may take from arrival to its last token; then it is cancelled "
+                        "(504; a stream ends with an error event). 0: no limit (the default)")
+    p.add_argument("--max-connections", type=non_negative_int, default=0,
+                   help="open connections at most (uvicorn's limit_concurrency; beyond it: 503); "
+                        "0: --max-batch + --max-queue + 32")
+
+
+def api_key(args) -> str | None:
+    """The key from --api-key or --api-key-file (its first line, stripped); None: no key."""
+    if args.api_key_file is None:
+        key = args.api_key
+    else:
+        lines = Path(args.api_key_file).read_text(encoding="utf-8").splitlines()
+        key = lines[0] if lines else ""
+        if not key.strip():
+            raise ValueError(f"--api-key-file {args.api_key_file}: the file's first line is empty")
+    if key is not None and not key.strip():
+        raise ValueError("--api-key is empty")
+    return None if key is None else key.strip()
+
+
+def serve_config(args):
+    """The server's settings from the command line (specdec.serve.app.ServeConfig)."""
+    from specdec.serve.app import ServeConfig
+    from specdec.serve.engine import EngineConfig
+
+    return ServeConfig(args.model_name or args.model, args.default_max_tokens,
+                       EngineConfig(args.max_batch, args.max_queue), float(args.shutdown_timeout), args.trim_every,
+                       api_key(args), args.max_body_bytes, args.request_timeout)
+
+
+def uvicorn_options(args) -> dict:
+    """uvicorn.run's keywords: where to listen, the graceful-shutdown timeout, the connection limit."""
+    connections = args.max_connections or args.max_batch + args.max_queue + 32  # room for /health, /metrics, 429s
+    return {"host": args.host, "port": args.port, "log_level": "info",
+            "timeout_graceful_shutdown": args.shutdown_timeout, "limit_concurrency": connections}
 
 
 def run(args) -> int:
-    from pathlib import Path
-
     try:
         import uvicorn
     except ModuleNotFoundError:
@@ -48,10 +92,10 @@ def run(args) -> int:
     from specdec.drafters.corpus import vocab_fingerprint
     from specdec.models import load_model
     from specdec.runtime import kernels
-    from specdec.serve.app import ServeConfig, Service, create_app
+    from specdec.serve.app import Service, create_app
     from specdec.serve.cache import CACHE_FILE, CacheConfig, ServedCache, suffix_drafters
-    from specdec.serve.engine import EngineConfig
 
+    config, options = serve_config(args), uvicorn_options(args)  # bad options fail before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specdec.serve")
     loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
@@ -67,15 +111,15 @@ def run(args) -> int:
                             CacheConfig(path, args.cache_max_tokens, float(args.save_every)))
         if cache.active:
             log.info("suffix cache %s: %d answers loaded", path, cache.load())
-    config = ServeConfig(args.model_name or args.model, args.default_max_tokens,
-                         EngineConfig(args.max_batch, args.max_queue), float(args.shutdown_timeout), args.trim_every)
     app = create_app(Service(decoder, loaded.tokenizer, config, cache))
-    log.info("serving %s (drafter %s) on http://%s:%d/v1", config.model_name, args.drafter, args.host, args.port)
+    log.info("serving %s (drafter %s) on http://%s:%d/v1%s", config.model_name, args.drafter, args.host, args.port,
+             "" if config.api_key is None else " (API key required)")
+    if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
+        log.warning("no --api-key: anyone who reaches %s:%d can use this server", args.host, args.port)
     # uvicorn handles SIGTERM / SIGINT: stop accepting, let open requests finish (up to the timeout),
     # then the app's lifespan stops the engine and saves the cache
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="info",
-                    timeout_graceful_shutdown=args.shutdown_timeout)
+        uvicorn.run(app, **options)
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down gracefully
         pass
     return 0

@@ -3,17 +3,22 @@
     service = Service(decoder, tokenizer, ServeConfig(model_name="default"), cache)
     app = create_app(service)            # an ASGI app: uvicorn.run(app, host=..., port=...)
 
-Each request is parsed and checked (``protocol``), tokenized, and queued to the ``Engine``; the
-engine's updates cross to the event loop through an ``asyncio.Queue`` per request. Streaming answers
-are server-sent events in OpenAI's chunk format ending with ``data: [DONE]``. A client that goes away
-(a closed stream, or a dropped connection while waiting for a whole answer) has its row cancelled;
-the batch frees it at the next step. Why Starlette and uvicorn: docs/decisions/016-server.md.
+Each request is checked for its API key (``ServeConfig.api_key``: every route but /health), read up
+to ``max_body_bytes``, parsed and checked (``protocol``), tokenized on a worker thread (a long prompt
+or chat template never holds up the event loop), and queued to the ``Engine``; the engine's updates
+cross to the event loop through an ``asyncio.Queue`` per request. Streaming answers are server-sent
+events in OpenAI's chunk format ending with ``data: [DONE]``. A client that goes away (a closed
+stream, or a dropped connection while waiting for a whole answer), or a request past its time limit
+(``request_timeout``), has its row cancelled; the batch frees it at the next step. Why Starlette and
+uvicorn: docs/decisions/016-server.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
 import json
 import logging
 import time
@@ -23,6 +28,9 @@ from typing import Callable
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.datastructures import Headers
+from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -34,7 +42,16 @@ from specdec.serve.cache import ServedCache
 from specdec.serve.engine import Busy, Engine, EngineConfig, Request, Update
 from specdec.serve.protocol import ApiError, Generation, TextStream
 
+try:
+    from jinja2 import TemplateError  # what a chat template raises on messages it refuses
+except ModuleNotFoundError:  # no chat templates without jinja2 either
+    TemplateError = ()
+
 log = logging.getLogger("specdec.serve")
+OPEN_PATHS = ("/health",)  # answered without the API key (a load balancer's probe)
+# a prompt of more characters than window x (longest token's text + 1) x this is refused untokenized:
+# it cannot fit even if a normalizer merged characters (NFKC composes at most 3 into 1)
+CHARS_MARGIN = 4
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,22 @@ class ServeConfig:
     # never, the default: under steady load the pages are faulted back in at the next joins and the
     # throughput fell ~20%; docs/decisions/016-server.md, the soak)
     trim_every: float = 0.0
+    # None: no key; else every route but /health wants "Authorization: Bearer <key>" (401 without it);
+    # kept out of repr: a logged config must not show it
+    api_key: str | None = field(default=None, repr=False)
+    # a larger request body is refused (413) from its Content-Length before it is read, or, chunked, as
+    # soon as it passes this; 8 MiB: ~2M tokens of text, beyond any context window this server runs
+    max_body_bytes: int = 8 * 2**20
+    # seconds from a request's arrival to its last token (0: no limit); then its row is cancelled and
+    # it is answered 504 (or, streaming, ends with an error event); a body still arriving then: 408
+    request_timeout: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty")
+        if self.max_body_bytes < 1 or self.request_timeout < 0:
+            raise ValueError(f"need max_body_bytes >= 1 and request_timeout >= 0, got {self.max_body_bytes}, "
+                             f"{self.request_timeout}")
 
 
 class Service:
@@ -58,6 +91,9 @@ class Service:
         # positions a request may reach: the context window, or a sliding window the store does not implement
         windows = [w for w in (context_window(decoder.target), decoder.sliding_window) if w is not None]
         self.window = min(windows) if windows else None
+        per_token = chars_per_token(tokenizer)
+        # longer prompts cannot fit the window: refused before they are tokenized
+        self.max_prompt_chars = self.window * per_token * CHARS_MARGIN if self.window and per_token else None
         on_finished = cache.remember if cache is not None and cache.active else None
         self.engine = Engine(decoder, set(eos_ids(decoder.target, tokenizer)), config.engine, on_finished)
         self.models = (config.model_name,)
@@ -72,12 +108,21 @@ class Service:
         return self.tokenizer.decode(tokens, skip_special_tokens=True)
 
     def encode(self, g: Generation) -> list[int]:
-        """The prompt's ids, checked against the context window; ApiError otherwise."""
+        """The prompt's ids, checked against the context window; ApiError otherwise. Tokenizing and the
+        chat template take a long prompt a while: the routes call this on a worker thread."""
+        chars = sum(len(m["content"]) for m in g.messages) if g.chat else len(g.prompt)
+        if self.max_prompt_chars is not None and chars > self.max_prompt_chars:
+            raise ApiError(400, f"the prompt has {chars} characters, more than this model's context window of "
+                                f"{self.window} tokens can hold (at most {self.max_prompt_chars} characters)",
+                           "messages" if g.chat else "prompt", "context_length_exceeded")
         if g.chat:
             if not any(m["content"].strip() for m in g.messages):
                 raise ApiError(400, "the messages hold no text (empty prompt)", "messages")
             if has_chat_template(self.tokenizer):
-                ids = chat_ids(self.tokenizer, g.messages)[0].tolist()
+                try:
+                    ids = chat_ids(self.tokenizer, g.messages)[0].tolist()
+                except TemplateError as e:  # the template's own rules (roles must alternate, ...)
+                    raise ApiError(400, f"this model's chat template refuses the messages: {e}", "messages") from None
             else:
                 ids = self.tokenizer("\n".join(m["content"] for m in g.messages))["input_ids"]
         else:
@@ -117,6 +162,81 @@ class Service:
         return handle, updates
 
 
+def chars_per_token(tokenizer) -> int | None:
+    """The most characters one token can stand for in a text: its vocabulary's longest token (a byte-level
+    token's text has a character per byte; a byte-fallback token's, six), + 1 for a space a decoder may
+    put between two tokens. None when the vocabulary cannot be listed."""
+    try:
+        tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+        return max(len(t) for t in tokens if t is not None) + 1
+    except Exception:  # noqa: BLE001 -- a tokenizer without a listable vocabulary: no bound, tokenize to check
+        return None
+
+
+class _RequireKey:
+    """Pure ASGI middleware: every route but ``OPEN_PATHS`` wants ``Authorization: Bearer <key>``,
+    else 401 in OpenAI's error shape, before the body is read. The key is compared by its SHA-256 in
+    constant time (``hmac.compare_digest``): neither its bytes nor its length show in the timing."""
+
+    def __init__(self, app, key: str, counter: Counter) -> None:
+        self.app, self.digest, self.counter = app, hashlib.sha256(key.encode()).digest(), counter
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+            given = Headers(scope=scope).get("authorization")
+            scheme, _, token = (given or "").partition(" ")
+            # header values arrive as latin-1 text: back to the bytes the client sent
+            digest = hashlib.sha256(token.strip().encode("latin-1", "replace")).digest()
+            if not (hmac.compare_digest(digest, self.digest) and scheme.lower() == "bearer"):
+                self.counter.labels("unauthorized", "401").inc()
+                message = ("no API key given: send the header 'Authorization: Bearer <key>'" if given is None
+                           else "the API key is not valid")
+                error = ApiError(401, message, None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                await _error(error)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+@dataclass
+class _Progress:
+    """A request's updates so far: what its usage reports."""
+
+    arrived: float  # time.perf_counter() when the request came in
+    tokens: int = 0  # generated (before a stop string cut them)
+    drafted: int = 0  # draft tokens verified for it
+    accepted: int = 0  # of them, kept
+    first_token: float | None = None  # seconds from arrival to its first token
+
+    def add(self, u: Update) -> None:
+        if u.tokens and self.first_token is None:
+            self.first_token = time.perf_counter() - self.arrived
+        self.tokens += len(u.tokens)
+        self.drafted += u.drafted
+        self.accepted += u.from_draft
+
+    def usage(self, prompt_tokens: int) -> dict:
+        ttft = None if self.first_token is None else round(self.first_token, 6)
+        return protocol.usage(prompt_tokens, self.tokens, {"drafted_tokens": self.drafted,
+                                                           "accepted_tokens": self.accepted,
+                                                           "time_to_first_token_s": ttft})
+
+
+class _Deadline:
+    """A request's time limit from its arrival (``ServeConfig.request_timeout``; 0: none)."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self.at = time.monotonic() + seconds if seconds > 0 else None
+
+    def left(self) -> float | None:
+        """Seconds left (None: no limit)."""
+        return None if self.at is None else max(0.0, self.at - time.monotonic())
+
+    def error(self) -> ApiError:
+        return ApiError(504, f"the request took longer than this server's limit of {self.seconds:g} s "
+                             "(--request-timeout) and was cancelled", None, "request_timeout", "server_error")
+
+
 class _EngineCollector:
     """The engine's counters as Prometheus metrics, read at each scrape."""
 
@@ -154,12 +274,34 @@ def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-async def _body(request: HttpRequest):
-    raw = await request.body()
+def _too_large(size: str, limit: int) -> ApiError:
+    return ApiError(413, f"the request body is {size} bytes; this server takes at most {limit} (--max-body-bytes)",
+                    None, "request_too_large")
+
+
+async def _read(request: HttpRequest, limit: int) -> bytes:
+    """The body's bytes, at most ``limit``: a larger Content-Length is refused before a byte is read, a
+    chunked body as soon as it passes the limit (the rest is never kept: uvicorn discards it)."""
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > limit:
+        raise _too_large(length, limit)
+    raw = bytearray()
+    async for chunk in request.stream():
+        raw += chunk
+        if len(raw) > limit:
+            raise _too_large(f"over {limit}", limit)
+    return bytes(raw)
+
+
+async def _body(request: HttpRequest, limit: int, deadline: _Deadline):
+    """The request's JSON body: read within the deadline (408 otherwise: a client that sends slowly holds
+    no more than its time), parsed on a worker thread (a large body takes a while)."""
     try:
-        return json.loads(raw)
-    except ValueError as e:
-        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+        raw = await asyncio.wait_for(_read(request, limit), deadline.left())
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within this server's limit of {deadline.seconds:g} s "
+                            "(--request-timeout)", None, "request_timeout") from None
+    return await run_in_threadpool(protocol.parse_json, raw)
 
 
 async def _disconnected(request: HttpRequest) -> None:
@@ -168,21 +310,23 @@ async def _disconnected(request: HttpRequest) -> None:
         pass
 
 
-async def _whole(service: Service, request: HttpRequest, g: Generation, ids: list[int], max_new: int) -> Response:
+async def _whole(service: Service, request: HttpRequest, g: Generation, ids: list[int], max_new: int,
+                 progress: _Progress, deadline: _Deadline) -> Response:
     handle, updates = service.submit(g, ids, max_new)
     text = TextStream(service.decode, g.stop)
     gone = asyncio.ensure_future(_disconnected(request))
-    n, finish = 0, None
+    finish = None
     try:
         while finish is None:
             get = asyncio.ensure_future(updates.get())
-            await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not get.done():  # the client went away: free its row
+            await asyncio.wait({get, gone}, timeout=deadline.left(), return_when=asyncio.FIRST_COMPLETED)
+            if not get.done():  # the client went away, or the time is up: free its row (finally)
                 get.cancel()
-                service.engine.cancel(handle)
-                return Response(status_code=499)
+                if gone.done():
+                    return Response(status_code=499)
+                raise deadline.error()
             u = get.result()
-            n += len(u.tokens)
+            progress.add(u)
             text.feed(u.tokens, final=u.finish is not None)
             finish = "stop" if text.stopped else u.finish
         if finish == "error":
@@ -191,20 +335,25 @@ async def _whole(service: Service, request: HttpRequest, g: Generation, ids: lis
         gone.cancel()
         if finish is None or text.stopped:
             service.engine.cancel(handle)
-    use = protocol.usage(len(ids), n)
+    use = progress.usage(len(ids))
     return JSONResponse(protocol.completion(g, protocol.new_id(g.chat), service.models[0], text.text, finish, use))
 
 
-async def _stream(service: Service, g: Generation, ids: list[int], handle: int, updates: asyncio.Queue):
+async def _stream(service: Service, g: Generation, ids: list[int], handle: int, updates: asyncio.Queue,
+                  progress: _Progress, deadline: _Deadline):
     rid, model = protocol.new_id(g.chat), service.models[0]
     text = TextStream(service.decode, g.stop)
-    n, finish = 0, None
+    finish = None
     try:
         if g.chat:
             yield _sse(protocol.chunk(g, rid, model, "", first=True))
         while finish is None:
-            u = await updates.get()
-            n += len(u.tokens)
+            try:
+                u = await asyncio.wait_for(updates.get(), deadline.left())
+            except asyncio.TimeoutError:  # the status (200) is sent: the stream ends with the error (its row: finally)
+                yield _sse(deadline.error().body())
+                break
+            progress.add(u)
             delta = text.feed(u.tokens, final=u.finish is not None)
             finish = "stop" if text.stopped else u.finish
             if finish == "error":
@@ -213,7 +362,7 @@ async def _stream(service: Service, g: Generation, ids: list[int], handle: int, 
             if delta or finish is not None:
                 yield _sse(protocol.chunk(g, rid, model, delta, finish if finish != "cancelled" else "stop"))
         if g.include_usage:
-            yield _sse(protocol.chunk(g, rid, model, None, use=protocol.usage(len(ids), n)))
+            yield _sse(protocol.chunk(g, rid, model, None, use=progress.usage(len(ids))))
         yield "data: [DONE]\n\n"
     finally:  # also when the client closed the stream: its row leaves at the next step
         if finish is None or text.stopped:
@@ -225,16 +374,20 @@ def _endpoint(chat: bool):
 
     async def handle(request: HttpRequest) -> Response:
         service: Service = request.app.state.service
+        progress, deadline = _Progress(time.perf_counter()), _Deadline(service.config.request_timeout)
         try:
-            g = protocol.parse_request(await _body(request), chat, service.models)
-            ids = service.encode(g)
+            body = await _body(request, service.config.max_body_bytes, deadline)
+            g = protocol.parse_request(body, chat, service.models)
+            ids = await run_in_threadpool(service.encode, g)
             max_new = service.max_new(g, len(ids))
+            if deadline.left() == 0:
+                raise deadline.error()
             if g.stream:
                 handle_, updates = service.submit(g, ids, max_new)
-                response = StreamingResponse(_stream(service, g, ids, handle_, updates), media_type="text/event-stream",
-                                             headers={"Cache-Control": "no-cache"})
+                response = StreamingResponse(_stream(service, g, ids, handle_, updates, progress, deadline),
+                                             media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             else:
-                response = await _whole(service, request, g, ids, max_new)
+                response = await _whole(service, request, g, ids, max_new, progress, deadline)
         except ApiError as e:
             response = _error(e)
         service.http.labels(name, str(response.status_code)).inc()
@@ -300,6 +453,8 @@ def create_app(service: Service) -> Starlette:
               Route("/v1/models", _models, methods=["GET"]),
               Route("/health", _health, methods=["GET"]),
               Route("/metrics", _metrics, methods=["GET"])]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    key = service.config.api_key
+    middleware = [Middleware(_RequireKey, key=key, counter=service.http)] if key is not None else []
+    app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)
     app.state.service = service
     return app

@@ -62,6 +62,7 @@ class Update:
     finish: str | None = None  # None: more to come; "stop" (EOS), "length", "cancelled", "error"
     from_draft: int = 0  # leading tokens that were accepted drafts
     error: str | None = None
+    drafted: int = 0  # draft tokens verified for this request in the step (>= from_draft)
 
 
 @dataclass
@@ -237,10 +238,10 @@ class Engine:
                 self._end(s, Update([], "cancelled"))
 
     def _admit(self, requests: list[Request]) -> None:
-        prompts = [torch.tensor(r.prompt, dtype=torch.long) for r in requests]
-        judge = RowAcceptance([RowRule.make(r.sampling, r.seed) for r in requests])
         self.counters.joins += bool(self.session.rows)
-        try:
+        try:  # (popped from the queue: an error here must still reach them)
+            prompts = [torch.tensor(r.prompt, dtype=torch.long) for r in requests]
+            judge = RowAcceptance([RowRule.make(r.sampling, r.seed) for r in requests])
             ids, events = self.session.add(prompts, [r.max_new for r in requests], judge)
         except Exception as e:  # their prefill failed: they end with the error, and so does the batch
             for r in requests:
@@ -262,16 +263,19 @@ class Engine:
                 finish = "stop" if e.tokens and e.tokens[-1] in self.eos else "length"
             req = self._live[e.sequence]
             req.answer.extend(e.tokens)
+            drafted = e.stats.num_drafted[e.stats.sequences.index(e.sequence)]  # the step's entry of this row
+            update = Update(e.tokens, finish, e.from_draft, drafted=drafted)
             if finish is None:
-                req.emit(Update(e.tokens, None, e.from_draft))
+                req.emit(update)
             else:
-                self._end(e.sequence, Update(e.tokens, finish, e.from_draft))
+                self._end(e.sequence, update)
         c.tokens += new
         c.recent.append((now, new))
         c.tokens_per_second(now)  # drops what fell out of the window (bounded between scrapes)
 
     def _count_drafts(self, stats) -> None:
-        if stats.key is None:
+        # (not stats.key is None: a drafter of one class, a model's or EAGLE's, drafts with key None)
+        if not any(stats.num_drafted):
             return
         c, chooser = self.counters, self.decoder.chooser
         source = stats.key[0] if isinstance(chooser, Sources) else type(self.decoder.drafter).__name__

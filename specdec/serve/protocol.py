@@ -3,12 +3,14 @@
 ``parse_request`` checks a request body (chat or completions) and returns a ``Generation``, or raises
 ``ApiError`` with the status, message, type, param and code OpenAI's clients expect:
 ``{"error": {"message": ..., "type": "invalid_request_error", "param": "temperature", "code": null}}``.
+``parse_json`` reads a body's bytes (UTF-8 JSON, any nesting a 400 rather than a crash).
 ``TextStream`` turns the tokens of an answer into text deltas: whole characters only, held back while
 they could still be the start of a stop string, and cut at the first stop string.
 """
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -18,6 +20,7 @@ from specdec.sampling import SamplingParams
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "suffix")
+SEEDS = (-(2**63), 2**64 - 1)  # what a torch.Generator takes (a larger seed would fail the batch it joins)
 
 
 class ApiError(Exception):
@@ -44,6 +47,36 @@ class Generation:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+
+
+def _no_constant(name: str):
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def parse_json(raw: bytes):
+    """A request body: UTF-8 JSON (RFC 8259), or ApiError 400 naming what is wrong. Nesting deeper than
+    the parser's recursion limit is refused, not a crash; NaN and Infinity (Python's extension) too."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the body is not UTF-8 text: byte 0x{raw[e.start]:02x} at offset {e.start} "
+                            "(JSON bodies must be UTF-8)") from None
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ApiError(400, "the body's JSON is nested too deeply") from None
+    except ValueError as e:
+        raise ApiError(400, f"the body is not valid JSON: {e}") from None
+
+
+def _text(s: str, where: str, param: str) -> str:
+    """``s`` if it can be encoded (a JSON escape can make a lone surrogate, which no tokenizer takes)."""
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{where} holds a lone surrogate (\\u{ord(s[e.start]):04x} at {e.start}): not text",
+                       param) from None
+    return s
 
 
 def _number(body: dict, name: str, lo: float, hi: float, default):
@@ -77,11 +110,13 @@ def _flag(body: dict, name: str) -> bool:
     return v
 
 
-def _content(message, i: int) -> str:
+def _message(message, i: int) -> dict:
+    """One chat message, checked: {"role", "content": str}."""
     if not isinstance(message, dict):
-        raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content'", "messages")
+        raise ApiError(400, f"messages[{i}] must be an object with 'role' and 'content', got {type(message).__name__}",
+                       "messages")
     role, content = message.get("role"), message.get("content")
-    if role not in ROLES:
+    if not isinstance(role, str) or role not in ROLES:
         raise ApiError(400, f"messages[{i}].role must be one of {', '.join(ROLES)}, got {role!r}", "messages")
     if isinstance(content, list):  # content parts: text only
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
@@ -90,7 +125,7 @@ def _content(message, i: int) -> str:
         content = "".join(p["text"] for p in content)
     if not isinstance(content, str):
         raise ApiError(400, f"messages[{i}].content must be a string, got {type(content).__name__}", "messages")
-    return content
+    return {"role": role, "content": _text(content, f"messages[{i}].content", "messages")}
 
 
 def _stop(body: dict) -> tuple[str, ...]:
@@ -102,7 +137,7 @@ def _stop(body: dict) -> tuple[str, ...]:
         raise ApiError(400, "'stop' must be a non-empty string or a list of them", "stop")
     if len(stops) > MAX_STOP:
         raise ApiError(400, f"'stop' takes at most {MAX_STOP} strings, got {len(stops)}", "stop")
-    return tuple(stops)
+    return tuple(_text(s, "stop", "stop") for s in stops)
 
 
 def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
@@ -111,8 +146,10 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
-    if model is not None and model not in models:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves {', '.join(models)}",
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"'model' must be a string, got {type(model).__name__}", "model")
+    if model is not None and model not in models:  # (repr: a lone surrogate in it would not encode)
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves {', '.join(models)}",
                        "model", "model_not_found")
     for name in UNSUPPORTED:  # asked for (truthy; best_of above 1): refused rather than ignored
         v = body.get(name)
@@ -127,7 +164,7 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
             raise ApiError(400, "'messages' is required", "messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "'messages' must be a non-empty list", "messages")
-        messages = [{"role": m["role"], "content": _content(m, i)} for i, m in enumerate(messages)]
+        messages = [_message(m, i) for i, m in enumerate(messages)]
         prompt = None
     else:
         prompt = body.get("prompt")
@@ -139,7 +176,7 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
             raise ApiError(400, "'prompt' must be a string (one prompt per request)", "prompt")
         if not prompt:
             raise ApiError(400, "'prompt' is empty", "prompt")
-        messages = None
+        prompt, messages = _text(prompt, "prompt", "prompt"), None
     name = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
     max_tokens = _integer(body, name, 1, None)
     temperature = _number(body, "temperature", 0.0, 2.0, 1.0)  # OpenAI's range and default
@@ -150,12 +187,15 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ApiError(400, f"'seed' must be an integer, got {type(seed).__name__}", "seed")
+    if seed is not None and not SEEDS[0] <= seed <= SEEDS[1]:
+        raise ApiError(400, f"'seed' must be between -2**63 and 2**64 - 1, got {seed}", "seed")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise ApiError(400, "'stream_options' must be an object", "stream_options")
+    include_usage = _flag(options, "include_usage")
     sampling = None if temperature == 0 else SamplingParams(float(temperature), int(top_k), float(top_p))
     return Generation(chat, messages, prompt, max_tokens, sampling, seed, _stop(body), _flag(body, "stream"),
-                      bool(options.get("include_usage", False)))
+                      include_usage)
 
 
 # -- responses
@@ -165,9 +205,14 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, specdec: dict | None = None) -> dict:
+    """OpenAI's usage object; ``specdec``: this server's extension (drafted and accepted tokens, time to
+    first token), a field OpenAI's clients keep as an extra and otherwise ignore."""
+    out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+           "total_tokens": prompt_tokens + completion_tokens}
+    if specdec is not None:
+        out["specdec"] = specdec
+    return out
 
 
 def completion(g: Generation, rid: str, model: str, text: str, finish: str, use: dict) -> dict:
