@@ -422,13 +422,13 @@ def test_quant_self_never_prefills_or_catches_up_and_is_exact(monkeypatch):
     assert 0 < sum(sum(s.num_accepted) for s in out.steps) < sum(sum(s.num_drafted) for s in out.steps)
 
 
-# ------------------------------------------------------------------ the int8 route for drafts (draft_linear.cpp)
+# ------------------------------------------------------------------ the int8 route for drafts (int8_linear.cpp)
 
 APPROX = ["Q4_0", "Q4_1", "Q8_0"]
 
 
 def _int8_model(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
-    """csrc/draft_linear.cpp's arithmetic in float64 from the blocks' bytes: x rounded per 32 values
+    """csrc/int8_linear.cpp's arithmetic in float64 from the blocks' bytes: x rounded per 32 values
     (dx = max|x| / 127), then per block d dx dot(q, xq) (+ m sx for Q4_1, - 8 d sx for Q4_0)."""
     K = x.shape[1]
     xb = x.double().reshape(x.shape[0], K // 32, 32)

@@ -167,6 +167,14 @@ def run(args) -> int:
 
     sizes = list(args.batch_size)  # int_list: positive sizes, checked while parsing
     drafters = list(args.drafters)
+    # --packed-drafters / --int8-drafters: the batches run on that target (HF generate on it too), with those
+    # drafters; a second target in one batch rotation is not built (say so rather than drop them)
+    load_kwargs: dict = {"dtype": MODEL_DTYPES[args.dtype]}
+    if args.packed_drafters and args.int8_drafters:
+        raise ValueError("--batch-size takes --packed-drafters or --int8-drafters, not both (one target per batch run)")
+    if args.packed_drafters or args.int8_drafters:
+        drafters = (args.packed_drafters or args.int8_drafters).split(",")
+        load_kwargs = {"weights": args.weights, "numerics": "int8" if args.int8_drafters else "exact"}
     if "none" not in drafters:
         drafters.insert(0, "none")  # plain batched decoding on the store: the batch-1 references too
     questions = load_questions(args.questions) if args.questions else load_questions()
@@ -177,13 +185,14 @@ def run(args) -> int:
         for c in cats:
             if by_cat[c] and len(texts) < max(sizes):
                 texts.append(by_cat[c].pop(0).turns[0])
-    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype])
+    loaded = load_model(args.model, **load_kwargs)
     kernels.prepare()
     console = Console(width=200)
     out = Path(args.out + "-batch").with_suffix(".jsonl")
     records = bench_batches(loaded.model, loaded.tokenizer, texts, sizes, drafters, args.max_new_tokens,
                             args.repeats, out, say=lambda s: None)
-    table = Table(title=f"{loaded.name}: batched throughput, {args.max_new_tokens} new tokens, greedy, "
+    target = "" if len(load_kwargs) == 1 else f" ({load_kwargs['weights']}, {load_kwargs['numerics']} numerics)"
+    table = Table(title=f"{loaded.name}{target}: batched throughput, {args.max_new_tokens} new tokens, greedy, "
                         f"{torch.get_num_threads()} threads (medians of {args.repeats})")
     for col in ("B", "method", "tokens/s", "speedup", "first done s", "last done s", "mean done s", "tau",
                 "identical to B=1", "max gap"):

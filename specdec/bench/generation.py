@@ -52,6 +52,9 @@ class Method:
     name: str
     run: object  # (ids [1, P], max_new_tokens) -> (sequences [1, P + n], steps or None)
     remember: object = None  # (sequences [1, P + n], P) -> None: the drafter keeps the answer, if it can
+    # the method whose output this one's must equal (None: the first, HF generate); a target in int8
+    # numerics is its own reference: its methods are compared with its plain decoding
+    reference: str | None = None
 
 
 def hf_methods(model, eos, temperature: float = 0.0) -> list[Method]:
@@ -155,7 +158,8 @@ def _run_question(p, qi, q, tokenizer, methods, max_new_tokens, remember, compar
         seq, steps, dt = outs[m.name]
         records.append({"pass": p, "question_id": q.question_id, "category": q.category, "method": m.name,
                         "new_tokens": seq.shape[1] - ids.shape[1], "seconds": dt, "steps": steps,
-                        "identical": bool(torch.equal(seq, ref)) if compare else None})
+                        "identical": bool(torch.equal(seq, outs[m.reference or methods[0].name][0]))
+                        if compare else None})
     return records
 
 
@@ -219,6 +223,10 @@ def add_arguments(p) -> None:
                    help="also these drafters on the same model loaded with --weights (a GGUF's blocks kept "
                         "packed, or quantized on load), as methods named packed:NAME in the same rotation")
     p.add_argument("--weights", default="packed", help="the second target's weights (with --packed-drafters)")
+    p.add_argument("--int8-drafters", default="", metavar="NAMES",
+                   help="also these drafters on the model loaded with --weights in int8 numerics (quant.numerics), "
+                        "as methods named int8:NAME, each compared with int8:none (which runs too: that target's "
+                        "own plain decoding)")
     p.add_argument("--dtype", default="float32", choices=sorted(MODEL_DTYPES),
                    help="the target's dtype, HF generate's too (the --packed-drafters target computes in float32); "
                         "a bfloat16 target is not token-exact: docs/benchmarks.md, quantized weights")
@@ -268,6 +276,12 @@ def run(args) -> int:
         for d in args.packed_drafters.split(","):
             method = specdec_method(packed, d, eos, args.temperature, prepare)
             methods.append(dataclasses.replace(method, name=f"packed:{d}"))
+    if args.int8_drafters:  # the same model in int8 numerics: its own reference, its plain decoding
+        int8 = load_model(args.model, weights=args.weights, numerics="int8").model
+        names = ["none", *(d for d in args.int8_drafters.split(",") if d != "none")]
+        for d in names:
+            method = specdec_method(int8, d, eos, args.temperature, prepare)
+            methods.append(dataclasses.replace(method, name=f"int8:{d}", reference="int8:none"))
     out = Path(args.out)
     remember = args.remember or args.repeat > 1
     session = None if peer is None else PeerSession(peer, _peer_request(questions, tok, eos, args), console.print)

@@ -20,6 +20,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "bench-controller": ("specdec.bench.policy", "the draft-length controller vs every fixed length, on replayed steps"),
     "bench-scaling": ("specdec.bench.scaling", "packed GGUF targets of 0.5B-1.5B Llama shapes: step time and RSS vs llama.cpp"),
     "bench-device": ("specdec.bench.device.command", "exactness, verify costs and priced traces on an accelerator"),
+    "perplexity": ("specdec.bench.perplexity", "perplexity of a target in each numerics (exact, int8) on held-out books"),
     "chat": ("specdec.cli.chat", "terminal chat with speculative decoding"),
     "serve": ("specdec.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
     "specbench": ("specdec.cli.specbench", "Spec-Bench evaluation: per-task speedup, resumable"),

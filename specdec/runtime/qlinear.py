@@ -18,7 +18,7 @@ GEMM on a [N, K] = CHECK_FEATURES matrix; past MAX_ROWS its passes run up to the
 at which they still win (docs/decisions/015-quant-kernels.md, Decision: routes and the prefill).
 
 A third route is for drafts only: inside ``approximate()`` (a self-speculative drafter's own forwards),
-one or two rows over Q4_0 / Q4_1 / Q8_0 blocks may take ``quant_linear_i8`` (``csrc/draft_linear.cpp``: x
+one or two rows over Q4_0 / Q4_1 / Q8_0 blocks may take ``quant_linear_i8`` (``csrc/int8_linear.cpp``: x
 rounded to int8 per block, integer dot products), where its own self-check finds it close to the
 reference and faster than the exact kernel (``approximates``). Never a target's verify: the context is
 entered around a draft forward and left after it.
@@ -59,7 +59,7 @@ class QuantRoutes:
 
 # (kernel variant, format name) -> its routes, once checked in this process
 CALIBRATED: dict[tuple[str | None, str], QuantRoutes] = {}
-APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/draft_linear.cpp multiplies as integers
+APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/int8_linear.cpp multiplies as integers
 APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
 APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
 APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)

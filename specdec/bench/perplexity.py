@@ -1,0 +1,82 @@
+"""``specdec perplexity``: the quality of a target's numerics, as perplexity on held-out book text.
+
+Each book excerpt (``../shared/longctx/books.jsonl``) is cut to its first ``--tokens`` tokens and scored
+in one forward per book (the prompt's own path: a prefill), every position predicting the next; the
+perplexity is exp of the mean negative log-likelihood over all scored tokens of all books. One row per
+numerics (``--numerics exact,int8``: the same file loaded each way), so their ratio says what int8's
+rounding costs (docs/decisions/019-int8-numerics.md). Results are written as JSON as each numerics
+finishes; a rerun with ``--resume`` skips what the file holds.
+
+    specdec perplexity --model default --numerics exact,int8 --tokens 1024 --books 12
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+
+
+def add_arguments(p) -> None:
+    from specdec.arguments import positive_int
+    from specdec.bench.books import BOOKS
+    from specdec.models import WEIGHTS
+
+    p.add_argument("--model", default="default", help="'default', a .gguf file or a HF model directory")
+    p.add_argument("--weights", choices=WEIGHTS, default="packed", help="as for `specdec generate`")
+    p.add_argument("--numerics", default="exact,int8", help="comma-separated: exact, int8")
+    p.add_argument("--books", type=positive_int, default=12, help="how many book excerpts")
+    p.add_argument("--tokens", type=positive_int, default=1024, help="tokens scored per book (its first ones)")
+    p.add_argument("--data", default=str(BOOKS), help="the books' JSONL")
+    p.add_argument("--out", default="results/perplexity.json")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in --out")
+
+
+@torch.inference_mode()
+def book_nll(model, ids: torch.Tensor) -> tuple[float, int]:
+    """(sum of -log p(next token), tokens scored) over ids [1, T]: T - 1 predictions."""
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].double()  # [T - 1, V]
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
+    return float(nll), ids.shape[1] - 1
+
+
+def run(args) -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    from specdec.bench.books import read_books
+    from specdec.models import load_model
+    from specdec.quant.numerics import NUMERICS
+
+    wanted = [n for n in args.numerics.split(",") if n]
+    bad = [n for n in wanted if n not in NUMERICS]
+    if bad or not wanted:
+        raise ValueError(f"--numerics {args.numerics!r}: expected a comma-separated list of {', '.join(NUMERICS)}")
+    out = Path(args.out)
+    rows = json.loads(out.read_text())["rows"] if args.resume and out.exists() else {}
+    books = read_books(Path(args.data))[: args.books]
+    for numerics in wanted:
+        if numerics in rows:
+            continue
+        loaded = load_model(args.model, weights=args.weights, numerics=numerics)
+        nll, n = 0.0, 0
+        for book in books:
+            ids = loaded.tokenizer(book["text"], return_tensors="pt")["input_ids"][:, : args.tokens]
+            s, k = book_nll(loaded.model, ids)
+            nll, n = nll + s, n + k
+        rows[numerics] = {"perplexity": math.exp(nll / n), "tokens": n, "books": len(books)}
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"model": args.model, "weights": args.weights, "rows": rows}, indent=1))
+        tmp.replace(out)  # atomic: a crash leaves the last complete file
+    table = Table(title=f"{args.model} ({args.weights}): perplexity on {len(books)} books x {args.tokens} tokens")
+    for col in ("numerics", "perplexity", "x exact", "tokens"):
+        table.add_column(col, justify="right")
+    base = rows.get("exact", {}).get("perplexity")
+    for name, r in rows.items():
+        table.add_row(name, f"{r['perplexity']:.4f}", "-" if base is None else f"{r['perplexity'] / base:.4f}",
+                      str(r["tokens"]))
+    Console().print(table)
+    return 0
