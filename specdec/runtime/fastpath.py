@@ -354,8 +354,7 @@ class FastPath:
         hands over its buffers (a BMC store); attention as ``grouped_attention`` runs it (PAD), or with
         ``split`` as ``split_attention`` does (each batch row over its own rows); None otherwise (the
         loop then runs). Returns (the last norm's output, the inputs of the ``keep`` layers concatenated)."""
-        if attn.rows_mode():  # int8 numerics: the loop, its attention a row at a time (quant.numerics)
-            return None
+        rows = attn.rows_mode()  # int8 numerics: every linear int8, attention a row at a time (quant.numerics)
         buffers = getattr(cache, "direct_buffers", None)
         buffers = buffers() if buffers is not None and self._scale is not None else None
         if buffers is None:
@@ -368,9 +367,17 @@ class FastPath:
         mask = None if attention_mask is None else attention_mask[..., :end]
         probe = x.new_empty(B, hkv, hq // hkv * Q, Dh)  # the kernel's rules read shapes, not values
         # per attention call (the block, or each row alone): the kernel, or SDPA where the self-check says
-        rows = [(b, b + 1, starts[b] + Q) for b in range(B)] if split else [(0, B, end)]
+        groups = [(b, b + 1, starts[b] + Q) for b in range(B)] if split else [(0, B, end)]
+        if rows:  # the int8 kernel and the row attention take every block: no routes to ask
+            if self._quant is None:
+                return None
+            blocks, layout, _ = self._quant
+            _, h, inputs = ops.layers(x, h, [], blocks, [], self._norms, self._eps, keys, values, starts, cos, sin,
+                                      mask, hq, hkv, self._scale, [0, B * Q, 0], [True] * len(groups), split, layout,
+                                      keep, False, True)
+            return h, inputs
         kernel = [attn.attention_op(probe[a:b], keys[0][a:b, :, :e], values[0][a:b, :, :e],
-                                    None if mask is None else mask[a:b, ..., :e]) is ops for a, b, e in rows]
+                                    None if mask is None else mask[a:b, ..., :e]) is ops for a, b, e in groups]
         if not all(kernel) and (mask is None or hq == hkv):  # SDPA's grouped path needs both (grouped_attention)
             return None
         if self._quant is not None:  # every linear by the block kernel, where its routes take B * Q rows

@@ -63,6 +63,8 @@ struct Ops {
       attention;
   c10::TypedOperatorHandle<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)> quant_linear_parts;
   c10::TypedOperatorHandle<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)> quant_linear_i8;
+  c10::TypedOperatorHandle<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>
+      row_attention;
 };
 
 const Ops& ops() {
@@ -74,6 +76,7 @@ const Ops& ops() {
       op("attention").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>(),
       op("quant_linear_parts").typed<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)>(),
       op("quant_linear_i8").typed<Tensor(const Tensor&, at::TensorList, at::IntArrayRef)>(),
+      op("row_attention").typed<Tensor(const Tensor&, const Tensor&, const Tensor&, const std::optional<Tensor>&, double)>(),
   };
   return o;
 }
@@ -158,11 +161,14 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
             const c10::List<std::optional<Tensor>>& biases, at::TensorList norms, at::ArrayRef<double> eps,
             at::TensorList keys, at::TensorList values, at::IntArrayRef starts, const Tensor& cos, const Tensor& sin,
             const std::optional<Tensor>& mask, int64_t hq, int64_t hkv, double scale, at::IntArrayRef plan,
-            c10::List<bool> kernel_attention, bool split, at::IntArrayRef quant, at::IntArrayRef keep, bool approx) {
+            c10::List<bool> kernel_attention, bool split, at::IntArrayRef quant, at::IntArrayRef keep, bool approx,
+            bool rows) {
+  // rows: a target in int8 numerics (specdec/quant/numerics.py): every linear by the int8 kernel, every
+  // attention a row at a time (csrc/row_attention.cpp), as the Python loop runs them in that numerics
   const int64_t n = static_cast<int64_t>(keys.size());
   const bool quantized = !quant.empty();  // weights and biases then empty, packed the parts' blocks
   const QuantParts qparts = quantized ? quant_parts(quant, packed, 4 * n) : QuantParts{};
-  TORCH_CHECK(!approx || quantized, "layers: approx is for a quantized target's linears");
+  TORCH_CHECK(!(approx || rows) || quantized, "layers: approx and rows are for a quantized target's linears");
   TORCH_CHECK(x0.dim() == 3 && h0.sizes() == x0.sizes(), "layers: x and h [B, Q, C]");
   TORCH_CHECK(values.size() == keys.size() && (quantized || weights.size() == static_cast<size_t>(4 * n)) &&
                   biases.size() == weights.size() && norms.size() == static_cast<size_t>(2 * n) &&
@@ -192,9 +198,9 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
   for (int64_t g = 0; g < groups; ++g) {
     Group p{split ? g : 0, split ? g + 1 : B, split ? starts[g] + Q : end, kernel_attention.get(g), std::nullopt};
     if (mask.has_value()) p.mask = (split ? mask->slice(0, g, g + 1) : *mask).slice(3, 0, p.keys);
-    TORCH_CHECK(p.kernel || (p.mask.has_value() && hq > hkv),
+    TORCH_CHECK(rows || p.kernel || (p.mask.has_value() && hq > hkv),
                 "layers: SDPA's attention here only for grouped heads under a mask (grouped_attention's path)");
-    if (!p.kernel && Q > 1) p.mask = p.mask->repeat({1, 1, hq / hkv, 1});  // SDPA's: a mask row per grouped row
+    if (!rows && !p.kernel && Q > 1) p.mask = p.mask->repeat({1, 1, hq / hkv, 1});  // SDPA's: a mask row per grouped row
     parts.push_back(std::move(p));
   }
   for (int64_t j : keep) TORCH_CHECK(j >= 0 && j < n, "layers: keep names layer ", j, " of ", n);
@@ -205,7 +211,7 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
       if (keep[j] == i) inputs[j] = x;  // add_rms_norm returns new tensors: this x stays as it is
     const auto lin = [&](const Tensor& in, int64_t j) {
       const int64_t at = 4 * i + j;
-      if (quantized) return quant_linear(in, qparts, at, approx);
+      if (quantized) return quant_linear(in, qparts, at, approx || rows);
       return linear(in, weights[at], kernel ? packed[at] : weights[at], biases.get(at), chunks);
     };
     auto [q, k, v] = ops().rope_split.call(lin(h, 0), cos, sin, hq, hkv);  // q [B, hq, Q, D], k/v [B, hkv, Q, D]
@@ -231,8 +237,9 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
       const Tensor qp = groups == 1 ? qg : qg.slice(0, p.b0, p.b1);
       const Tensor kp = (groups == 1 ? kb : kb.slice(0, p.b0, p.b1)).slice(2, 0, p.keys);
       const Tensor vp = (groups == 1 ? vb : vb.slice(0, p.b0, p.b1)).slice(2, 0, p.keys);
-      outs.push_back(p.kernel ? ops().attention.call(qp, kp, vp, p.mask, scale)
-                              : at::scaled_dot_product_attention(qp, kp, vp, p.mask, 0.0, false, scale));
+      outs.push_back(rows       ? ops().row_attention.call(qp, kp, vp, p.mask, scale)
+                     : p.kernel ? ops().attention.call(qp, kp, vp, p.mask, scale)
+                                : at::scaled_dot_product_attention(qp, kp, vp, p.mask, 0.0, false, scale));
     }
     Tensor o = outs.size() == 1 ? outs[0] : at::cat(outs);
     o = o.view({B, hq, Q, D}).transpose(1, 2).reshape({B, Q, hq * D});
@@ -247,7 +254,7 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("layers(Tensor x, Tensor h, Tensor[] weights, Tensor[] packed, Tensor?[] biases, Tensor[] norms, "
         "float[] eps, Tensor[] keys, Tensor[] values, int[] starts, Tensor cos, Tensor sin, Tensor? mask, int hq, "
-        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False, int[] quant=[], int[] keep=[], bool approx=False) -> "
+        "int hkv, float scale, int[] plan, bool[] kernel_attention, bool split=False, int[] quant=[], int[] keep=[], bool approx=False, bool rows=False) -> "
         "(Tensor, Tensor, Tensor)");
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("layers", &layers); }
