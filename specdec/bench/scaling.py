@@ -36,7 +36,7 @@ def rss_bytes(field: str = "VmRSS") -> int:
     return vm_rss_kib(field) * 1024
 
 
-def measure_specdec(gguf: str, prompt: list[int], tokens: int, threads: int) -> dict:
+def measure_specdec(gguf: str, prompt: list[int], tokens: int, threads: int, numerics: str = "exact") -> dict:
     """In a fresh process: RSS around loading ``gguf`` packed and decoding ``tokens`` tokens after
     ``prompt`` with no drafter, and the decode rate (after the first token: the prompt's prefill apart)."""
     import torch
@@ -54,7 +54,7 @@ def measure_specdec(gguf: str, prompt: list[int], tokens: int, threads: int) -> 
         rss[when], anon[when] = rss_bytes(), rss_bytes("RssAnon")
 
     note("before_load")
-    loaded = load_model(gguf, weights="packed")
+    loaded = load_model(gguf, weights="packed", numerics=numerics)
     note("after_load")
     decoder = SpecDecoder(loaded.model, None)
     x = torch.tensor([prompt], dtype=torch.long)  # [1, P]
@@ -142,15 +142,16 @@ def measure_peer(python: str, gguf: Path, prompt: list[int], tokens: int, thread
 
 
 def entry_for(shape: str, quant: str, gguf: Path, prompt: list[int], tokens: int, threads: int,
-              peer_python: str | None, isolate=in_fresh_process) -> dict:
-    """isolate: how specdec's measurement runs (``in_fresh_process``, or ``in_this_process``)."""
+              peer_python: str | None, isolate=in_fresh_process, numerics: str = "exact") -> dict:
+    """isolate: how specdec's measurement runs (``in_fresh_process``, or ``in_this_process``); numerics:
+    the target's (``quant.numerics``)."""
     from specdec.quant.write import SHAPES
 
     size = gguf.stat().st_size
-    ours = isolate(measure_specdec, str(gguf), prompt, tokens, threads)
+    ours = isolate(measure_specdec, str(gguf), prompt, tokens, threads, numerics)
     growth = ours["rss"]["after_decode"] - ours["rss"]["before_load"]
     entry = {"shape": shape, "quant": quant, "params": SHAPES[shape].params(), "file": gguf.name,
-             "file_bytes": size, "tokens": tokens, "prompt_tokens": len(prompt), "threads": threads,
+             "file_bytes": size, "tokens": tokens, "prompt_tokens": len(prompt), "threads": threads, "numerics": numerics,
              "specdec": ours, "rss_growth_bytes": growth,
              "rss_ok": growth <= RSS_BUDGET * size + ours["kv_bytes"],
              # diagnostic: the growth once glibc has returned freed heap (one-off warm-up buffers it kept)
@@ -164,6 +165,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", type=name_list, default="0.5b,1.5b", help="named shapes (specdec.quant.write.SHAPES)")
     p.add_argument("--quants", type=name_list, default="q4_0,q4_k", help="q8_0, q4_0, q4_1, q4_k")
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens decoded (EOS ignored)")
+    p.add_argument("--numerics", default="exact", help="comma-separated: exact, int8 (int8: Q4_0/Q4_1/Q8_0 files)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="random prompt ids before them")
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (and the prompt's)")
     p.add_argument("--peer-python", default=None,
@@ -213,26 +215,29 @@ def run(args) -> int:
     vocab = min(SHAPES[s].vocab for s in args.shapes)
     prompt = torch.randint(17, vocab, (args.prompt_tokens,), generator=g).tolist()  # past the 17 special ids
     isolate = in_this_process if args.in_process else in_fresh_process
+    numerics_list = args.numerics.split(",")
+    if any(n not in ("exact", "int8") for n in numerics_list):
+        raise ValueError(f"--numerics {args.numerics!r}: expected a comma-separated list of exact, int8")
     if args.self_draft is not None:
         return _self_draft(args, prompt, isolate, out, console)
     entries = _read(out)
-    for shape in args.shapes:
-        for quant in quants:
-            if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
-                console.print(f"--max-seconds {args.max_seconds} reached: {shape} {quant} and later not run")
-                return _finish(console, entries)
-            gguf = cached_random_gguf(shape, quant, cache, args.seed)
-            done = [e for e in entries if e["file"] == gguf.name and e["file_bytes"] == gguf.stat().st_size
-                    and e["tokens"] == args.tokens and e["prompt_tokens"] == args.prompt_tokens]
-            if done:
-                console.print(f"{shape} {quant}: already in {out}, skipped")
-                continue
-            entry = entry_for(shape, quant, gguf, prompt, args.tokens, args.runtime.bench_threads, args.peer_python,
-                              isolate)
-            if "skipped" in entry["llama.cpp"]:
-                console.print(entry["llama.cpp"]["skipped"])
-            entries.append(entry)
-            _write(out, "entries", entries)
+    for shape, quant, numerics in ((s, q, n) for s in args.shapes for q in quants for n in numerics_list):
+        if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
+            console.print(f"--max-seconds {args.max_seconds} reached: {shape} {quant} and later not run")
+            return _finish(console, entries)
+        gguf = cached_random_gguf(shape, quant, cache, args.seed)
+        done = [e for e in entries if e["file"] == gguf.name and e["file_bytes"] == gguf.stat().st_size
+                and e["tokens"] == args.tokens and e["prompt_tokens"] == args.prompt_tokens
+                and e.get("numerics", "exact") == numerics]
+        if done:
+            console.print(f"{shape} {quant} {numerics}: already in {out}, skipped")
+            continue
+        entry = entry_for(shape, quant, gguf, prompt, args.tokens, args.runtime.bench_threads, args.peer_python,
+                          isolate, numerics)
+        if "skipped" in entry["llama.cpp"]:
+            console.print(entry["llama.cpp"]["skipped"])
+        entries.append(entry)
+        _write(out, "entries", entries)
     return _finish(console, entries)
 
 
@@ -267,12 +272,12 @@ def table(entries: list[dict]):
         return "-" if x is None else format(x, spec)
 
     t = Table(title="Packed GGUF targets by size: plain decoding (no drafter), RSS grown from before the load")
-    for col in ("shape", "quant", "params", "file MB", "KV MB", "RSS+ MB", "RSS+ / (file+KV)", "ok",
+    for col in ("shape", "quant", "numerics", "params", "file MB", "KV MB", "RSS+ MB", "RSS+ / (file+KV)", "ok",
                 "tok/s", "ms/step", "llama.cpp tok/s", "llama.cpp RSS MB"):
         t.add_column(col, justify="left" if col in ("shape", "quant") else "right")
     for e in entries:
         s, peer = e["specdec"], e["llama.cpp"]
-        t.add_row(e["shape"], e["quant"], f"{e['params'] / 1e9:.2f}B", mb(e["file_bytes"]), mb(s["kv_bytes"]),
+        t.add_row(e["shape"], e["quant"], e.get("numerics", "exact"), f"{e['params'] / 1e9:.2f}B", mb(e["file_bytes"]), mb(s["kv_bytes"]),
                   mb(e["rss_growth_bytes"]), f(e["rss_growth_bytes"] / (e["file_bytes"] + s["kv_bytes"]), ".2f"),
                   str(e["rss_ok"]), f(s["decode_tokens_per_s"]), f(s["ms_per_step"]),
                   f(peer.get("decode_tokens_per_s")), mb(peer.get("rss", {}).get("after")))

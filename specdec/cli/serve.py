@@ -98,7 +98,7 @@ def run(args) -> int:
     config, options = serve_config(args), uvicorn_options(args)  # bad options fail before the model loads
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specdec.serve")
-    loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
+    loaded = load_model(args.model, weights=weights_for(args.model, args.weights), numerics=args.numerics)
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model), SpecDecoderConfig(runtime=args.runtime))
     log.info("preparing the CPU kernels and packed weights ...")
     kernels.prepare()
