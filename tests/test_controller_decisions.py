@@ -2,6 +2,11 @@
 changes, chain and tree steps, several sources, shadow drafts) must give the budgets, choices and
 acceptance rates recorded from the controller before it became a package (tests/controller_decisions.json).
 
+A pin, not a check: it says that a decision changed, not whether the new one is right, and a deliberate
+change re-records it. What the decisions must be, whatever was recorded, is checked in
+tests/test_controller_properties.py (BASS's schedule, longer drafts for better-accepted classes, a
+priced-out class stopping but for ever sparser probes, sources revisited when due, ...).
+
 To re-record after a deliberate change of behaviour: ``python tests/test_controller_decisions.py``.
 """
 

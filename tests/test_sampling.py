@@ -8,7 +8,10 @@ tiny model with a 32-token vocabulary. Two levels:
       the prompt (every row samples independently from the one generator).
 Each compares by a chi-square test (bins with an expected count < 5 merged into one; the test passes
 when p-value > ALPHA) and a total-variation bound (TV_FACTOR times the TV expected from sampling
-noise alone). A deliberately wrong rule fails the same test (``test_wrong_rule_fails_...``).
+noise alone). A deliberately wrong rule fails the same test (``test_wrong_rule_fails_...``, and on
+whole generations of the suffix drafter's trees ``test_a_wrong_rule_fails_...``). Every registered
+drafter family samples the target's distribution through whole generations too, after a prompt its
+copying drafters find the first token in (``copying_prompt``), N_FAMILY of them each.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import torch
 from transformers import GenerationConfig
 
 import specdec.verifiers.sampling as vs
-from conftest import agreeing_eagle3_head, bigram_llama, hf_greedy, perturbed, sampled_pairs
+from conftest import agreeing_eagle3_head, bigram_llama, bigram_plugin, hf_greedy, perturbed, sampled_pairs
 from specdec.bench.device.tiny import peaked
 from specdec.bench.distribution import pair_mismatch, two_token_tables
 from specdec.controller import DraftLengthConfig
@@ -28,7 +31,9 @@ from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
-from specdec.drafters.self_spec import StreamingDrafter
+from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+from specdec.drafters.suffix import SuffixDrafter
+from specdec.registry import make_drafter
 from specdec.sampling import SamplingParams, logits_processors, target_probs
 from specdec.tree import DraftTree
 from specdec.verifiers.sampling import acceptance_probability, residual, verify_sampling
@@ -37,6 +42,11 @@ V = 32  # vocabulary of the distribution tests: 32 * 32 joint bins
 N_PURE = 40_000  # samples per pure-function distribution test (one batched call)
 N_E2E = 20_000  # samples per end-to-end test: whole generations
 E2E_BATCH = 2_000  # rows per generate call
+N_FAMILY, FAMILY_BATCH = 8_000, 4_000  # per drafter family: fewer samples in bigger calls (the suite's time)
+# tokens per end-to-end generation of a drafter that shapes its own trees: the draft deciding the second
+# token has up to TREE_NEW - 2 = 3 nodes, room for siblings (with 3 new tokens, one node: never a tree);
+# a chain's first node alone decides it, so chains take 3 (the suite's time)
+TREE_NEW = 5
 PROMPT = torch.tensor([[1, 5, 7, 5, 7, 9]])
 PARAMS = {"temperature": SamplingParams(temperature=0.7), "top_k": SamplingParams(top_k=5),
           "top_p": SamplingParams(top_p=0.8)}
@@ -291,6 +301,11 @@ def test_wrong_rule_fails_the_distribution_test(models, monkeypatch, wrong, draf
         assert_matches(pairs, joint)
 
 
+def _new_tokens(drafter) -> int:
+    """Tokens per generation of an end-to-end test: TREE_NEW for a drafter that shapes its own trees, else 3."""
+    return TREE_NEW if drafter.capabilities.sizes_own_tree else 3
+
+
 class FixedTreeDrafter(Drafter):
     """Always the same small deterministic tree (up to ``budget`` nodes): two children, the first
     with a child. probs None, as an EAGLE top-k tree."""
@@ -315,28 +330,108 @@ class FixedTreeDrafter(Drafter):
                          torch.full((B,), n))
 
 
-@pytest.mark.parametrize("drafter", ["model", "lookup", "fixed-tree", "streaming"])
+@pytest.mark.parametrize("drafter", ["model", "fixed-tree", "streaming"])
 def test_generate_samples_target_distribution_end_to_end(models, drafter):
     """SpecDecoder.generate(do_sample=True), N_E2E sequences in batches: the first two new tokens
     follow the target's joint distribution (temperature 0.8, HF's default top_k 50 >= V: off)."""
     target = models["target"]
     params = SamplingParams.resolve(target, temperature=0.8)
     p1, p2 = tables(target, params)
-    make = {"model": lambda: ModelDrafter(models["good"]), "lookup": PromptLookupDrafter,
+    make = {"model": lambda: ModelDrafter(models["good"]),
             "fixed-tree": lambda: FixedTreeDrafter(top(p1[None], 2)[0].tolist() + [int(p2[int(p1.argmax())].argmax())]),
             # the target over a 3-row compressed cache (1 sink + the last 2): samples its own chain
             "streaming": lambda: StreamingDrafter(target, budget=3, sink=1, overshoot=1)}
-    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
-    decoder = SpecDecoder(target, make[drafter](), config)
-    g = torch.Generator().manual_seed(1)
-    pairs, drafted = [], 0
-    for _ in range(N_E2E // E2E_BATCH):
-        out = decoder.generate(PROMPT.expand(E2E_BATCH, -1), max_new_tokens=3, do_sample=True, temperature=0.8,
-                               generator=g)
-        pairs.append(out.sequences[:, PROMPT.shape[1]: PROMPT.shape[1] + 2])
-        drafted += sum(sum(s.num_drafted) for s in out.steps)
-    assert drafted > 0
-    assert_matches(torch.cat(pairs), p1[:, None] * p2)
+    drafter = make[drafter]()
+    pairs, drafted, accepted = sampled_pairs(target, drafter, PROMPT, N_E2E, E2E_BATCH, new=_new_tokens(drafter))
+    assert_matches(pairs, p1[:, None] * p2)
+    assert 0 < accepted < drafted
+
+
+def copying_prompt(target) -> torch.Tensor:
+    """[1, 18]: PROMPT after the target's three likeliest first tokens, each twice, followed once by each
+    of its two likeliest successors (ranked after a first pass of this construction, in its context).
+    The first sampled token is then nearly always one seen before, with two continuations: copying
+    drafters draft on nearly every row (the suffix drafter a tree of both), and are often right.
+    After PROMPT alone, whose likeliest first tokens it never holds, they would draft on a few rows in
+    thousands."""
+    def likeliest(ids: list[int], k: int) -> list[int]:
+        with torch.no_grad():
+            return target(torch.tensor([ids])).logits[0, -1].topk(k).indices.tolist()
+
+    text = PROMPT[0].tolist()
+    for _ in range(2):
+        text = [x for t in likeliest(text, 3) for s in likeliest(text + [t], 2) for x in (t, s)] + PROMPT[0].tolist()
+    return torch.tensor([text])
+
+
+@pytest.fixture(scope="module")
+def copying(models):
+    """(copying_prompt, the target's exact joint [V, V] of the two tokens after it, temperature 0.8)."""
+    target = models["target"]
+    prompt = copying_prompt(target)
+    p1, p2 = two_token_tables(target, prompt, SamplingParams.resolve(target, temperature=0.8))
+    return prompt, p1[:, None] * p2
+
+
+# every drafter family the registry names, and the plugin example (EAGLE: the EAGLE tests below; streaming:
+# test_generate_samples_...): its registered factory where it drafts something other than the target on
+# this tiny one, SnapKV over a store smaller than the prompt (the registered 512 rows copy it whole)
+FAMILIES = {
+    "prompt-lookup": lambda target: make_drafter("prompt-lookup", target),
+    "suffix": lambda target: make_drafter("suffix", target),
+    "snapkv": lambda target: SnapKVDrafter(target, budget=6, window=2, kernel=1, overshoot=1),
+    "quant-self": lambda target: make_drafter("quant-self", target),
+    "early-exit": lambda target: make_drafter("early-exit", target),
+    "auto": lambda target: make_drafter("auto", target),  # a Sources chooser: lookup and suffix here
+    "plugin": lambda target: bigram_plugin().BigramDrafter(),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_drafter_family_samples_the_target_distribution(models, copying, family):
+    """SpecDecoder.generate(do_sample=True) with each family's drafter, N_FAMILY sequences: the first
+    two new tokens follow the target's joint distribution, the second through drafts verified and
+    partly accepted."""
+    prompt, joint = copying
+    target = models["target"]
+    drafter = FAMILIES[family](target)
+    pairs, drafted, accepted = sampled_pairs(target, drafter, prompt, N_FAMILY, FAMILY_BATCH, new=_new_tokens(drafter))
+    assert_matches(pairs, joint)
+    assert 0 < accepted < drafted, f"{accepted} of {drafted} drafts accepted"
+
+
+def _branches(tree: DraftTree) -> bool:
+    """Some row of the draft has a node with a sibling (two real nodes under one parent)."""
+    N = tree.width
+    pad = torch.arange(N) >= tree.num_nodes[:, None]  # [B, N] padding slots
+    parents = tree.parents.masked_fill(pad, 0) - pad.long() * (2 + torch.arange(N))  # padding: distinct, < -1
+    ranked = parents.sort(dim=1).values
+    return bool((ranked[:, 1:] == ranked[:, :-1]).any())
+
+
+@pytest.mark.parametrize("wrong", ["no_residual", "always_accept"])
+def test_a_wrong_rule_fails_the_distribution_test_on_whole_generations_of_trees(models, copying, monkeypatch, wrong):
+    """Whole generations with the suffix drafter, whose drafts after the likeliest first tokens are
+    trees (two continuations seen): a rule that samples from p instead of the residual after a
+    rejection, or keeps every draft, fails the distribution test the right rule passes
+    (``test_every_drafter_family_...[suffix]``)."""
+    if wrong == "no_residual":
+        monkeypatch.setattr(vs, "residual", lambda p, q: p)
+    else:
+        monkeypatch.setattr(vs, "acceptance_probability", lambda p_x, q_x: torch.ones_like(p_x))
+    drafts = []  # every draft proposed, to see trees among them
+    propose = SuffixDrafter.propose
+
+    def kept(self, budget: int) -> DraftTree:
+        drafts.append(propose(self, budget))
+        return drafts[-1]
+
+    monkeypatch.setattr(SuffixDrafter, "propose", kept)
+    prompt, joint = copying
+    pairs, drafted, _ = sampled_pairs(models["target"], SuffixDrafter(), prompt, N_FAMILY, FAMILY_BATCH, new=TREE_NEW)
+    assert drafted > 0 and any(_branches(t) for t in drafts)  # trees were verified
+    with pytest.raises(AssertionError, match="chi-square"):
+        assert_matches(pairs, joint)
 
 
 # ------------------------------------------------------------------ determinism and bad input
@@ -378,7 +473,10 @@ def _eagle(target, draft_vocab=None, config=None):
 
 
 def _eagle_pairs(target, drafter, n: int = N_E2E, seed: int = 1):
-    """The first two new tokens of n sampled generations (temperature 0.8), and the draft counts."""
+    """The first two new tokens of n sampled generations (temperature 0.8), and the draft counts.
+    Three new tokens: the draft that decides the second token is one node, not a tree. With TREE_NEW
+    (trees of 3 nodes deciding it) EAGLE's sampled trees of depth 3 fail the distribution test
+    (p ~ 1e-6 at 40,000 samples; depth 1 passes): reported with issue 59, not yet fixed."""
     return sampled_pairs(target, drafter, PROMPT, n, E2E_BATCH, seed)
 
 
