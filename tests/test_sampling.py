@@ -475,8 +475,10 @@ def _eagle(target, draft_vocab=None, config=None):
 def _eagle_pairs(target, drafter, n: int = N_E2E, seed: int = 1):
     """The first two new tokens of n sampled generations (temperature 0.8), and the draft counts.
     Three new tokens: the draft that decides the second token is one node, not a tree. With TREE_NEW
-    (trees of 3 nodes deciding it) EAGLE's sampled trees of depth 3 fail the distribution test
-    (p ~ 1e-6 at 40,000 samples; depth 1 passes): reported with issue 59, not yet fixed."""
+    (trees of 3 nodes deciding it) EAGLE's sampled trees of depth 3 failed the distribution test (p ~
+    1e-6 at 40,000 samples on a peaked target, found with issue 59) until a tree's nodes were chosen by
+    their ancestors' draws only (``EagleDrafter._grow_tree``); at 20,000 samples that run takes ~35 s a
+    case, over the suite's budget, so it is not repeated here."""
     return sampled_pairs(target, drafter, PROMPT, n, E2E_BATCH, seed)
 
 
@@ -496,12 +498,12 @@ def test_eagle_sampled_trees_follow_the_target_distribution(models, vocab):
         assert_matches(pairs, p1[:, None] * p2)
 
 
-@pytest.mark.parametrize("wrong", ["sharpened_q", "no_sibling_prefix"])
+@pytest.mark.parametrize("wrong", ["sharpened_q"])
 def test_eagle_with_a_wrong_q_fails_the_distribution_test(models, monkeypatch, wrong):
-    """Trees whose q is not the distribution the children were drawn from (squared and renormalised),
-    or whose later-drawn child is kept without the earlier ones (the verifier's without-replacement
-    q is then wrong): the same test must reject them, so it can fail. (A one-hot q would not be
-    wrong: verifying a drafted token as deterministic is lossless whatever drew it.)"""
+    """Trees whose q is not the distribution the children were drawn from (squared and renormalised):
+    the same test must reject them, so it can fail. (A one-hot q would not be wrong: verifying a
+    drafted token as deterministic is lossless whatever drew it. A later-drawn child kept without the
+    earlier ones cannot happen since a sampled tree's nodes are chosen by their ancestors' draws only.)"""
     from specdec.drafters.eagle import EagleDrafter
 
     target = models["target"]
@@ -509,8 +511,6 @@ def test_eagle_with_a_wrong_q_fails_the_distribution_test(models, monkeypatch, w
 
     def children(self, hidden, k):
         score, idx, q = real(self, hidden, k)
-        if q is not None and wrong == "no_sibling_prefix":  # each child scored by its own log q
-            score = q.log().gather(-1, idx.cpu()).to(score)
         if q is not None and wrong == "sharpened_q":
             q = q**2 / (q**2).sum(-1, keepdim=True)
         return score, idx, q

@@ -38,6 +38,8 @@ from specdec.models import text_config
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
 
+LN2 = 0.6931471805599453  # a sampled tree's selection: each later draw of a node's children ranks ln 2 lower
+
 
 @dataclass(frozen=True)
 class EagleConfig:
@@ -240,6 +242,14 @@ class EagleDrafter(Drafter):
         dists = [q_root] if q_root is not None else None  # [B, F, M] each
         pool_dist = [torch.zeros(B, k1, dtype=torch.long)]
         pool_tok, pool_score = [self.head.to_target_ids(idx)], [score]
+        # sampling: which nodes enter the tree may depend on their ancestors' draws only, never on their
+        # own or their siblings' (the verifier conditions on the path; a node kept for its own q would
+        # bias the output): a node's selection score is its parent's cumulative log q plus a fixed penalty
+        # for its place in the draw order, capped by its parent's selection score (ancestors first)
+        sampling = q_root is not None
+        rank = -LN2 * torch.arange(1, k1 + 1, dtype=score.dtype, device=dev)  # [k1] the draw-order penalty
+        front_sel = torch.where(score > float("-inf"), rank.expand(B, k1), float("-inf"))  # [B, F]
+        pool_sel = [front_sel]
         pool_parent = [torch.full((B, k1), -1, dtype=torch.long, device=dev)]
         n_pool = k1
         # the frontier: nodes to feed next, with their inputs and which fed rows are their ancestors
@@ -267,6 +277,10 @@ class EagleDrafter(Drafter):
                 pool_dist.append((first + torch.arange(F))[None, :, None].expand(B, F, kc).reshape(B, F * kc))
                 dists.append(q)
             cu = front_score[:, :, None] + child_lp  # [B, F, kc] cumulative log-prob
+            sel = torch.minimum(front_sel[:, :, None], front_score[:, :, None]
+                                + (-LN2 * torch.arange(1, kc + 1, dtype=cu.dtype, device=dev)))
+            sel = torch.where(child_lp > float("-inf"), sel, float("-inf")).reshape(B, F * kc)  # [B, F * kc]
+            pool_sel.append(sel)
             pool_tok.append(self.head.to_target_ids(child_idx).reshape(B, F * kc))
             pool_score.append(cu.reshape(B, F * kc))
             pool_parent.append(front_pool[:, :, None].expand(B, F, kc).reshape(B, F * kc))
@@ -280,12 +294,14 @@ class EagleDrafter(Drafter):
             front_feat = h.gather(1, slot[:, :, None].expand(B, nf, h.shape[-1]))
             front_tok = pool_tok[-1].gather(1, pick)
             front_score = best
+            front_sel = sel.gather(1, pick)
             front_pool = n_pool + pick
             n_pool += F * kc
             T += F
         cache.rollback(stable)  # drop the tree rows: next step re-feeds accepted tokens as pairs
 
-        tokens, scores, parents = torch.cat(pool_tok, 1), torch.cat(pool_score, 1), torch.cat(pool_parent, 1)
+        tokens, parents = torch.cat(pool_tok, 1), torch.cat(pool_parent, 1)
+        scores = torch.cat(pool_sel if sampling else pool_score, 1)
         N = min(n_nodes, n_pool)
         # stable sort: on equal scores the earlier pool entry (a parent before its child) wins
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :N]
