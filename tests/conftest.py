@@ -14,6 +14,21 @@ CORES = max(1, min(2, os.cpu_count() or 1))  # the cores the suite uses: at most
 torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else CORES)
 
 
+def pytest_configure(config):
+    """Build the CPU kernels (both variants where they apply) once, in the controller, before any worker
+    starts: a fresh checkout's first build takes a minute or more, which a test waiting for a server's
+    first token, or two workers building at once, would otherwise spend inside their own time limits."""
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller built them
+        return
+    import platform
+
+    from specdec.config import RuntimeConfig
+    from specdec.runtime import kernels
+
+    for variant in ["native", "avx2"] if platform.machine() in ("x86_64", "AMD64") else ["native"]:
+        kernels.extension(RuntimeConfig(kernel=variant))
+
+
 def pytest_xdist_auto_num_workers(config):
     """``-n auto``: a worker per core (each loads models)."""
     return CORES

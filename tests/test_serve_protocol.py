@@ -85,3 +85,22 @@ def test_a_stop_string_across_chunks_is_cut_and_never_sent():
     s = TextStream(_decode, ("END",))
     assert s.feed(list(b"abE")) == "ab" and s.feed(list(b"x"), final=False) == "Ex"  # not a stop after all
     assert s.feed([], final=True) == "" and not s.stopped
+
+
+@pytest.mark.parametrize("name, value", [("response_format", {"type": "json_object"}), ("frequency_penalty", 0.5),
+                                         ("presence_penalty", -1.0), ("logit_bias", {"5": 10}),
+                                         ("repetition_penalty", 1.2)])
+def test_options_that_would_change_the_answer_are_refused_by_name_not_ignored(name, value):
+    from specdec.serve.protocol import ApiError, parse_request
+
+    body = {"messages": [{"role": "user", "content": "hi"}], name: value}
+    with pytest.raises(ApiError, match=name):
+        parse_request(body, chat=True, models=("default",))
+
+
+@pytest.mark.parametrize("name, value", [("response_format", {"type": "text"}), ("frequency_penalty", 0),
+                                         ("presence_penalty", 0.0), ("logit_bias", {}), ("repetition_penalty", 1.0)])
+def test_neutral_values_of_those_options_are_accepted(name, value):
+    from specdec.serve.protocol import parse_request
+
+    parse_request({"messages": [{"role": "user", "content": "hi"}], name: value}, chat=True, models=("default",))

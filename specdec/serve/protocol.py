@@ -20,6 +20,10 @@ from specdec.sampling import SamplingParams
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
 UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "suffix")
+# options that change the answer when set to anything but their neutral value (issue 61 builds them):
+# refused by name until they are honoured exactly under speculation, never ignored
+NEUTRAL = {"response_format": ({"type": "text"},), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
+           "logit_bias": ({},), "repetition_penalty": (1, 1.0)}
 SEEDS = (-(2**63), 2**64 - 1)  # what a torch.Generator takes (a larger seed would fail the batch it joins)
 
 
@@ -155,6 +159,11 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
         v = body.get(name)
         if v and not (name == "best_of" and v == 1):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
+    for name, neutral in NEUTRAL.items():
+        v = body.get(name)
+        if v is not None and not any(v == x and type(v) is type(x) for x in neutral):
+            raise ApiError(400, f"'{name}' is not supported by this server yet (only {neutral[0]!r} or unset); "
+                                "it is refused rather than ignored", name)
     n = _integer(body, "n", 1, 1)
     if n != 1:
         raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", "n")
