@@ -310,9 +310,7 @@ def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path, reader=None)
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from specdec.quant.gguf import float_tensors
-
-    from specdec.quant.gguf import open_reader
+    from specdec.quant.gguf import float_tensors, open_reader
 
     reader = open_reader(gguf) if reader is None else reader
     try:
@@ -322,8 +320,6 @@ def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path, reader=None)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         # transformers' tensor processors are keyed by the file's architecture (gemma3, not gemma3_text)
         floats = {k: v.to(dtype) for k, v in float_tensors(model, gguf, arch.name, reader).items()}
-    except ModelLoadError:
-        raise
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
     _write_cache(dest, gguf, config, GenerationConfig.from_model_config(config), tokenizer,
@@ -376,7 +372,7 @@ def _build_gguf_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype, config=config)
     except Exception as e:  # noqa: BLE001
-        raise ModelLoadError(str(e) if isinstance(e, ModelLoadError) else f"could not read GGUF file {gguf}: {e}") from e
+        raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
     # handles the tied embedding / lm_head
     _write_cache(dest, gguf, model.config, model.generation_config, tokenizer, lambda f: save_model(model, str(f)),
                  _rope_divisors_saver(reader))

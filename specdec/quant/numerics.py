@@ -24,9 +24,9 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from specdec.quant.modules import QuantLinear
+from specdec.runtime.qlinear import APPROX_FORMATS as INT8_FORMATS  # what csrc/int8_linear.cpp multiplies
 
 NUMERICS = ("exact", "int8")
-INT8_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # the formats csrc/int8_linear.cpp multiplies as integers
 _ATTR = "specdec_numerics"  # the model's attribute, read by the forward (``numerics_of``)
 
 

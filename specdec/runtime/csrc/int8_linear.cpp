@@ -29,6 +29,10 @@
 
 namespace {
 
+#if defined(__AVX2__)
+using specdec_vec::hsum8;
+#endif
+
 constexpr int64_t kGrain = 16;     // output features per parallel work item, at least
 constexpr int64_t kRowBlock = 64;  // rows whose rounded activations stay in L2 while a thread's features pass
 constexpr int kRows = 4;           // rows sharing each decoded weight block (a tile)
@@ -62,14 +66,6 @@ inline __m256i nibbles(const uint8_t* q) {
   const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
   const __m128i m = _mm_set1_epi8(0x0F);
   return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
-// the one horizontal sum every (row, feature) takes
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
 }
 
 struct Rounded {  // every row of x rounded: codes [M, K], dx [M, K / 32], sx = dx * sum(codes) [M, K / 32]

@@ -26,16 +26,13 @@
 
 namespace {
 
+#if defined(__AVX2__)
+using specdec_vec::hsum8;
+#endif
+
 constexpr float kMasked = -1e30f;  // a bias at or below this hides its key (HF's masks use the dtype's min)
 
 #if defined(__AVX2__)
-
-inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple of 8
   __m256 acc = _mm256_setzero_ps();

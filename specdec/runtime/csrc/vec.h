@@ -45,6 +45,17 @@ static inline float hsum(vec v) {
 #endif
 }
 
+#if defined(__AVX2__)
+// the sum of 8 floats in one fixed order: the int8 kernels' horizontal sum (a row's value does not
+// depend on the build's vector width)
+static inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+#endif
+
 static inline float hmax(vec v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_max_ps(reinterpret_cast<__m512>(v));
