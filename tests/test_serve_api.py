@@ -64,10 +64,11 @@ def chat(text: str) -> list[dict]:
 
 def drafts(usage, accepted: bool = True) -> dict:
     """usage.specdec, checked: drafted >= accepted (> 0 if ``accepted``), accepted <= the answer's tokens,
-    a time to first token."""
+    a time to first token, target steps (1 to the answer's tokens)."""
     extra = usage["specdec"] if isinstance(usage, dict) else usage.specdec
     completion = usage["completion_tokens"] if isinstance(usage, dict) else usage.completion_tokens
-    assert set(extra) == {"drafted_tokens", "accepted_tokens", "time_to_first_token_s"}
+    assert set(extra) == {"drafted_tokens", "accepted_tokens", "time_to_first_token_s", "steps"}
+    assert 1 <= extra["steps"] <= completion or completion == 0
     assert extra["drafted_tokens"] >= extra["accepted_tokens"] >= (1 if accepted else 0), extra
     assert extra["accepted_tokens"] < max(completion, 1)  # the first token is never a draft
     assert isinstance(extra["time_to_first_token_s"], float) and extra["time_to_first_token_s"] >= 0

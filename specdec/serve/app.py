@@ -23,6 +23,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, ProcessCollector, generate_latest
@@ -32,15 +33,18 @@ from starlette.concurrency import run_in_threadpool
 from starlette.datastructures import Headers
 from starlette.middleware import Middleware
 from starlette.requests import Request as HttpRequest
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route
+from starlette.responses import FileResponse, JSONResponse, Response, StreamingResponse
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
 
 from specdec.prompting import chat_ids, context_window, eos_ids, has_chat_template
 from specdec.runtime.memory import malloc_trim
 from specdec.serve import protocol
 from specdec.serve.cache import ServedCache
 from specdec.serve.engine import Busy, Engine, EngineConfig, Request, Update
+from specdec.serve.live import SAMPLE_EVERY, History, Sample, snapshot
 from specdec.serve.protocol import ApiError, Generation, TextStream
+from specdec.serve.provenance import Provenance
 
 try:
     from jinja2 import TemplateError  # what a chat template raises on messages it refuses
@@ -48,7 +52,13 @@ except ModuleNotFoundError:  # no chat templates without jinja2 either
     TemplateError = ()
 
 log = logging.getLogger("specdec.serve")
-OPEN_PATHS = ("/health",)  # answered without the API key (a load balancer's probe)
+# answered without the API key: a load balancer's probe, and the chat page (it holds no data; it asks
+# for the key, then sends it with every request it makes)
+OPEN_PATHS = ("/health", "/")
+STATIC = Path(__file__).parent / "static"  # the chat page's files, served under /static/
+# the page loads nothing from another host, and runs no inline script (what an injected one would need)
+PAGE_POLICY = ("default-src 'self'; img-src 'self' data:; object-src 'none'; base-uri 'none'; form-action 'none'; "
+               "frame-ancestors 'none'")
 # a prompt of more characters than window x (longest token's text + 1) x this is refused untokenized:
 # it cannot fit even if a normalizer merged characters (NFKC composes at most 3 into 1)
 CHARS_MARGIN = 4
@@ -102,6 +112,7 @@ class Service:
                             ["endpoint", "status"], registry=self.registry)
         self.registry.register(_EngineCollector(self.engine))
         ProcessCollector(registry=self.registry)  # process_resident_memory_bytes etc. (Linux): the soak reads it
+        self.history = History()  # the chat page's charts (GET /stats)
         self.started = time.time()
 
     def decode(self, tokens: list[int]) -> str:
@@ -182,7 +193,7 @@ class _RequireKey:
         self.app, self.digest, self.counter = app, hashlib.sha256(key.encode()).digest(), counter
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS:
+        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not scope["path"].startswith("/static/"):
             given = Headers(scope=scope).get("authorization")
             scheme, _, token = (given or "").partition(" ")
             # header values arrive as latin-1 text: back to the bytes the client sent
@@ -206,10 +217,12 @@ class _Progress:
     drafted: int = 0  # draft tokens verified for it
     accepted: int = 0  # of them, kept
     first_token: float | None = None  # seconds from arrival to its first token
+    steps: int = 0  # target forwards that gave it tokens (its prefill's included): tau = tokens / steps
 
     def add(self, u: Update) -> None:
         if u.tokens and self.first_token is None:
             self.first_token = time.perf_counter() - self.arrived
+        self.steps += bool(u.tokens)
         self.tokens += len(u.tokens)
         self.drafted += u.drafted
         self.accepted += u.from_draft
@@ -218,7 +231,7 @@ class _Progress:
         ttft = None if self.first_token is None else round(self.first_token, 6)
         return protocol.usage(prompt_tokens, self.tokens, {"drafted_tokens": self.drafted,
                                                            "accepted_tokens": self.accepted,
-                                                           "time_to_first_token_s": ttft})
+                                                           "time_to_first_token_s": ttft, "steps": self.steps})
 
 
 class _Deadline:
@@ -343,6 +356,7 @@ async def _stream(service: Service, g: Generation, ids: list[int], handle: int, 
                   progress: _Progress, deadline: _Deadline):
     rid, model = protocol.new_id(g.chat), service.models[0]
     text = TextStream(service.decode, g.stop)
+    marks = Provenance(service.decode)  # who wrote each piece: the chunks' "specdec" extension
     finish = None
     try:
         if g.chat:
@@ -355,12 +369,16 @@ async def _stream(service: Service, g: Generation, ids: list[int], handle: int, 
                 break
             progress.add(u)
             delta = text.feed(u.tokens, final=u.finish is not None)
+            marks.add(u.tokens, u.from_draft, u.source, u.drafted)
             finish = "stop" if text.stopped else u.finish
             if finish == "error":
                 yield _sse(ApiError(500, f"generation failed: {u.error}", type_="server_error").body())
                 break
             if delta or finish is not None:
-                yield _sse(protocol.chunk(g, rid, model, delta, finish if finish != "cancelled" else "stop"))
+                c = protocol.chunk(g, rid, model, delta, finish if finish != "cancelled" else "stop")
+                if delta:  # an extension field: OpenAI's clients keep it as an extra and otherwise ignore it
+                    c["specdec"] = {"pieces": marks.pieces(text.sent - len(delta), delta)}
+                yield _sse(c)
         if g.include_usage:
             yield _sse(protocol.chunk(g, rid, model, None, use=progress.usage(len(ids))))
         yield "data: [DONE]\n\n"
@@ -413,6 +431,16 @@ async def _metrics(request: HttpRequest) -> Response:
     return Response(generate_latest(request.app.state.service.registry), media_type="text/plain; version=0.0.4")
 
 
+async def _stats(request: HttpRequest) -> Response:
+    service: Service = request.app.state.service
+    return JSONResponse(snapshot(service.engine, service.history, service.config.engine.max_batch))
+
+
+async def _page(request: HttpRequest) -> Response:
+    return FileResponse(STATIC / "index.html", headers={"Content-Security-Policy": PAGE_POLICY,
+                                                        "Cache-Control": "no-cache"})
+
+
 async def _periodic_save(service: Service) -> None:
     while True:
         await asyncio.sleep(service.cache.config.save_every)
@@ -420,6 +448,12 @@ async def _periodic_save(service: Service) -> None:
             await asyncio.to_thread(service.cache.save)
         except OSError as e:
             log.warning("suffix cache not saved: %s", e)
+
+
+async def _periodic_sample(service: Service) -> None:
+    while True:
+        service.history.record(Sample.of(service.engine.counters, time.perf_counter()))
+        await asyncio.sleep(SAMPLE_EVERY)
 
 
 async def _periodic_trim(every: float, trim: Callable[[], int]) -> None:
@@ -435,7 +469,9 @@ def create_app(service: Service) -> Starlette:
     @contextlib.asynccontextmanager
     async def lifespan(app):
         service.engine.start()
-        tasks = [asyncio.ensure_future(_periodic_save(service))] if service.cache is not None else []
+        tasks = [asyncio.ensure_future(_periodic_sample(service))]
+        if service.cache is not None:
+            tasks.append(asyncio.ensure_future(_periodic_save(service)))
         trim = malloc_trim() if service.config.trim_every > 0 else None
         if trim is not None:
             tasks.append(asyncio.ensure_future(_periodic_trim(service.config.trim_every, trim)))
@@ -452,7 +488,10 @@ def create_app(service: Service) -> Starlette:
               Route("/v1/completions", _endpoint(False), methods=["POST"]),
               Route("/v1/models", _models, methods=["GET"]),
               Route("/health", _health, methods=["GET"]),
-              Route("/metrics", _metrics, methods=["GET"])]
+              Route("/metrics", _metrics, methods=["GET"]),
+              Route("/stats", _stats, methods=["GET"]),
+              Route("/", _page, methods=["GET"]),
+              Mount("/static", StaticFiles(directory=STATIC), name="static")]
     key = service.config.api_key
     middleware = [Middleware(_RequireKey, key=key, counter=service.http)] if key is not None else []
     app = Starlette(routes=routes, middleware=middleware, lifespan=lifespan)

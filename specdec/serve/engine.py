@@ -63,6 +63,7 @@ class Update:
     from_draft: int = 0  # leading tokens that were accepted drafts
     error: str | None = None
     drafted: int = 0  # draft tokens verified for this request in the step (>= from_draft)
+    source: str | None = None  # the drafter whose draft the step verified for it (None: nothing drafted)
 
 
 @dataclass
@@ -204,8 +205,7 @@ class Engine:
             if session.rows:
                 events = session.step()
                 self.counters.steps += 1
-                self._count_drafts(events[0].stats)
-                self._dispatch(events)
+                self._dispatch(events, self._count_drafts(events[0].stats))
         except Exception as e:  # noqa: BLE001 -- a failed step fails its requests, not the server
             log.exception("decode step failed")
             self._fail_all(f"{type(e).__name__}: {e}")
@@ -251,7 +251,7 @@ class Engine:
         self._live.update(zip(ids, requests))
         self._dispatch(events)
 
-    def _dispatch(self, events: list[StepEvent]) -> None:
+    def _dispatch(self, events: list[StepEvent], source: str | None = None) -> None:
         c = self.counters
         now = time.perf_counter()
         new = 0
@@ -264,7 +264,7 @@ class Engine:
             req = self._live[e.sequence]
             req.answer.extend(e.tokens)
             drafted = e.stats.num_drafted[e.stats.sequences.index(e.sequence)]  # the step's entry of this row
-            update = Update(e.tokens, finish, e.from_draft, drafted=drafted)
+            update = Update(e.tokens, finish, e.from_draft, drafted=drafted, source=source if drafted else None)
             if finish is None:
                 req.emit(update)
             else:
@@ -273,14 +273,16 @@ class Engine:
         c.recent.append((now, new))
         c.tokens_per_second(now)  # drops what fell out of the window (bounded between scrapes)
 
-    def _count_drafts(self, stats) -> None:
+    def _count_drafts(self, stats) -> str | None:
+        """Counts the step's drafts under their drafter; its name (None: nothing was drafted)."""
         # (not stats.key is None: a drafter of one class, a model's or EAGLE's, drafts with key None)
         if not any(stats.num_drafted):
-            return
+            return None
         c, chooser = self.counters, self.decoder.chooser
         source = stats.key[0] if isinstance(chooser, Sources) else type(self.decoder.drafter).__name__
         c.drafted[source] = c.drafted.get(source, 0) + sum(stats.num_drafted)
         c.accepted[source] = c.accepted.get(source, 0) + sum(stats.num_accepted)
+        return source
 
     def _end(self, s: int, update: Update) -> None:
         req = self._live.pop(s)
