@@ -33,6 +33,7 @@ from specdec.drafters.base import Corpus, Drafter
 from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F401 (bench.replay)
 from specdec.kv.bmc import BMCConfig
 from specdec.models import float_dtype, sliding_window, text_config, vocab_size_of
+from specdec.processing import Constraint, Grammar, Processing, TokenLogprob, Vocabulary
 from specdec.prompting import eos_ids
 from specdec.sampling import SamplingParams
 # the step core; its names stay importable from here
@@ -83,6 +84,9 @@ class GenerateOutput:
     num_new: list[int] = field(default_factory=list)  # [B] tokens generated per sequence
     steps_per_sequence: list[int] = field(default_factory=list)  # [B] target forwards each took
     accepted_per_sequence: list[int] = field(default_factory=list)  # [B] drafted tokens each kept
+    # [B][num_new[b]] each new token's logprob under the processed target, with the most likely tokens
+    # there (``generate(logprobs=k)``); None when not asked
+    logprobs: list[list[TokenLogprob]] | None = None
 
     @property
     def new_tokens(self) -> int:
@@ -120,6 +124,7 @@ class SpecDecoder:
         self.sliding_window = sliding_window(cfg)
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
         self.controller = DraftLengthController(config.draft_length)
+        self._vocabularies: dict[int, Vocabulary] = {}  # id(tokenizer) -> its llguidance form (built once)
         dtype = float_dtype(target)
         if dtype in INEXACT_DTYPES:
             warnings.warn(f"the target computes in {dtype}: its greedy outputs here follow target.generate's only "
@@ -145,7 +150,10 @@ class SpecDecoder:
                  attention_mask: torch.Tensor | None = None, streamer=None, callback=None,
                  pad_token_id: int | None = None, do_sample: bool = False, temperature: float | None = None,
                  top_k: int | None = None, top_p: float | None = None, generator: torch.Generator | None = None,
-                 seed: int | None = None) -> GenerateOutput:
+                 seed: int | None = None, constraint: Constraint | Grammar | None = None, tokenizer=None,
+                 repetition_penalty: float | None = None, frequency_penalty: float = 0.0,
+                 presence_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                 logprobs: int | None = None) -> GenerateOutput:
         """Greedy generation, each sequence token-identical to ``target.generate(..., do_sample=False)``
         of its prompt alone; or, with ``do_sample=True``, sampling distributed exactly as
         ``target.generate(do_sample=True, ...)`` with the same temperature / top_k / top_p (unset ones
@@ -163,6 +171,14 @@ class SpecDecoder:
         streamer: HF-style object with put(tokens)/end() (e.g. ``TextStreamer``), batch size 1 only.
         callback: called with a ``StepEvent`` per live sequence after each step.
         max_new_tokens is clipped to the room left in the context window by the longest prompt.
+
+        Processing, each sequence on its own text (``specdec.processing.rows``, speculation exact under all
+        of them): ``constraint`` (a ``Constraint``: JSON schema or object, regex, Lark, GBNF; compiled with
+        ``tokenizer``, or a ``Grammar`` compiled already) keeps every sequence inside its grammar, ending
+        on an EOS when it is done; ``repetition_penalty`` (HF's; unset: the target's generation_config's),
+        ``frequency_penalty`` / ``presence_penalty`` (OpenAI's, over the output) and ``logit_bias`` (token
+        id -> added score). ``logprobs=k``: each new token's logprob under the processed target and the k
+        most likely tokens there, in ``GenerateOutput.logprobs``.
         """
         if not hasattr(type(max_new_tokens), "__index__") or operator.index(max_new_tokens) < 0:
             raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
@@ -188,19 +204,24 @@ class SpecDecoder:
             seed = int(torch.randint(2**62, ())) if seed is None else seed
             generator = torch.Generator().manual_seed(seed)  # CPU: uniforms drawn here, on any device
         judge = Acceptance(sampling, generator)
+        processing = self.processing(constraint, tokenizer, eos_token_id, repetition_penalty, frequency_penalty,
+                                     presence_penalty, logit_bias, logprobs)
         if self.context_window is not None:
             max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
         session = DecodeSession(self, _eos_set(eos_token_id, self.target))
         if streamer is not None:
             streamer.put(prompts[0][None].cpu())
+        lps = [[] for _ in prompts] if processing is not None and processing.logprobs is not None else None
         with self.running():
-            ids_, events = session.add(prompts, [max_new_tokens] * len(prompts), judge)
+            ids_, events = session.add(prompts, [max_new_tokens] * len(prompts), judge, [processing] * len(prompts))
             while True:
                 for e in events:
                     if streamer is not None:  # batch size 1: the one sequence's tokens of this step
                         streamer.put(torch.tensor(e.tokens))
                     if callback is not None:
                         callback(e)
+                    if lps is not None:
+                        lps[e.sequence].extend(e.logprobs)
                 if not session.rows:
                     break
                 events = session.step()
@@ -214,7 +235,35 @@ class SpecDecoder:
             tail[s, : len(n)] = torch.tensor(n, dtype=torch.long)
         return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], session.steps, [len(n) for n in new],
                               [batch.steps[s] for s in range(len(prompts))],
-                              [batch.accepted[s] for s in range(len(prompts))])
+                              [batch.accepted[s] for s in range(len(prompts))], lps)
+
+    def vocabulary(self, tokenizer, eos: set[int]) -> Vocabulary:
+        """``tokenizer`` as the grammar engine reads it, built once per tokenizer (~0.4 s for 49k tokens)."""
+        key = (id(tokenizer), tuple(sorted(eos)))
+        if key not in self._vocabularies:
+            self._vocabularies[key] = Vocabulary.of(tokenizer, self.vocab_size, eos)
+        return self._vocabularies[key]
+
+    def processing(self, constraint: Constraint | Grammar | None = None, tokenizer=None, eos_token_id=None,
+                   repetition_penalty: float | None = None, frequency_penalty: float = 0.0,
+                   presence_penalty: float = 0.0, logit_bias: dict[int, float] | None = None,
+                   logprobs: int | None = None) -> Processing | None:
+        """The ``Processing`` of ``generate``'s arguments (None when they change nothing): a ``Constraint``
+        compiled with ``tokenizer`` (a ValueError names what is missing or wrong), ``repetition_penalty``
+        unset taken from the target's generation_config as HF takes it."""
+        if repetition_penalty is None:
+            config = getattr(self.target, "generation_config", None)
+            repetition_penalty = getattr(config, "repetition_penalty", None) or 1.0
+        grammar = constraint
+        if isinstance(constraint, Constraint):
+            if tokenizer is None:
+                raise ValueError("a constraint needs the target's tokenizer to compile: pass tokenizer=")
+            grammar = constraint.compile(self.vocabulary(tokenizer, _eos_set(eos_token_id, self.target)))
+        elif constraint is not None and not isinstance(constraint, Grammar):
+            raise TypeError(f"constraint must be a specdec Constraint or Grammar, got {type(constraint).__name__}")
+        opts = Processing(float(repetition_penalty), float(frequency_penalty), float(presence_penalty),
+                          {int(k): float(v) for k, v in (logit_bias or {}).items()}, grammar, logprobs)
+        return opts if opts.changes_scores or logprobs is not None else None
 
     @property
     def reads_hidden(self) -> bool:

@@ -25,6 +25,7 @@ from specdec.config import current as current_runtime
 from specdec.drafters.eagle import make_eagle
 from specdec.drafters.eagle3 import make_eagle3
 from specdec.drafters.early_exit import early_exit_model
+from specdec.drafters.grammar import GrammarDrafter
 from specdec.drafters.hybrid import LookupHybridDrafter
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -63,7 +64,7 @@ def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> S
     place (the decoder keeps one kind of target features)."""
     corpus = stored_answers_fit(text_config(target).vocab_size)
     suffix = SuffixDrafter.from_stored_answers() if corpus else SuffixDrafter()
-    sources: dict[str, Drafter] = {"lookup": PromptLookupDrafter(), "suffix": suffix}
+    sources: dict[str, Drafter] = {"grammar": GrammarDrafter(), "lookup": PromptLookupDrafter(), "suffix": suffix}
     if eagle3 or current_runtime().eagle3_head is not None:
         sources["eagle3"] = make_eagle3(target)  # named explicitly: a head that does not fit is an error
     elif not corpus:
@@ -86,6 +87,8 @@ def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> S
 DRAFTERS: dict[str, DrafterFactory] = {
     "none": lambda target: None,  # autoregressive on the BMC store: what BMC alone gives
     "prompt-lookup": lambda target: PromptLookupDrafter(),
+    # the tokens a constraint forces (JSON keys, punctuation): free drafts where the grammar decides the text
+    "grammar": lambda target: GrammarDrafter(),
     # the first third of the target's layers draft for the whole model
     "early-exit": lambda target: ModelDrafter(
         early_exit_model(target, max(1, target.config.num_hidden_layers // 3))),

@@ -30,7 +30,7 @@ HF_DEFAULTS = {"temperature": 1.0, "top_k": 50, "top_p": 1.0}
 # generation_config fields that would change the sampled distribution in ways we do not reproduce,
 # with their neutral values: a target whose config sets one otherwise is refused, not silently changed
 _UNSUPPORTED = {"min_p": None, "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None,
-                "repetition_penalty": 1.0, "no_repeat_ngram_size": 0, "suppress_tokens": None,
+                "no_repeat_ngram_size": 0, "suppress_tokens": None,
                 "bad_words_ids": None, "sequence_bias": None}
 
 

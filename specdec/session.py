@@ -36,6 +36,7 @@ from specdec.drafters.chooser import Shadow, draft_step
 from specdec.forward import forward_block, prefill
 from specdec.kv.bmc import BMCCache
 from specdec.models import attention_shape
+from specdec.processing import Processing, RowProcessor, TokenLogprob
 from specdec.runtime import kernels
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
@@ -65,6 +66,8 @@ class StepEvent:
     stats: StepStats
     sequence: int = 0  # the sequence's id (``generate``: its index in the batch given)
     finished: bool = False  # the sequence stopped this step (EOS or max_new) and left the batch
+    # one per token when the sequence asked for them (``Processing.logprobs``), else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass(frozen=True)
@@ -91,6 +94,10 @@ class Acceptance:
         """Every row greedy (shadow drafts are scored only then)."""
         return self.sampling is None
 
+    def sampling_of(self, row: int) -> SamplingParams | None:
+        """Row ``row``'s sampling (None: greedy): how its logprobs are read."""
+        return self.sampling
+
     def select(self, rows: list[int]) -> None:
         """One rule for every row: nothing per row to drop."""
 
@@ -112,35 +119,46 @@ class _Batch:
         self.max_new: dict[int, int] = {}
         self.steps: dict[int, int] = {}  # target forwards per sequence
         self.accepted: dict[int, int] = {}  # drafted tokens kept per sequence
+        self.processors: dict[int, RowProcessor] = {}  # the sequences that process their logits
         self.eos = eos
 
-    def add(self, s: int, prompt: list[int], max_new: int) -> None:
+    def add(self, s: int, prompt: list[int], max_new: int, processor: RowProcessor | None = None) -> None:
         self.prompt[s], self.new[s], self.max_new[s] = prompt, [], max_new
         self.steps[s] = self.accepted[s] = 0
+        if processor is not None:
+            self.processors[s] = processor
 
     def forget(self, s: int) -> None:
-        for d in (self.prompt, self.new, self.max_new, self.steps, self.accepted):
+        for d in (self.prompt, self.new, self.max_new, self.steps, self.accepted, self.processors):
             d.pop(s, None)
+
+    def live_processors(self) -> list[RowProcessor | None]:
+        """Each live row's processor (None: its logits go to the verifier as they are)."""
+        return [self.processors.get(s) for s in self.rows]
 
     def wanted(self) -> int:
         """Draft tokens still useful to some live sequence (after its bonus token)."""
         return max(self.max_new[s] - len(self.new[s]) - 1 for s in self.rows)
 
-    def extend(self, seqs: list[int], commit: Commit, stats: StepStats) -> tuple[list[StepEvent], list[int]]:
+    def extend(self, seqs: list[int], commit: Commit, stats: StepStats,
+               logprobs: list[list[TokenLogprob] | None] | None = None) -> tuple[list[StepEvent], list[int]]:
         """Append each sequence's new tokens (commit row i is sequence ``seqs[i]``; truncated at its
-        max_new and EOS): one event per sequence, and the rows that go on."""
+        max_new and EOS), with their logprobs where asked: one event per sequence, and the rows that go on."""
         events, keep = [], []
         for row, s in enumerate(seqs):
             toks = commit.new_tokens(row)[: self.max_new[s] - len(self.new[s])]
             stop = next((i for i, t in enumerate(toks) if t in self.eos), None)
             if stop is not None:
                 toks = toks[: stop + 1]
+            lps = logprobs[row][: len(toks)] if logprobs is not None and logprobs[row] is not None else None
+            if s in self.processors:
+                self.processors[s].advance(toks)
             self.new[s].extend(toks)
             self.steps[s] += 1
             drafted = min(len(toks), int(commit.num_accepted[row]))
             self.accepted[s] += drafted
             goes_on = stop is None and len(self.new[s]) < self.max_new[s]
-            events.append(StepEvent(toks, drafted, stats, s, finished=not goes_on))
+            events.append(StepEvent(toks, drafted, stats, s, finished=not goes_on, logprobs=lps))
             if goes_on:
                 keep.append(row)
         return events, keep
@@ -199,15 +217,21 @@ class DecodeSession:
 
     # -- the three verbs
 
-    def add(self, prompts: list[torch.Tensor], max_new: list[int], judge) -> tuple[list[int], list[StepEvent]]:
+    def add(self, prompts: list[torch.Tensor], max_new: list[int], judge,
+            processing: list[Processing | None] | None = None) -> tuple[list[int], list[StepEvent]]:
         """Prefill ``prompts`` (1-D int64 each; ``max_new`` tokens each at most, already within the
-        context window) and join them to the batch; ``judge`` holds their acceptance rule. Returns
-        their sequence ids and the events of their first tokens."""
+        context window) and join them to the batch; ``judge`` holds their acceptance rule, ``processing``
+        each one's penalties, biases, grammar and logprobs (None: none). Returns their sequence ids and
+        the events of their first tokens."""
         B = len(prompts)
         ids = list(range(self._next_id, self._next_id + B))
         self._next_id += B
-        for s, p, m in zip(ids, prompts, max_new):
-            self.batch.add(s, p.tolist(), m)
+        processing = processing or [None] * B
+        assert len(processing) == B, f"{B} prompts, {len(processing)} processing options"
+        for s, p, m, opts in zip(ids, prompts, max_new, processing):
+            ids_ = p.tolist()
+            proc = RowProcessor(ids_, opts, self.decoder.vocab_size) if opts is not None else None
+            self.batch.add(s, ids_, m, proc)
         if not self.rows:
             return ids, self._start(ids, prompts, judge)
         if not self.joins:
@@ -227,11 +251,12 @@ class DecodeSession:
         self._restart_seconds = 0.0
         key, tree, shadows = draft_step(d.chooser, controller, len(batch.rows), batch.wanted(), shadow,
                                         ready=self._catch_up_drafters)
+        tree, masks = constrain(tree, batch.live_processors())  # nodes a grammar forbids are cut here
         t1 = time.perf_counter()
         t0 += self._restart_seconds  # a join's restart is not the price of this step's draft
         # 2.-4. one target forward over [pending, nodes] per row, the acceptance rule, commit the kept rows
         allocations = self.cache.num_allocations
-        ver, hidden, split = self._verify(tree)
+        ver, hidden, split, logprobs = self._verify(tree, masks)
         commit = make_commit(tree, ver, hidden)
         t2 = time.perf_counter()
         stats = StepStats(tree.num_nodes.tolist(), ver.num_accepted.tolist(), t1 - t0, t2 - t1,
@@ -245,7 +270,7 @@ class DecodeSession:
         learn_step(controller, key, tree, ver.accepted.tolist(), stats.verify_time,
                    max(0.0, stats.draft_time - catch_up), shadows, texts,
                    grew=self.cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
-        events = self._finish(commit, ver.next_token, stats)
+        events = self._finish(commit, ver.next_token, stats, logprobs)
         controller.set_batch(len(self.rows))
         return events
 
@@ -279,9 +304,9 @@ class DecodeSession:
         self.decoder.controller.new_run(len(ids))
         self.cache = self._new_store(len(ids), max(len(p) for p in prompts))
         t0 = time.perf_counter()
-        ver, commit = self._prefill(self.cache, prompts, judge, begin=True)
+        ver, commit, logprobs = self._prefill(self.cache, ids, prompts, judge, begin=True)
         stats = StepStats([0] * len(ids), [0] * len(ids), 0.0, time.perf_counter() - t0, list(ids))
-        return self._finish(commit, ver.next_token, stats)
+        return self._finish(commit, ver.next_token, stats, logprobs)
 
     def _join(self, ids: list[int], prompts: list[torch.Tensor], judge) -> list[StepEvent]:
         """Prompts joining live rows: prefilled in their own store, appended at the step boundary; the
@@ -289,10 +314,10 @@ class DecodeSession:
         d, batch = self.decoder, self.batch
         cache = self._new_store(len(ids), max(len(p) for p in prompts))
         t0 = time.perf_counter()
-        ver, commit = self._prefill(cache, prompts, judge, begin=False)
+        ver, commit, logprobs = self._prefill(cache, ids, prompts, judge, begin=False)
         stats = StepStats([0] * len(ids), [0] * len(ids), 0.0, time.perf_counter() - t0, list(ids))
         self._record(stats)
-        events, keep = batch.extend(ids, commit, stats)
+        events, keep = batch.extend(ids, commit, stats, logprobs)
         if keep:  # the ones that did not finish with their first token join
             if len(keep) < len(ids):
                 cache.select(keep)
@@ -323,18 +348,19 @@ class DecodeSession:
         for b, t in enumerate(texts):
             ids[b, : len(t) - 1] = torch.tensor(t[:-1], dtype=torch.long)
         lengths = torch.tensor([len(t) - 1 for t in texts], dtype=torch.long)
-        chooser.begin(Prompt(ids, lengths, None, self.cache, self.judge.sampling, self.judge.generator))
+        chooser.begin(Prompt(ids, lengths, None, self.cache, self.judge.sampling, self.judge.generator,
+                             self.batch.live_processors()))
         pending = self.pending.cpu()
         ones = torch.ones(B, dtype=torch.long)
         chooser.accept(Commit(pending, ones, torch.zeros(B, dtype=torch.long)))
 
     # -- stages
 
-    def _prefill(self, cache: BMCCache, prompts: list[torch.Tensor], judge,
-                 begin: bool) -> tuple[Verification, Commit]:
+    def _prefill(self, cache: BMCCache, seqs: list[int], prompts: list[torch.Tensor], judge,
+                 begin: bool) -> tuple[Verification, Commit, list | None]:
         """Prompts of one length together (no padding: HF's unpadded prefill), each length alone,
-        through ``forward.prefill`` into their rows; the first token of each. ``begin``: the drafters
-        begin on these prompts."""
+        through ``forward.prefill`` into their rows; the first token of each (sequences ``seqs``), with
+        its logprobs where asked. ``begin``: the drafters begin on these prompts."""
         d = self.decoder
         want_hidden = d.reads_hidden
         B, P = len(prompts), max(len(p) for p in prompts)
@@ -353,7 +379,9 @@ class DecodeSession:
                 cache.load_prefill(b, [(k[g], v[g]) for k, v in pre.layers], capacity=P)
                 logits[b] = pre.logits[g]
                 hidden[b] = pre.hidden[g] if want_hidden else None
-        ver = judge(torch.stack(logits)[:, None], DraftTree.empty(B))  # the first token: nothing drafted
+        procs = [self.batch.processors.get(s) for s in seqs]
+        empty = DraftTree.empty(B)  # the first token: nothing drafted
+        ver, logprobs = judge_processed(judge, procs, torch.stack(logits)[:, None], empty, constrain(empty, procs)[1])
         last = torch.stack([h[-1:] for h in hidden]) if want_hidden else None  # [B, 1, D]
         if begin and d.chooser is not None:
             ids = torch.zeros(B, P, dtype=torch.long)  # right-padded, as Prompt says
@@ -363,14 +391,15 @@ class DecodeSession:
                 if want_hidden:
                     prefix[b, : len(p) - 1] = hidden[b][:-1]
             lengths = torch.tensor([len(p) for p in prompts])
-            d.chooser.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator))
-        return ver, make_commit(DraftTree.empty(B), ver, last)
+            d.chooser.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator, procs))
+        return ver, make_commit(empty, ver, last), logprobs
 
-    def _verify(self, tree: DraftTree) -> tuple[Verification, torch.Tensor | None, bool]:
+    def _verify(self, tree: DraftTree, masks: list) -> tuple[Verification, torch.Tensor | None, bool, list | None]:
         """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path
-        (the rule of each row). Returns the verification, the target's last hidden states at the kept
-        rows [B, 1 + A, D] if the drafter reads them (row j produced new token j), and whether
-        attention ran SPLIT."""
+        (the rule of each row, over the logits each row's processor made of its own: ``masks``, the
+        grammar's allowed tokens per block row). Returns the verification, the target's last hidden
+        states at the kept rows [B, 1 + A, D] if the drafter reads them (row j produced new token j),
+        whether attention ran SPLIT, and the kept tokens' logprobs where rows asked."""
         d, cache, pending = self.decoder, self.cache, self.pending
         want_hidden = d.reads_hidden
         B, N = tree.tokens.shape
@@ -382,7 +411,7 @@ class DecodeSession:
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         split = self._split(1 + N)
         res = forward_block(d.target, cache, block_ids, mask, depth, want_hidden, split, d.hidden_layers)
-        ver = self.judge(res.logits, tree)
+        ver, logprobs = judge_processed(self.judge, self.batch.live_processors(), res.logits, tree, masks)
         kept = ver.kept_rows()
         cache.commit(kept)
         hidden = None
@@ -390,7 +419,7 @@ class DecodeSession:
             width = max(len(k) for k in kept)
             idx = torch.tensor([k + [k[-1]] * (width - len(k)) for k in kept], device=res.hidden.device)
             hidden = res.hidden.gather(1, idx[:, :, None].expand(-1, -1, res.hidden.shape[-1]))
-        return ver, hidden, split
+        return ver, hidden, split, logprobs
 
     def _split(self, q: int) -> bool:
         """SPLIT attention this step? auto: when PAD's padded columns would be over split_waste of them.
@@ -403,10 +432,11 @@ class DecodeSession:
         padded = cache.batch_size * (cache.max_length + q)
         return 1 - sum(n + q for n in cache.lengths) / padded > config.split_waste
 
-    def _finish(self, commit: Commit, next_token: torch.Tensor, stats: StepStats) -> list[StepEvent]:
+    def _finish(self, commit: Commit, next_token: torch.Tensor, stats: StepStats,
+                logprobs: list | None = None) -> list[StepEvent]:
         """Record the step, let the drafter learn, drop finished rows; the step's events."""
         self._record(stats)
-        events, keep = self.batch.extend(self.rows, commit, stats)
+        events, keep = self.batch.extend(self.rows, commit, stats, logprobs)
         chooser = self.decoder.chooser
         if chooser is not None and not self._drafters_behind:  # also after the last step: a drafter's
             chooser.accept(commit)  # state ends in step
@@ -456,3 +486,59 @@ def _period_model(target):
     """The BMC period model for the target's attention shape (calibrated once per process)."""
     _, kv_heads, head_dim = attention_shape(target)
     return period.machine_model(kv_heads, head_dim, target.dtype)
+
+
+def constrain(tree: DraftTree, procs: list[RowProcessor | None]) -> tuple[DraftTree, list[torch.Tensor | None]]:
+    """The draft with the nodes each row's grammar forbids on their path cut (and their subtrees), so no
+    verify row is spent on them; a sampled draft's q masked the same way (the verifier renormalises it:
+    drafting from q and cutting what the grammar forbids is drafting from q restricted to what it
+    allows). Returns the tree and, per row, the grammar's allowed tokens after each block row
+    [1 + N, V] (None for a row without a grammar)."""
+    masks: list[torch.Tensor | None] = [None] * tree.batch_size
+    if not any(p is not None and p.grammar is not None for p in procs):
+        return tree, masks
+    parents, tokens = tree.real_nodes()
+    keep = []
+    for b, p in enumerate(procs):
+        ok, masks[b] = p.check_tree(parents[b], tokens[b]) if p is not None else ([True] * len(tokens[b]), None)
+        keep.append(ok)
+    if not all(all(k) for k in keep):
+        tree = tree.pruned(keep)
+        masks = [m if m is None else m[[0] + [1 + i for i, k in enumerate(ok) if k]] for m, ok in zip(masks, keep)]
+    if tree.probs is not None:
+        probs = tree.probs.clone()
+        for b, m in enumerate(masks):
+            n = int(tree.num_nodes[b])
+            if m is not None and n:
+                allowed = m.to(probs.device)[tree.parents[b, :n].to(probs.device) + 1]  # [n, V] at each parent
+                probs[b, :n] = probs[b, :n] * allowed
+        tree = DraftTree(tree.tokens, tree.parents, tree.num_nodes, probs)
+    return tree, masks
+
+
+def judge_processed(judge, procs: list[RowProcessor | None], logits: torch.Tensor, tree: DraftTree,
+                    masks: list) -> tuple[Verification, list | None]:
+    """``judge``'s verdict on the logits [B, 1 + N, V] as each row's processor makes them on each node's
+    path (``specdec.processing.rows``), and the logprobs of every kept token for the rows that ask."""
+    if any(p is not None and p.options.changes_scores for p in procs):
+        parents, tokens = tree.real_nodes()
+        scores = logits.to(torch.float32).clone()
+        for b, p in enumerate(procs):
+            if p is not None and p.options.changes_scores:
+                scores[b] = p.scores(logits[b].cpu(), parents[b], tokens[b], masks[b]).to(scores.device)
+        logits = scores
+    ver = judge(logits, tree)
+    if not any(p is not None and p.options.logprobs is not None for p in procs):
+        return ver, None
+    kept, out = ver.kept_rows(), []
+    path_tokens = make_commit(tree, ver, None)
+    for b, p in enumerate(procs):
+        if p is None or p.options.logprobs is None:
+            out.append(None)
+            continue
+        rows = logits[b, kept[b]].to(device="cpu", dtype=torch.float32)  # [K, V] the rows that chose them
+        sampling = judge.sampling_of(b)
+        dist = (target_probs(rows[None], sampling)[0].log() if sampling is not None
+                else torch.log_softmax(rows.to(torch.float64), dim=-1))
+        out.append(p.logprobs(dist, path_tokens.new_tokens(b)))
+    return ver, out

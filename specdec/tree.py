@@ -70,6 +70,28 @@ class DraftTree:
         probs = None if self.probs is None else self.probs.to(device)
         return DraftTree(self.tokens.to(device), self.parents.to(device), self.num_nodes.to(device), probs)
 
+    def pruned(self, keep: list[list[bool]]) -> "DraftTree":
+        """Only the real nodes marked in ``keep`` (per row, one flag per real node; a kept node's parent
+        must be kept), renumbered in their order, on the host. Example: parents [[-1, 0, -1]], tokens
+        [[5, 6, 7]], keep [[True, False, True]] -> parents [[-1, -1]], tokens [[5, 7]]."""
+        parents, tokens = self.real_nodes()
+        B = self.batch_size
+        kept = [[i for i, k in enumerate(row) if k] for row in keep]
+        N = max((len(k) for k in kept), default=0)
+        new_tokens = torch.zeros(B, N, dtype=torch.long)
+        new_parents = torch.full((B, N), -1, dtype=torch.long)
+        probs = None if self.probs is None else torch.zeros(B, N, self.probs.shape[-1], dtype=self.probs.dtype)
+        for b, nodes in enumerate(kept):
+            index = {old: new for new, old in enumerate(nodes)}
+            for new, old in enumerate(nodes):
+                p = parents[b][old]
+                assert p < 0 or p in index, f"row {b}: node {old} kept without its parent {p}"
+                new_tokens[b, new] = tokens[b][old]
+                new_parents[b, new] = index[p] if p >= 0 else -1
+            if probs is not None and nodes:
+                probs[b, : len(nodes)] = self.probs[b, nodes].cpu()
+        return DraftTree(new_tokens, new_parents, torch.tensor([len(k) for k in kept], dtype=torch.long), probs)
+
     @staticmethod
     def empty(batch_size: int, device: torch.device | str = "cpu") -> "DraftTree":
         """No draft: the step decodes one token, as plain autoregressive decoding does."""

@@ -69,6 +69,10 @@ class Prompt:
     # from its own distribution processed the same way and hands it over as DraftTree.probs.
     sampling: SamplingParams | None = None
     generator: torch.Generator | None = None  # the drafter's randomness when sampling (seeded)
+    # Each row's ``specdec.processing.RowProcessor`` (None for a row with none): live objects the
+    # decoder advances with every commit, so they hold each row's grammar state at its committed text.
+    # Read them (``forced``: the tokens a grammar forces next), never advance them.
+    processors: list | None = None
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,10 @@ class RowAcceptance:
     def greedy(self) -> bool:
         return all(r.sampling is None for r in self.rules)
 
+    def sampling_of(self, row: int) -> SamplingParams | None:
+        """Row ``row``'s sampling (None: greedy): how its logprobs are read."""
+        return self.rules[row].sampling
+
     def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
         """logits [B, 1 + N, V] at the pending row and every node."""
         # on the host: the noise streams are CPU generators, a verdict is read there anyway

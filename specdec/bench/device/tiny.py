@@ -44,3 +44,27 @@ def hf_greedy(model, ids: torch.Tensor, max_new_tokens: int, eos_token_id=None) 
     ids = ids.to(model.device)
     return model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_token_id,
                           pad_token_id=0, attention_mask=torch.ones_like(ids)).cpu()
+
+
+def tiny_tokenizer(merges: int = 43):
+    """A byte-level BPE tokenizer of 256 byte tokens, ``<eos>`` (id 256) and ``merges`` merges of common
+    JSON and English pairs (ids 257...): what a grammar needs to read tokens as bytes, built in-process.
+    Pair it with ``tiny_llama(vocab=len(tok))``; the model's EOS is ``tok.eos_token_id``."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab["<eos>"] = len(vocab)
+    pairs = [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("{", '"'), ('"', ":"), ('"', ","), ("Ġ", "a"), ("i", "n"),
+             ("e", "r"), ("o", "n"), ("r", "e"), ("a", "t"), ("e", "n"), ("Ġ", "s"), ("e", "s"), ("o", "r"),
+             ("a", "n"), ("Ġ", "w"), ("Ġ", "o"), ("i", "s"), ("Ġ", "c"), ("e", "d"), ("Ġ", "b"), ("a", "r"),
+             ("Ġ", "f"), ("Ġ", "p"), ("a", "l"), ("i", "t"), ("Ġ", "m"), ("l", "e"), ("o", "u"), ('"', "}"),
+             ("n", "a"), ("m", "e"), ("na", "me"), ("a", "g"), ("ag", "e"), ("1", "2"), ("Ġ", "1"), ("t", "r"),
+             ("tr", "u"), ("tru", "e"), ("u", "e")][:merges]
+    for a, b in pairs:
+        vocab[a + b] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=pairs))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<eos>")

@@ -1,0 +1,226 @@
+"""Constraints: the target's choices restricted to what a grammar allows, through llguidance.
+
+    c = Constraint.json_schema({"type": "object", "properties": {"a": {"type": "integer"}}})
+    grammar = c.compile(Vocabulary.of(tokenizer, vocab_size=49152, eos=[2]))   # checked here
+    state = grammar.start()              # one per sequence: follows its committed tokens
+    state.allowed()                      # [V] bool: tokens the grammar allows next
+    state.consume([17, 4])               # committed tokens (each must have been allowed)
+    state.forced()                       # tokens the grammar forces next (free drafts)
+
+The engine is llguidance (why, and what xgrammar measured: docs/decisions/020-constraints.md); no
+grammar is parsed here. A JSON schema, JSON object mode, a regular expression, a Lark grammar and a
+GBNF grammar are the five kinds. The grammar's state follows the *committed* tokens only: a draft
+tree is checked node by node by walking down each node's path and rolling back
+(``GrammarState.tree_masks``), so a rejected draft leaves no trace in it.
+
+Dimensions: V the target's vocabulary (the model's, which may exceed the tokenizer's), N draft nodes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
+# JSON object mode: any JSON object (OpenAI's response_format {"type": "json_object"})
+ANY_OBJECT = {"type": "object"}
+
+
+class ConstraintError(ValueError):
+    """A constraint that does not compile (its kind and llguidance's message say why)."""
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as e:  # a dependency of the package: only a broken install lacks it
+        raise ImportError("constraints need the llguidance package (pip install llguidance)") from e
+    return llguidance
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the output must match, before it meets a tokenizer. ``source``: the schema (a dict or
+    its JSON text) or the grammar's text; ``compact``: JSON without optional whitespace (one way to
+    write each value, so more of it is forced: free drafts), else JSON as the schema allows it."""
+
+    kind: str
+    source: object
+    compact: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ConstraintError(f"constraint kind {self.kind!r}: use one of {', '.join(KINDS)}")
+
+    @classmethod
+    def json_schema(cls, schema, compact: bool = True) -> "Constraint":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ConstraintError(f"the JSON schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ConstraintError(f"a JSON schema is a JSON object, got {type(schema).__name__}")
+        return cls("json_schema", schema, compact)
+
+    @classmethod
+    def json_object(cls, compact: bool = True) -> "Constraint":
+        return cls("json_object", ANY_OBJECT, compact)
+
+    @classmethod
+    def regex(cls, pattern: str) -> "Constraint":
+        return cls("regex", str(pattern))
+
+    @classmethod
+    def lark(cls, grammar: str) -> "Constraint":
+        return cls("lark", str(grammar))
+
+    @classmethod
+    def gbnf(cls, grammar: str) -> "Constraint":
+        return cls("gbnf", str(grammar))
+
+    def grammar_text(self) -> str:
+        """llguidance's grammar for this constraint (its own serialised form)."""
+        llg = _llguidance()
+        try:
+            if self.kind in ("json_schema", "json_object"):
+                defaults = {"whitespace_flexible": not self.compact}
+                return llg.LLMatcher.grammar_from_json_schema(self.source, defaults=defaults)
+            if self.kind == "regex":
+                return llg.LLMatcher.grammar_from_regex(self.source)
+            if self.kind == "lark":
+                return llg.LLMatcher.grammar_from_lark(self.source)
+            return llg.grammar_from("gbnf", self.source)
+        except Exception as e:  # llguidance raises ValueError / RuntimeError with its parser's message
+            raise ConstraintError(f"the {self.kind} constraint does not compile: {e}") from None
+
+    def compile(self, vocabulary: "Vocabulary") -> "Grammar":
+        """Checked against the tokenizer now: a grammar llguidance refuses is a ConstraintError here,
+        not a failure at the first token."""
+        llg = _llguidance()
+        text = self.grammar_text()
+        error = llg.LLMatcher.validate_grammar(text, vocabulary.tokenizer)
+        if error:
+            raise ConstraintError(f"the {self.kind} constraint does not compile: {error.strip()}")
+        return Grammar(text, vocabulary, self)
+
+
+class Vocabulary:
+    """A tokenizer as llguidance reads it (building it walks every token: ~0.4 s for 49k tokens; one
+    per tokenizer, then shared), with the model's vocabulary size and its end-of-sequence ids."""
+
+    def __init__(self, tokenizer, vocab_size: int, eos: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.eos = list(eos)
+
+    @classmethod
+    def of(cls, hf_tokenizer, vocab_size: int, eos: list[int] | set[int]) -> "Vocabulary":
+        """hf_tokenizer: a fast (``tokenizers``-backed) HF tokenizer; vocab_size: the model's (its
+        output layer's rows); eos: the ids that end a sequence (the grammar allows one when it is done)."""
+        llg = _llguidance()
+        eos = sorted(int(t) for t in eos)
+        if not eos:
+            raise ConstraintError("a constraint needs an end-of-sequence token to end on (the model names none)")
+        return cls(llg.hf.from_tokenizer(hf_tokenizer, n_vocab=vocab_size, eos_token=eos), vocab_size, eos)
+
+
+class Grammar:
+    """A compiled constraint for one vocabulary; ``start()`` gives a fresh state per sequence."""
+
+    def __init__(self, text: str, vocabulary: Vocabulary, constraint: Constraint) -> None:
+        self.text = text
+        self.vocabulary = vocabulary
+        self.constraint = constraint
+
+    def start(self) -> "GrammarState":
+        llg = _llguidance()
+        return GrammarState(llg.LLMatcher(self.vocabulary.tokenizer, self.text), self.vocabulary.vocab_size)
+
+
+def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """llguidance's bitmask [R, ceil(V / 32)] int32 (bit j of word w = token 32 w + j) -> [R, V] bool.
+    Example: one word 0b101, V 3 -> [[True, False, True]]."""
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab_size].bool()
+
+
+class GrammarState:
+    """One sequence's place in its grammar (an llguidance matcher), at its committed tokens."""
+
+    def __init__(self, matcher, vocab_size: int) -> None:
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+        self._bits = _llguidance().torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+
+    @property
+    def done(self) -> bool:
+        """The grammar has ended (an end-of-sequence token was committed)."""
+        return bool(self.matcher.is_stopped())
+
+    def allowed(self) -> torch.Tensor:
+        """[V] bool: the tokens the grammar allows after the tokens consumed so far (once it has ended,
+        whether on an EOS or because nothing can follow its last token: only the EOS tokens)."""
+        _llguidance().torch.fill_next_token_bitmask(self.matcher, self._bits, 0)
+        return unpack_bitmask(self._bits, self.vocab_size)[0]
+
+    def consume(self, tokens: list[int]) -> None:
+        """Committed tokens, each allowed where it was chosen (the verifier masked the target there)."""
+        for t in tokens:
+            if self.matcher.is_stopped():
+                return  # the sequence ends at its end-of-sequence token; nothing follows it
+            if not self.matcher.consume_token(int(t)):
+                raise RuntimeError(f"token {t} was committed where the grammar forbids it: "
+                                   f"{self.matcher.get_error()}")
+
+    def forced(self, limit: int) -> list[int]:
+        """Up to ``limit`` tokens the grammar forces next (its only way to go on, in the tokenizer's
+        canonical tokens), without moving the state."""
+        if self.matcher.is_stopped() or limit <= 0:
+            return []
+        return list(self.matcher.compute_ff_tokens())[:limit]
+
+    def tree_masks(self, parents: list[int], tokens: list[int]) -> tuple[torch.Tensor, list[bool]]:
+        """The allowed tokens after each block row of a draft tree, and which nodes the grammar allows.
+
+        parents, tokens: one row's real nodes (parents precede children). Returns masks [1 + N, V] bool
+        (row 0: after the committed tokens; row 1 + i: after node i's path, all False for a node cut)
+        and ok [N] (node i and all its ancestors allowed). The state ends where it began.
+        Example: grammar "ab|ac", nothing committed, nodes a, b, x with parents -1, 0, 0 -> ok
+        [True, True, False]; row 1 allows b and c."""
+        masks = torch.zeros(1 + len(tokens), self.vocab_size, dtype=torch.bool)
+        masks[0] = self.allowed()
+        ok: list[bool] = []
+        paths: list[list[int]] = []  # each node's path, root first
+        held: list[int] = []  # the nodes the matcher has consumed beyond the committed tokens
+        ended: list[bool] = []  # node i is an end-of-sequence token after the grammar ended: nothing follows
+        for i, (p, t) in enumerate(zip(parents, tokens)):
+            paths.append((paths[p] if p >= 0 else []) + [i])
+            ok.append((p < 0 or (ok[p] and not ended[p])) and bool(masks[p + 1, t]))
+            ended.append(False)
+            if not ok[i]:
+                continue
+            above = paths[i][:-1]
+            common = 0
+            while common < min(len(held), len(above)) and held[common] == above[common]:
+                common += 1
+            if len(held) > common:  # back to the deepest ancestor both paths share
+                self.matcher.rollback(len(held) - common)
+                del held[common:]
+            for j in above[common:]:  # ... then down to node i's parent (each allowed and consumed before)
+                self.matcher.consume_token(int(tokens[j]))
+                held.append(j)
+            if self.matcher.is_stopped():  # the grammar ended at the parent: t is an EOS (the mask said so)
+                ended[i] = True
+                masks[1 + i] = masks[p + 1]  # never read: the sequence ends at node i
+                continue
+            self.matcher.consume_token(int(t))
+            held.append(i)
+            masks[1 + i] = self.allowed()
+        if held:
+            self.matcher.rollback(len(held))
+        return masks, ok
