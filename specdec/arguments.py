@@ -137,3 +137,45 @@ def sampling_arguments(args) -> dict:
     SamplingParams(args.temperature, args.top_k or 0, 1.0 if args.top_p is None else args.top_p)  # validates
     return {"do_sample": True, "temperature": args.temperature, "top_k": args.top_k, "top_p": args.top_p,
             "seed": args.seed}
+
+
+def add_constraint_arguments(p) -> None:
+    """``--json-schema FILE / --json / --regex / --grammar FILE`` and the penalties, for the commands that
+    generate (chat, generate): exact under speculation (specdec.processing)."""
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--json-schema", metavar="FILE", default=None, help="answers are JSON valid against this schema")
+    g.add_argument("--json", action="store_true", help="answers are a JSON object")
+    g.add_argument("--regex", default=None, help="answers match this regular expression")
+    g.add_argument("--grammar", metavar="FILE", default=None,
+                   help="answers follow this grammar: GBNF (llama.cpp's), or Lark in a .lark file")
+    p.add_argument("--repetition-penalty", type=float, default=None, help="HF's repetition penalty (> 0; 1 = off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2] (0 = off)")
+
+
+def constraint_arguments(args, tokenizer) -> dict:
+    """The decoder's generate() arguments from ``add_constraint_arguments``' flags; a file that cannot be
+    read or a constraint that does not compile is a ValueError naming the flag."""
+    from specdec.processing import Constraint
+
+    def read(flag: str, path: str) -> str:
+        try:
+            return open(path, encoding="utf-8").read()
+        except OSError as e:
+            raise ValueError(f"{flag} {path}: {e.strerror}") from None
+
+    constraint = None
+    if args.json_schema is not None:
+        constraint = Constraint.json_schema(read("--json-schema", args.json_schema))
+    elif args.json:
+        constraint = Constraint.json_object()
+    elif args.regex is not None:
+        constraint = Constraint.regex(args.regex)
+    elif args.grammar is not None:
+        text = read("--grammar", args.grammar)
+        constraint = Constraint.lark(text) if args.grammar.endswith(".lark") else Constraint.gbnf(text)
+    out = {"repetition_penalty": args.repetition_penalty, "frequency_penalty": args.frequency_penalty,
+           "presence_penalty": args.presence_penalty}
+    if constraint is not None:
+        out |= {"constraint": constraint, "tokenizer": tokenizer}
+    return out

@@ -163,8 +163,7 @@ BAD = [  # (body or raw bytes, status, words the message must hold)
     ({"model": "tiny", "messages": [{"role": "user", "content": ""}]}, 400, "empty prompt"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "z" * (2 * WINDOW)}]}, 400, "context window"),
     ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "stream": "yes"}, 400, "boolean"),
-    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 3}, 400,
-     "not supported"),
+    ({"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True}, 400, "not supported"),
     ([1, 2], 400, "JSON object"),
     (b"[" * 100_000 + b"]" * 100_000, 400, "nested too deeply"),
     (b'{"model": "tiny", "messages": [{"role": "user", "content": "caf\xe9"}]}', 400, "not UTF-8"),  # Latin-1

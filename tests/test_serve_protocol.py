@@ -87,15 +87,30 @@ def test_a_stop_string_across_chunks_is_cut_and_never_sent():
     assert s.feed([], final=True) == "" and not s.stopped
 
 
-@pytest.mark.parametrize("name, value", [("response_format", {"type": "json_object"}), ("frequency_penalty", 0.5),
-                                         ("presence_penalty", -1.0), ("logit_bias", {"5": 10}),
-                                         ("repetition_penalty", 1.2)])
-def test_options_that_would_change_the_answer_are_refused_by_name_not_ignored(name, value):
-    from specdec.serve.protocol import ApiError, parse_request
+@pytest.mark.parametrize("name, value, field, want", [
+    ("frequency_penalty", 0.5, "frequency_penalty", 0.5), ("presence_penalty", -1.0, "presence_penalty", -1.0),
+    ("logit_bias", {"5": 10}, "logit_bias", ((5, 10.0),)), ("repetition_penalty", 1.2, "repetition_penalty", 1.2),
+    ("logprobs", True, "logprobs", 0)])
+def test_options_that_change_the_answer_are_read_into_the_generation(name, value, field, want):
+    from specdec.serve.protocol import parse_request
 
-    body = {"messages": [{"role": "user", "content": "hi"}], name: value}
-    with pytest.raises(ApiError, match=name):
-        parse_request(body, chat=True, models=("default",))
+    g = parse_request({"messages": [{"role": "user", "content": "hi"}], name: value}, chat=True, models=("default",))
+    assert getattr(g.options, field) == want
+
+
+def test_response_format_regex_and_grammar_become_constraints():
+    from specdec.serve.protocol import parse_request
+
+    chat = {"messages": [{"role": "user", "content": "hi"}]}
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    g = parse_request(chat | {"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+                      chat=True, models=("default",))
+    assert g.options.constraint.kind == "json_schema" and g.options.constraint.source == schema
+    assert parse_request(chat | {"response_format": {"type": "json_object"}}, chat=True,
+                         models=("default",)).options.constraint.kind == "json_object"
+    assert parse_request(chat | {"regex": "a+"}, chat=True, models=("default",)).options.constraint.kind == "regex"
+    assert parse_request(chat | {"grammar": 'root ::= "a"'}, chat=True, models=("default",)).options.constraint.kind == "gbnf"
+    assert parse_request({"prompt": "x", "logprobs": 3}, chat=False, models=("default",)).options.logprobs == 3
 
 
 @pytest.mark.parametrize("name, value", [("response_format", {"type": "text"}), ("frequency_penalty", 0),

@@ -21,6 +21,7 @@ import hashlib
 import hmac
 import json
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ from starlette.responses import FileResponse, JSONResponse, Response, StreamingR
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from specdec.processing import ConstraintError, Processing, Vocabulary
 from specdec.prompting import chat_ids, context_window, eos_ids, has_chat_template
 from specdec.runtime.memory import malloc_trim
 from specdec.serve import protocol
@@ -105,7 +107,11 @@ class Service:
         # longer prompts cannot fit the window: refused before they are tokenized
         self.max_prompt_chars = self.window * per_token * CHARS_MARGIN if self.window and per_token else None
         on_finished = cache.remember if cache is not None and cache.active else None
-        self.engine = Engine(decoder, set(eos_ids(decoder.target, tokenizer)), config.engine, on_finished)
+        self.eos = set(eos_ids(decoder.target, tokenizer))
+        self.engine = Engine(decoder, self.eos, config.engine, on_finished)
+        self.vocab_size = decoder.vocab_size
+        self._vocabulary: Vocabulary | None = None  # the tokenizer as the grammar engine reads it (built on first use)
+        self._vocabulary_lock = threading.Lock()
         self.models = (config.model_name,)
         self.registry = CollectorRegistry()
         self.http = Counter("specdec_http_requests", "HTTP requests by endpoint and status",
@@ -146,6 +152,44 @@ class Service:
                            "context_length_exceeded")
         return ids
 
+    def vocabulary(self) -> Vocabulary:
+        """Built once, on the first request that needs it (~0.4 s for 49k tokens), on a worker thread."""
+        with self._vocabulary_lock:
+            if self._vocabulary is None:
+                self._vocabulary = Vocabulary.of(self.tokenizer, self.vocab_size, self.eos)
+            return self._vocabulary
+
+    def processing(self, g: Generation) -> Processing | None:
+        """The request's penalties, biases, compiled constraint and logprobs (None: none); ApiError 400 names
+        an option that cannot be honoured. Compiling takes a while: the routes call this on a worker thread."""
+        o = g.options
+        grammar = None
+        if o.constraint is not None:
+            param = "response_format" if o.constraint.kind.startswith("json") else (
+                "regex" if o.constraint.kind == "regex" else "grammar")
+            try:
+                grammar = o.constraint.compile(self.vocabulary())
+            except ConstraintError as e:
+                raise ApiError(400, str(e), param) from None
+        opts = Processing(o.repetition_penalty, o.frequency_penalty, o.presence_penalty, dict(o.logit_bias),
+                          grammar, o.logprobs)
+        try:
+            opts.check_vocab(self.vocab_size)
+        except ValueError as e:
+            raise ApiError(400, str(e), "logit_bias") from None
+        return opts if opts.changes_scores or opts.logprobs is not None else None
+
+    def logprob_entries(self, logprobs: list) -> list[tuple[str, list[int], float, list]]:
+        """``TokenLogprob``s as OpenAI reports them: each token's text and bytes (a byte-level token may hold
+        part of a character: its bytes say which), its logprob and its alternatives'."""
+        tok = self.vocabulary().tokenizer
+
+        def piece(t: int) -> tuple[str, list[int]]:
+            raw = bytes(tok.decode_bytes([t]))
+            return raw.decode("utf-8", errors="replace"), list(raw)
+
+        return [(*piece(x.token), _finite(x.logprob), [(*piece(t), _finite(lp)) for t, lp in x.top]) for x in logprobs]
+
     def max_new(self, g: Generation, prompt_tokens: int) -> int:
         room = self.window - prompt_tokens if self.window is not None else None
         if g.max_tokens is None:
@@ -156,7 +200,8 @@ class Service:
                            "context_length_exceeded")
         return g.max_tokens
 
-    def submit(self, g: Generation, ids: list[int], max_new: int) -> tuple[int, asyncio.Queue]:
+    def submit(self, g: Generation, ids: list[int], max_new: int,
+               processing: Processing | None = None) -> tuple[int, asyncio.Queue]:
         """Queue the generation; its handle and the queue its updates arrive on (Busy: 429 / 503)."""
         loop, updates = asyncio.get_running_loop(), asyncio.Queue()
 
@@ -165,12 +210,17 @@ class Service:
                 loop.call_soon_threadsafe(updates.put_nowait, u)
 
         try:
-            handle = self.engine.submit(Request(ids, max_new, g.sampling, g.seed, emit))
+            handle = self.engine.submit(Request(ids, max_new, g.sampling, g.seed, emit, processing))
         except Busy as e:
             raise ApiError(503 if e.shutting_down else 429, str(e), None, "server_busy",
                            "server_error" if e.shutting_down else "rate_limit_error",
                            {"Retry-After": str(e.retry_after)}) from None
         return handle, updates
+
+
+def _finite(x: float) -> float:
+    """A logprob JSON can carry: -inf (a token the processing ruled out) as OpenAI's floor, -9999.0."""
+    return max(float(x), -9999.0)
 
 
 def chars_per_token(tokenizer) -> int | None:
@@ -324,9 +374,10 @@ async def _disconnected(request: HttpRequest) -> None:
 
 
 async def _whole(service: Service, request: HttpRequest, g: Generation, ids: list[int], max_new: int,
-                 progress: _Progress, deadline: _Deadline) -> Response:
-    handle, updates = service.submit(g, ids, max_new)
+                 progress: _Progress, deadline: _Deadline, processing: Processing | None) -> Response:
+    handle, updates = service.submit(g, ids, max_new, processing)
     text = TextStream(service.decode, g.stop)
+    logprobs = []
     gone = asyncio.ensure_future(_disconnected(request))
     finish = None
     try:
@@ -340,6 +391,8 @@ async def _whole(service: Service, request: HttpRequest, g: Generation, ids: lis
                 raise deadline.error()
             u = get.result()
             progress.add(u)
+            if not text.stopped:
+                logprobs += u.logprobs or []
             text.feed(u.tokens, final=u.finish is not None)
             finish = "stop" if text.stopped else u.finish
         if finish == "error":
@@ -349,13 +402,18 @@ async def _whole(service: Service, request: HttpRequest, g: Generation, ids: lis
         if finish is None or text.stopped:
             service.engine.cancel(handle)
     use = progress.usage(len(ids))
-    return JSONResponse(protocol.completion(g, protocol.new_id(g.chat), service.models[0], text.text, finish, use))
+    entries = None
+    if g.options.logprobs is not None:  # the tokens the answer's text holds (a stop string cuts the rest)
+        entries = await run_in_threadpool(service.logprob_entries, logprobs[: text.tokens_within()])
+    return JSONResponse(protocol.completion(g, protocol.new_id(g.chat), service.models[0], text.text, finish, use,
+                                            entries))
 
 
 async def _stream(service: Service, g: Generation, ids: list[int], handle: int, updates: asyncio.Queue,
                   progress: _Progress, deadline: _Deadline):
     rid, model = protocol.new_id(g.chat), service.models[0]
     text = TextStream(service.decode, g.stop)
+    logprobs, sent_logprobs, offset = [], 0, 0  # every token's so far; how many went out; their text's length
     marks = Provenance(service.decode)  # who wrote each piece: the chunks' "specdec" extension
     finish = None
     try:
@@ -368,6 +426,8 @@ async def _stream(service: Service, g: Generation, ids: list[int], handle: int, 
                 yield _sse(deadline.error().body())
                 break
             progress.add(u)
+            if not text.stopped:
+                logprobs += u.logprobs or []
             delta = text.feed(u.tokens, final=u.finish is not None)
             marks.add(u.tokens, u.from_draft, u.source, u.drafted)
             finish = "stop" if text.stopped else u.finish
@@ -375,7 +435,14 @@ async def _stream(service: Service, g: Generation, ids: list[int], handle: int, 
                 yield _sse(ApiError(500, f"generation failed: {u.error}", type_="server_error").body())
                 break
             if delta or finish is not None:
-                c = protocol.chunk(g, rid, model, delta, finish if finish != "cancelled" else "stop")
+                entries = None
+                if g.options.logprobs is not None:  # the tokens whose text has gone out, with this delta
+                    upto = text.tokens_within()
+                    entries = service.logprob_entries(logprobs[sent_logprobs:upto])
+                    sent_logprobs = upto
+                c = protocol.chunk(g, rid, model, delta, finish if finish != "cancelled" else "stop",
+                                   logprobs=entries, offset=offset)
+                offset += sum(len(e[0]) for e in entries or [])
                 if delta:  # an extension field: OpenAI's clients keep it as an extra and otherwise ignore it
                     c["specdec"] = {"pieces": marks.pieces(text.sent - len(delta), delta)}
                 yield _sse(c)
@@ -397,15 +464,16 @@ def _endpoint(chat: bool):
             body = await _body(request, service.config.max_body_bytes, deadline)
             g = protocol.parse_request(body, chat, service.models)
             ids = await run_in_threadpool(service.encode, g)
+            processing = await run_in_threadpool(service.processing, g)
             max_new = service.max_new(g, len(ids))
             if deadline.left() == 0:
                 raise deadline.error()
             if g.stream:
-                handle_, updates = service.submit(g, ids, max_new)
+                handle_, updates = service.submit(g, ids, max_new, processing)
                 response = StreamingResponse(_stream(service, g, ids, handle_, updates, progress, deadline),
                                              media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
             else:
-                response = await _whole(service, request, g, ids, max_new, progress, deadline)
+                response = await _whole(service, request, g, ids, max_new, progress, deadline, processing)
         except ApiError as e:
             response = _error(e)
         service.http.labels(name, str(response.status_code)).inc()

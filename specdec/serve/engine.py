@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from specdec.drafters.chooser import Sources
+from specdec.processing import Processing
 from specdec.sampling import SamplingParams
 from specdec.serve.acceptance import RowAcceptance, RowRule
 from specdec.session import DecodeSession, StepEvent
@@ -64,6 +65,7 @@ class Update:
     error: str | None = None
     drafted: int = 0  # draft tokens verified for this request in the step (>= from_draft)
     source: str | None = None  # the drafter whose draft the step verified for it (None: nothing drafted)
+    logprobs: list | None = None  # one ``TokenLogprob`` per token, when the request asked for them
 
 
 @dataclass
@@ -73,6 +75,8 @@ class Request:
     sampling: SamplingParams | None  # None: greedy
     seed: int | None  # sampled rows: the noise stream's seed (None: a random one)
     emit: Callable[[Update], None]  # called on the engine thread
+    # penalties, biases, a compiled constraint and logprobs (``specdec.processing``); None: none
+    processing: Processing | None = None
     answer: list[int] = field(default_factory=list)  # what was emitted so far
     handle: int = -1  # set by submit: unique for the engine's life (an id() could be reused)
     enqueued: float = field(default_factory=time.perf_counter)
@@ -242,7 +246,8 @@ class Engine:
         try:  # (popped from the queue: an error here must still reach them)
             prompts = [torch.tensor(r.prompt, dtype=torch.long) for r in requests]
             judge = RowAcceptance([RowRule.make(r.sampling, r.seed) for r in requests])
-            ids, events = self.session.add(prompts, [r.max_new for r in requests], judge)
+            ids, events = self.session.add(prompts, [r.max_new for r in requests], judge,
+                                           [r.processing for r in requests])
         except Exception as e:  # their prefill failed: they end with the error, and so does the batch
             for r in requests:
                 r.emit(Update([], "error", error=f"{type(e).__name__}: {e}"))
@@ -264,7 +269,8 @@ class Engine:
             req = self._live[e.sequence]
             req.answer.extend(e.tokens)
             drafted = e.stats.num_drafted[e.stats.sequences.index(e.sequence)]  # the step's entry of this row
-            update = Update(e.tokens, finish, e.from_draft, drafted=drafted, source=source if drafted else None)
+            update = Update(e.tokens, finish, e.from_draft, drafted=drafted, source=source if drafted else None,
+                            logprobs=e.logprobs)
             if finish is None:
                 req.emit(update)
             else:

@@ -15,15 +15,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from specdec.processing.grammar import Constraint, ConstraintError
+from specdec.processing.rows import MAX_TOP_LOGPROBS
 from specdec.sampling import SamplingParams
 
 MAX_STOP = 4  # stop strings per request, as OpenAI allows
 ROLES = ("system", "user", "assistant", "tool", "developer")
-UNSUPPORTED = ("logprobs", "top_logprobs", "echo", "best_of", "tools", "suffix")
-# options that change the answer when set to anything but their neutral value (issue 61 builds them):
-# refused by name until they are honoured exactly under speculation, never ignored
-NEUTRAL = {"response_format": ({"type": "text"},), "frequency_penalty": (0, 0.0), "presence_penalty": (0, 0.0),
-           "logit_bias": ({},), "repetition_penalty": (1, 1.0)}
+UNSUPPORTED = ("echo", "best_of", "tools", "suffix", "tool_choice", "functions", "function_call",
+               "min_p", "typical_p", "n_probs")  # refused by name when set, never ignored
+MAX_COMPLETION_LOGPROBS = 5  # /v1/completions' logprobs, as OpenAI allows
 SEEDS = (-(2**63), 2**64 - 1)  # what a torch.Generator takes (a larger seed would fail the batch it joins)
 
 
@@ -51,6 +51,23 @@ class Generation:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk with the usage
+    options: "Options" = None  # penalties, biases, a constraint, logprobs (``Options()``: none)
+
+    def __post_init__(self) -> None:
+        if self.options is None:
+            object.__setattr__(self, "options", Options())
+
+
+@dataclass(frozen=True)
+class Options:
+    """What a request asks of the target's scores and reports, checked (compiled by the service)."""
+
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # an extension (vLLM and llama.cpp take it): HF's rule
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    constraint: Constraint | None = None  # response_format json_object / json_schema, or regex / grammar
+    logprobs: int | None = None  # None: no logprobs; k: each token's and its k most likely alternatives
 
 
 def _no_constant(name: str):
@@ -159,11 +176,6 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
         v = body.get(name)
         if v and not (name == "best_of" and v == 1):
             raise ApiError(400, f"'{name}' is not supported by this server", name)
-    for name, neutral in NEUTRAL.items():
-        v = body.get(name)
-        if v is not None and not any(v == x and type(v) is type(x) for x in neutral):
-            raise ApiError(400, f"'{name}' is not supported by this server yet (only {neutral[0]!r} or unset); "
-                                "it is refused rather than ignored", name)
     n = _integer(body, "n", 1, 1)
     if n != 1:
         raise ApiError(400, f"'n' must be 1 (one choice per request), got {n}", "n")
@@ -204,7 +216,77 @@ def parse_request(body, chat: bool, models: tuple[str, ...]) -> Generation:
     include_usage = _flag(options, "include_usage")
     sampling = None if temperature == 0 else SamplingParams(float(temperature), int(top_k), float(top_p))
     return Generation(chat, messages, prompt, max_tokens, sampling, seed, _stop(body), _flag(body, "stream"),
-                      include_usage)
+                      include_usage, _options(body, chat))
+
+
+def _options(body: dict, chat: bool) -> Options:
+    bias = body.get("logit_bias")
+    pairs = []
+    if bias is not None:
+        if not isinstance(bias, dict):
+            raise ApiError(400, "'logit_bias' must be an object mapping token ids to numbers", "logit_bias")
+        for k, v in bias.items():
+            if not (isinstance(k, str) and k.isdigit()):
+                raise ApiError(400, f"'logit_bias' keys are token ids (digits), got {k!r}", "logit_bias")
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+                raise ApiError(400, f"'logit_bias' values are numbers in [-100, 100], got {v!r} for {k}", "logit_bias")
+            pairs.append((int(k), float(v)))
+    repetition = _number(body, "repetition_penalty", 0.0, 10.0, 1.0)
+    if repetition == 0:
+        raise ApiError(400, "'repetition_penalty' must be > 0", "repetition_penalty")
+    return Options(float(_number(body, "frequency_penalty", -2.0, 2.0, 0.0)),
+                   float(_number(body, "presence_penalty", -2.0, 2.0, 0.0)), float(repetition), tuple(pairs),
+                   _constraint(body), _logprobs(body, chat))
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """Chat: ``logprobs`` true, ``top_logprobs`` 0-20 alternatives; completions: ``logprobs`` 0-5."""
+    if chat:
+        top = _integer(body, "top_logprobs", 0, None)
+        if top is not None and top > MAX_TOP_LOGPROBS:
+            raise ApiError(400, f"'top_logprobs' must be at most {MAX_TOP_LOGPROBS}, got {top}", "top_logprobs")
+        if not _flag(body, "logprobs"):
+            if top is not None:
+                raise ApiError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            return None
+        return top or 0
+    k = body.get("logprobs")
+    if k is None or k is False:
+        return None
+    if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_COMPLETION_LOGPROBS:
+        raise ApiError(400, f"'logprobs' must be an integer in [0, {MAX_COMPLETION_LOGPROBS}], got {k!r}", "logprobs")
+    return k
+
+
+def _constraint(body: dict) -> Constraint | None:
+    """``response_format`` (OpenAI's: text, json_object, json_schema), or the extensions ``regex`` and
+    ``grammar`` (GBNF, as llama.cpp's server takes it): at most one of them."""
+    found = []
+    fmt = body.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+            raise ApiError(400, "'response_format' must be an object with a 'type'", "response_format")
+        kind = fmt["type"]
+        if kind == "json_object":
+            found.append(("response_format", Constraint.json_object()))
+        elif kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise ApiError(400, "'response_format' json_schema needs 'json_schema': {'name': ..., 'schema': {...}}",
+                               "response_format")
+            found.append(("response_format", Constraint.json_schema(spec["schema"])))
+        elif kind != "text":
+            raise ApiError(400, f"'response_format' type {kind!r} is not supported (text, json_object, json_schema)",
+                           "response_format")
+    for name, make in (("regex", Constraint.regex), ("grammar", Constraint.gbnf)):
+        v = body.get(name)
+        if v is not None:
+            if not isinstance(v, str) or not v:
+                raise ApiError(400, f"'{name}' must be a non-empty string", name)
+            found.append((name, make(v)))
+    if len(found) > 1:
+        raise ApiError(400, f"one constraint per request: got {', '.join(n for n, _ in found)}", found[1][0])
+    return found[0][1] if found else None
 
 
 # -- responses
@@ -224,27 +306,56 @@ def usage(prompt_tokens: int, completion_tokens: int, specdec: dict | None = Non
     return out
 
 
-def completion(g: Generation, rid: str, model: str, text: str, finish: str, use: dict) -> dict:
-    """The whole answer, non-streaming."""
+def logprobs_object(g: Generation, entries: list[tuple[str, list[int], float, list]] | None, offset: int = 0):
+    """OpenAI's logprobs of a choice from (token text, its bytes, logprob, [(text, bytes, logprob)] top):
+    chat's ``{"content": [...]}``, completions' parallel lists; None when not asked."""
+    if entries is None:
+        return None
     if g.chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+        return {"content": [{"token": t, "bytes": b, "logprob": lp,
+                             "top_logprobs": [{"token": tt, "bytes": tb, "logprob": tl} for tt, tb, tl in top]}
+                            for t, b, lp, top in entries], "refusal": None}
+    offsets, at = [], offset
+    for t, _, _, _ in entries:
+        offsets.append(at)
+        at += len(t)
+    return {"tokens": [t for t, _, _, _ in entries], "token_logprobs": [lp for _, _, lp, _ in entries],
+            "top_logprobs": [_by_text(top) for _, _, _, top in entries], "text_offset": offsets}
+
+
+def _by_text(top: list) -> dict:
+    """Completions' top logprobs keyed by token text: of two tokens with one text (the bytes of one
+    character each decode to U+FFFD), the more likely one's, which comes first."""
+    out = {}
+    for text, _, lp in top:
+        out.setdefault(text, lp)
+    return out
+
+
+def completion(g: Generation, rid: str, model: str, text: str, finish: str, use: dict, logprobs=None) -> dict:
+    """The whole answer, non-streaming; ``logprobs``: ``logprobs_object``'s entries."""
+    lp = logprobs_object(g, logprobs)
+    if g.chat:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": lp,
                   "finish_reason": finish}
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        choice = {"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}
     return {"id": rid, "object": "chat.completion" if g.chat else "text_completion", "created": int(time.time()),
             "model": model, "choices": [choice], "usage": use}
 
 
 def chunk(g: Generation, rid: str, model: str, text: str | None, finish: str | None = None,
-          use: dict | None = None, first: bool = False) -> dict:
-    """One streamed chunk: a text delta (``text`` None: the usage chunk, no choices)."""
+          use: dict | None = None, first: bool = False, logprobs=None, offset: int = 0) -> dict:
+    """One streamed chunk: a text delta (``text`` None: the usage chunk, no choices), with the logprobs
+    of the tokens it completes (``logprobs_object``'s entries) when asked."""
+    lp = logprobs_object(g, logprobs, offset)
     if text is None:
         choices = []
     elif g.chat:
         delta = {"role": "assistant", "content": text} if first else ({"content": text} if text else {})
-        choices = [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}]
     else:
-        choices = [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish}]
+        choices = [{"index": 0, "text": text, "logprobs": lp, "finish_reason": finish}]
     out = {"id": rid, "object": "chat.completion.chunk" if g.chat else "text_completion",
            "created": int(time.time()), "model": model, "choices": choices}
     if use is not None:
@@ -287,3 +398,11 @@ class TextStream:
         self.sent += len(new)
         self.text += new
         return new
+
+    def tokens_within(self) -> int:
+        """How many of the tokens so far the released text holds whole: the fewest whose text covers it
+        (all of them until a stop string or a held-back tail cuts some off)."""
+        n = len(self.tokens)
+        while n > 0 and len(self.decode(self.tokens[: n - 1])) >= len(self.text):
+            n -= 1
+        return n

@@ -1,0 +1,166 @@
+"""`specdec serve`'s response_format, regex and grammar constraints, logprobs, penalties and logit_bias,
+through the official openai client and raw HTTP: each answer the library's own (plain decoding's) for
+the same options, every constrained answer valid, every unsupported or bad option a 400 naming it."""
+
+import json
+
+import httpx
+import pytest
+import torch
+
+from specdec.drafters.chooser import Sources
+from specdec.drafters.grammar import GrammarDrafter
+from specdec.processing import Constraint
+from specdec.prompting import chat_ids
+from specdec.serve.app import ServeConfig
+from specdec.serve.engine import EngineConfig
+
+from serve_helpers import LiveServer, self_drafter, tiny_decoder
+
+openai = pytest.importorskip("openai")
+EOS = 256  # the tiny tokenizer's <|im_end|>
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8}, "n": {"type": "integer"},
+                                           "ok": {"type": "boolean"}},
+          "required": ["word", "n", "ok"], "additionalProperties": False}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+@pytest.fixture(scope="module")
+def server(one_thread):
+    """The grammar's forced tokens and the target drafting for itself, at every step."""
+    drafter = Sources({"grammar": GrammarDrafter(), "self": self_drafter()})
+    live = LiveServer(tiny_decoder(drafter, cost_aware=False),
+                      ServeConfig(model_name="tiny", default_max_tokens=40, engine=EngineConfig(max_batch=4)))
+    yield live
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def chat(text: str) -> list[dict]:
+    return [{"role": "user", "content": text}]
+
+
+def plain(server, messages, max_new=40, **kw):
+    """What plain decoding (no drafter) gives the same prompt and options in the library."""
+    ids = chat_ids(server.tokenizer, messages)[0]
+    out = tiny_decoder(None).generate(ids, max_new_tokens=max_new, eos_token_id=EOS, tokenizer=server.tokenizer, **kw)
+    return out
+
+
+def text_of(server, out) -> str:
+    return server.tokenizer.decode(out.generated(0), skip_special_tokens=True)
+
+
+def valid(answer: dict) -> bool:
+    return (set(answer) == {"word", "n", "ok"} and isinstance(answer["word"], str) and len(answer["word"]) <= 8
+            and isinstance(answer["n"], int) and isinstance(answer["ok"], bool))
+
+
+def test_json_schema_answers_validate_and_are_plain_decodings(server, client):
+    for q in ("name a word", "abc abc", "count to three"):
+        r = client.chat.completions.create(
+            model="tiny", messages=chat(q), temperature=0, max_tokens=40,
+            response_format={"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA, "strict": True}})
+        content = r.choices[0].message.content
+        assert content == text_of(server, plain(server, chat(q), constraint=Constraint.json_schema(SCHEMA)))
+        if r.choices[0].finish_reason == "stop":
+            assert valid(json.loads(content)), content
+
+
+def test_json_object_regex_and_gbnf_through_raw_http(server):
+    cases = [({"response_format": {"type": "json_object"}}, Constraint.json_object()),
+             ({"regex": "(yes|no), [a-z]{2,5}\\."}, Constraint.regex("(yes|no), [a-z]{2,5}\\.")),
+             ({"grammar": 'root ::= "x" [0-9]+ "y"'}, Constraint.gbnf('root ::= "x" [0-9]+ "y"'))]
+    for extra, constraint in cases:
+        body = {"model": "tiny", "messages": chat("go"), "temperature": 0, "max_tokens": 30} | extra
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == text_of(
+            server, plain(server, chat("go"), max_new=30, constraint=constraint))
+
+
+def test_penalties_and_logit_bias_are_honoured_as_the_library_applies_them(server, client):
+    kw = dict(frequency_penalty=1.2, presence_penalty=0.5, logit_bias={"97": 5.0, "98": -100})
+    r = client.chat.completions.create(model="tiny", messages=chat("abab"), temperature=0, max_tokens=30, **kw,
+                                       extra_body={"repetition_penalty": 1.3})
+    want = plain(server, chat("abab"), max_new=30, frequency_penalty=1.2, presence_penalty=0.5,
+                 logit_bias={97: 5.0, 98: -100.0}, repetition_penalty=1.3)
+    assert r.choices[0].message.content == text_of(server, want)
+    assert "b" not in r.choices[0].message.content  # token 98 is b, biased out
+
+
+def test_chat_logprobs_are_plain_decodings_whole_and_streamed(server, client):
+    constraint = Constraint.json_schema(SCHEMA)
+    want = plain(server, chat("hi"), constraint=constraint, logprobs=3).logprobs[0]
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}
+    r = client.chat.completions.create(model="tiny", messages=chat("hi"), temperature=0, max_tokens=40,
+                                       response_format=rf, logprobs=True, top_logprobs=3)
+    got = r.choices[0].logprobs.content
+    # a byte-level token may hold part of a character: its bytes, joined, are the text
+    assert b"".join(bytes(x.bytes) for x in got).decode() == r.choices[0].message.content
+    for x, w in zip(got, want):
+        assert abs(x.logprob - w.logprob) < 1e-5
+        assert [bytes(t.bytes) for t in x.top_logprobs] == [bytes(server.service.vocabulary().tokenizer.decode_bytes([t]))
+                                                           for t, _ in w.top]
+    stream = client.chat.completions.create(model="tiny", messages=chat("hi"), temperature=0, max_tokens=40,
+                                            response_format=rf, logprobs=True, top_logprobs=3, stream=True)
+    streamed = [x for c in stream for ch in c.choices if ch.logprobs for x in ch.logprobs.content]
+    assert [(x.token, round(x.logprob, 6)) for x in streamed] == [(x.token, round(x.logprob, 6)) for x in got]
+
+
+def test_completions_logprobs_in_openai_shape(server):
+    body = {"model": "tiny", "prompt": "abc", "temperature": 0, "max_tokens": 8, "logprobs": 2}
+    r = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()
+    lp = r["choices"][0]["logprobs"]
+    assert len(lp["token_logprobs"]) == len(lp["tokens"]) == len(lp["top_logprobs"]) == len(lp["text_offset"]) >= 1
+    assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][0] == 0
+    # keyed by token text, as OpenAI's are (two byte tokens of one character share a text): 1 or 2 each
+    assert all(1 <= len(t) <= 2 and max(t.values()) >= v - 1e-9 for t, v in zip(lp["top_logprobs"], lp["token_logprobs"]))
+
+
+def test_a_stop_string_inside_accepted_drafts_cuts_the_constrained_answer(server, client):
+    base = client.chat.completions.create(model="tiny", messages=chat("stop"), temperature=0, max_tokens=40,
+                                          response_format={"type": "json_object"}).choices[0].message.content
+    stop = base[3:5]
+    r = client.chat.completions.create(model="tiny", messages=chat("stop"), temperature=0, max_tokens=40,
+                                       response_format={"type": "json_object"}, stop=[stop])
+    assert r.choices[0].message.content == base[: base.find(stop)] and r.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("extra, param", [
+    ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+     "response_format"),
+    ({"regex": "(ab"}, "regex"),
+    ({"grammar": "root ::= ("}, "grammar"),
+    ({"regex": "a+", "response_format": {"type": "json_object"}}, "regex"),
+    ({"logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias"),
+    ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"top_logprobs": 3}, "top_logprobs"),
+    ({"logprobs": True, "top_logprobs": 50}, "top_logprobs"),
+    ({"echo": True}, "echo"),
+    ({"min_p": 0.1}, "min_p"),
+])
+def test_bad_or_unsupported_options_are_a_400_naming_them(server, extra, param):
+    body = {"model": "tiny", "messages": chat("x"), "max_tokens": 4} | extra
+    r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.json()
+    ok = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("x"), "max_tokens": 2},
+                    timeout=60)
+    assert ok.status_code == 200  # and the server keeps serving
