@@ -3,14 +3,16 @@
     service = Service(decoder, tokenizer, ServeConfig(model_name="default"), cache)
     app = create_app(service)            # an ASGI app: uvicorn.run(app, host=..., port=...)
 
-Each request is checked for its API key (``ServeConfig.api_key``: every route but /health), read up
-to ``max_body_bytes``, parsed and checked (``protocol``), tokenized on a worker thread (a long prompt
-or chat template never holds up the event loop), and queued to the ``Engine``; the engine's updates
-cross to the event loop through an ``asyncio.Queue`` per request. Streaming answers are server-sent
+Each request is checked for its API key (``ServeConfig.api_key``: every route but /health and the chat
+page's files), read up to ``max_body_bytes``, parsed and checked (``protocol``), tokenized on a worker
+thread (a long prompt or chat template never holds up the event loop), and queued to the ``Engine``;
+the engine's updates cross to the event loop through an ``asyncio.Queue`` per request. Streaming answers are server-sent
 events in OpenAI's chunk format ending with ``data: [DONE]``. A client that goes away (a closed
 stream, or a dropped connection while waiting for a whole answer), or a request past its time limit
-(``request_timeout``), has its row cancelled; the batch frees it at the next step. Why Starlette and
-uvicorn: docs/decisions/016-server.md.
+(``request_timeout``), has its row cancelled; the batch frees it at the next step. ``/`` is a chat page
+(``static/``) over the same API, its chunks' ``specdec`` extension saying who wrote each piece
+(``provenance``), its live panel from ``/stats`` (``live``). Why Starlette and uvicorn, and the page:
+docs/decisions/016-server.md.
 """
 
 from __future__ import annotations

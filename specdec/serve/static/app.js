@@ -11,7 +11,7 @@
   const FIELDS = ["system", "temperature", "top_p", "max_tokens", "seed"];
   const PALETTE = 8; // drafter colours d0..d7 (style.css)
   const POLL_MS = 2000; // the live panel's refresh
-  const CHART_SECONDS = 600; // the charts' width: /stats keeps 10 minutes
+  const CHART_SECONDS = [60, 600]; // the charts' span: the history's, at least a minute, at most the 10 /stats keeps
 
   const state = {
     model: null,
@@ -292,23 +292,27 @@
     return el;
   }
 
-  // A line over the last CHART_SECONDS: points [{age, value}] (value null: a gap), y from 0 to top.
-  function drawChart(chart, points, top, className) {
+  // A line over the last ``span`` seconds: points [{age, value}] (value null: a gap), y from 0 to top.
+  function drawChart(chart, points, span, top, className) {
     chart.replaceChildren();
     const [w, h] = [Number(chart.viewBox.baseVal.width), Number(chart.viewBox.baseVal.height)];
     let run = [];
     const flush = () => {
       if (run.length === 1) run.push([run[0][0] + 1, run[0][1]]); // a lone point: a dash
-      if (run.length) chart.appendChild(svg("polyline", { points: run.map((p) => p.join(",")).join(" "), class: className || "" }));
+      const points = run.map(([x, y]) => `${x.toFixed(1)},${y.toFixed(1)}`).join(" ");
+      if (run.length) chart.appendChild(svg("polyline", { points, class: className || "" }));
       run = [];
     };
     for (const p of points) {
-      if (p.value === null || p.value === undefined || p.age > CHART_SECONDS) { flush(); continue; }
-      const x = (w * (1 - p.age / CHART_SECONDS)).toFixed(1);
-      const y = (h - 2 - (h - 4) * Math.min(1, p.value / (top || 1))).toFixed(1);
-      run.push([x, y]);
+      if (p.value === null || p.value === undefined || p.age > span) { flush(); continue; }
+      run.push([w * (1 - p.age / span), h - 2 - (h - 4) * Math.min(1, p.value / (top || 1))]);
     }
     flush();
+  }
+
+  function spanOf(history, every) {
+    const oldest = history.length ? history[0].age + every : 0;
+    return Math.min(CHART_SECONDS[1], Math.max(CHART_SECONDS[0], Math.ceil(oldest / 60) * 60));
   }
 
   function setMetric(name, text) {
@@ -323,8 +327,12 @@
     setMetric("tau", fmt(s.tau, 2));
     setMetric("generated_tokens", String(s.generated_tokens));
     setMetric("steps", String(s.steps));
+    const span = spanOf(s.history, s.sample_every);
+    const minutes = `last ${span / 60} min`;
+    $("rate-caption").textContent = `tokens/s, ${minutes}`;
+    $("chart-span").textContent = minutes;
     const rates = s.history.map((p) => ({ age: p.age, value: p.tokens_per_second }));
-    drawChart($("rate-chart"), rates, Math.max(1, ...rates.map((p) => p.value)));
+    drawChart($("rate-chart"), rates, span, Math.max(1, ...rates.map((p) => p.value)));
     const body = $("drafters").tBodies[0];
     for (const d of s.drafters) {
       let row = body.querySelector(`tr[data-drafter="${CSS.escape(d.name)}"]`);
@@ -350,7 +358,7 @@
       row.querySelector('[data-metric="accepted"]').textContent = String(d.accepted);
       row.querySelector('[data-metric="rate"]').textContent = d.rate === null ? "–" : `${Math.round(100 * d.rate)}%`;
       const points = s.history.map((p) => ({ age: p.age, value: p.acceptance[d.name] ?? null }));
-      drawChart(row.querySelector("svg"), points, 1, "drafter " + drafterClass(d.name));
+      drawChart(row.querySelector("svg"), points, span, 1, "drafter " + drafterClass(d.name));
     }
   }
 
