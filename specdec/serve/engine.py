@@ -96,10 +96,15 @@ class Counters:
     batch_size: int = 0
     recent: deque = field(default_factory=deque)  # (time, tokens) of the last RATE_WINDOW seconds
 
-    def tokens_per_second(self, now: float) -> float:
+    def prune(self, now: float) -> None:
+        """Drops what fell out of the window (the engine thread only: two threads popping could pop twice)."""
         while self.recent and self.recent[0][0] < now - RATE_WINDOW:
             self.recent.popleft()
-        return sum(n for _, n in self.recent) / RATE_WINDOW
+
+    def tokens_per_second(self, now: float) -> float:
+        """Any thread (/metrics, /stats): reads a copy (list() copies in one C call, under the GIL;
+        iterating the deque itself while the engine thread appends would raise)."""
+        return sum(n for t, n in list(self.recent) if t >= now - RATE_WINDOW) / RATE_WINDOW
 
 
 class Engine:
@@ -277,7 +282,7 @@ class Engine:
                 self._end(e.sequence, update)
         c.tokens += new
         c.recent.append((now, new))
-        c.tokens_per_second(now)  # drops what fell out of the window (bounded between scrapes)
+        c.prune(now)  # (bounded whether or not anyone scrapes)
 
     def _count_drafts(self, stats) -> str | None:
         """Counts the step's drafts under their drafter; its name (None: nothing was drafted)."""
