@@ -2,7 +2,8 @@
 
 from specdec.decoder import GenerateOutput, SpecDecoder, SpecDecoderConfig, StepStats
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.processing import Constraint
 
-__all__ = ["GenerateOutput", "SpecDecoder", "SpecDecoderConfig", "StepStats", "ModelDrafter",
+__all__ = ["Constraint", "GenerateOutput", "SpecDecoder", "SpecDecoderConfig", "StepStats", "ModelDrafter",
            "PromptLookupDrafter"]
 __version__ = "0.1.0"

@@ -14,6 +14,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from specdec.bench.device.tiny import peaked, perturbed, tiny_llama, tiny_tokenizer
 from specdec.bench.distribution import pair_mismatch
+from specdec.config import RuntimeConfig
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters.base import Capabilities, Drafter
@@ -40,6 +41,8 @@ CONSTRAINTS = {
     "gbnf": Constraint.gbnf('root ::= "yes" | "no" | "maybe " [0-9]+'),
 }
 EOS = 256
+# drafts sized without timings (repeatable); no kernel self-check: the float64 models never use the kernels
+CONFIG = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False), runtime=RuntimeConfig(calibrate=False))
 
 
 @pytest.fixture(scope="module")
@@ -113,7 +116,7 @@ def drafters(model):
 
 
 def run(model, drafter, ps, **kw):
-    decoder = SpecDecoder(model, drafter, SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False)))
+    decoder = SpecDecoder(model, drafter, CONFIG)
     return decoder.generate(ps, max_new_tokens=kw.pop("max_new_tokens", 40), **kw)
 
 
@@ -143,7 +146,10 @@ def test_greedy_token_identical_for_every_drafter_alone_and_ragged(model, tok, k
         for t in ref.generated(b).tolist():
             assert bool(st.allowed()[t]), f"row {b}: token {t} outside the grammar"
             st.consume([t])
+    every = (kind, opts) in (("json_schema", "penalties"), ("regex", "constraint"))  # the rest: two drafters
     for name, make in drafters(model).items():
+        if not every and name not in ("suffix", "grammar+model"):
+            continue
         batch = run(model, make(), ps, **kw)
         assert answers(batch, 3) == answers(ref, 3), f"{name}, batch"
         one = run(model, make(), [ps[0]], **kw)
@@ -314,7 +320,7 @@ class FixedQ(Drafter):
 
 
 def test_sampling_with_a_constraint_and_penalties_is_the_processed_target(tok):
-    """20,000 sampled two-token openings, each second token drafted from a fixed q with 40% of its mass on
+    """8,000 sampled two-token openings, each second token drafted from a fixed q with 40% of its mass on
     tokens the grammar forbids there, against the exact processed joint (a verifier that forgets to
     restrict q to the grammar accepts the allowed drafts too rarely: p-value ~0 here)."""
     V = len(tok)
@@ -331,14 +337,14 @@ def test_sampling_with_a_constraint_and_penalties_is_the_processed_target(tok):
     q[tok.convert_tokens_to_ids(list("abcde"))] = 0.1
     q[tok.convert_tokens_to_ids(["x", "y"])] = 0.2  # never allowed
     q[EOS] = 0.1
-    decoder = SpecDecoder(target, FixedQ(q), SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False)))
+    decoder = SpecDecoder(target, FixedQ(q), CONFIG)
     g = torch.Generator().manual_seed(0)
     pairs, accepted = [], 0
-    for _ in range(10):
+    for _ in range(4):
         out = decoder.generate(prompt.expand(2000, -1), max_new_tokens=3, do_sample=True, temperature=0.8, top_k=0,
                                generator=g, constraint=grammar, **kw)
         pairs.append(out.sequences[:, len(prompt): len(prompt) + 2])
         accepted += sum(sum(s.num_accepted) for s in out.steps)
-    assert accepted > 2000, "the drafts were hardly accepted: the test would not see the rule"
+    assert accepted > 1000, "the drafts were hardly accepted: the test would not see the rule"
     miss = pair_mismatch(torch.cat(pairs), joint)
     assert miss is None, miss
