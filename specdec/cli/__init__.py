@@ -20,6 +20,7 @@ COMMANDS = {  # name -> (module, one-line help)
     "bench-controller": ("specdec.bench.policy", "the draft-length controller vs every fixed length, on replayed steps"),
     "bench-scaling": ("specdec.bench.scaling", "packed GGUF targets of 0.5B-1.5B Llama shapes: step time and RSS vs llama.cpp"),
     "bench-device": ("specdec.bench.device.command", "exactness, verify costs and priced traces on an accelerator"),
+    "bench-structured": ("specdec.bench.structured", "JSON-schema answers: plain decoding vs a drafter, every answer checked"),
     "perplexity": ("specdec.bench.perplexity", "perplexity of a target in each numerics (exact, int8) on held-out books"),
     "chat": ("specdec.cli.chat", "terminal chat with speculative decoding"),
     "serve": ("specdec.cli.serve", "an OpenAI-compatible HTTP server with continuous batching"),
@@ -40,12 +41,16 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(commands=None) -> argparse.ArgumentParser:
+    """The command line; ``commands``: the names whose modules are imported for their options (None: all).
+    The others are listed with their help only: a command's start-up does not import the benchmarks."""
     parser = _Parser(prog="specdec", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     for name, (module, help_) in COMMANDS.items():
         p = sub.add_parser(name, help=help_)
         p.set_defaults(_module=module)
+        if commands is not None and name not in commands:
+            continue
         try:
             importlib.import_module(module).add_arguments(p)
         except ModuleNotFoundError as e:
@@ -55,9 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_named(argv: list[str]) -> str | None:
+    """The command ``argv`` names (its first word that is not an option), or None."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
     hub_offline()  # models load from files on disk
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    named = _command_named(argv)
+    args = build_parser({named} if named in COMMANDS else None).parse_args(argv)
     if getattr(args, "_missing", False):
         print(f"specdec: '{args.command}' is not available in this version", file=sys.stderr)
         return 2
