@@ -13,6 +13,7 @@ The variables (unset or empty: the default):
 
     SPECDEC_KERNEL            native | avx2 | off      the CPU kernel variant
     SPECDEC_KERNEL_CALIBRATE  1 | 0 (on | off)         the per-process route self-check
+    SPECDEC_CALIBRATION_CACHE on | off                 the self-checks' timed verdicts kept on disk
     SPECDEC_ATTENTION         auto | sdpa              the attention kernel where it wins, or SDPA always
     SPECDEC_FUSED             on | off                 the lean forward's fused layer ops
     SPECDEC_ONE_CALL          on | off                 all layers of a forward in one compiled call
@@ -57,6 +58,10 @@ class RuntimeConfig:
     # keep the fastest (docs/decisions/002-linear-routes.md, 003-attention-kernel.md); off: 1-4 rows
     # W @ x^T, 5-16 the packed kernel, the attention kernel wherever it takes the call
     calibrate: bool = True
+    # keep the self-checks' timed verdicts on disk (``cache_dir``/selfcheck, per machine, kernel build,
+    # torch and thread count) and reuse them in later processes after a spot check of every kernel route
+    # they name (``specdec.runtime.verdicts``): ~3-4 s less start-up; off: every process times them again
+    calibration_cache: bool = True
     # "auto": the attention kernel where the self-check found it faster than SDPA; "sdpa": SDPA always
     attention: str = "auto"
     # the lean forward's fused layer ops (norm + residual, q/k/v split + rotary, SiLU x up) for fp32 on
@@ -111,6 +116,7 @@ class RuntimeConfig:
         head, head3 = env.get("SPECDEC_EAGLE_HEAD", ""), env.get("SPECDEC_EAGLE3_HEAD", "")
         return cls(kernel=pick("SPECDEC_KERNEL", {k: k for k in KERNELS}, "native"),
                    calibrate=pick("SPECDEC_KERNEL_CALIBRATE", _CALIBRATE, True),
+                   calibration_cache=pick("SPECDEC_CALIBRATION_CACHE", _SWITCH, True),
                    attention=pick("SPECDEC_ATTENTION", {a: a for a in ATTENTIONS}, "auto"),
                    fused=pick("SPECDEC_FUSED", _SWITCH, True),
                    one_call=pick("SPECDEC_ONE_CALL", _SWITCH, True),

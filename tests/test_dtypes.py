@@ -34,7 +34,8 @@ def test_the_self_check_under_a_float64_default_dtype(float64_default, monkeypat
     """The self-check makes float32 weights and inputs (the packed kernel takes nothing else) whatever
     the default dtype; the routes it picks then run an fp32 model."""
     monkeypatch.setattr(state, "CALIBRATED", {})
-    routes = calibrate.calibrate(RuntimeConfig(), features=(64, 32), rounds=1, vocab=256, stream_mb=1)
+    routes = calibrate.calibrate(RuntimeConfig(calibration_cache=False), features=(64, 32), rounds=1, vocab=256,
+                                 stream_mb=1)
     assert len(routes.linear) == kernels.MAX_ROWS and routes.chunked in (True, False)
     target = tiny_llama(1, dtype=torch.float32)
     ids = _prompt(1)

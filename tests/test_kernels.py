@@ -195,7 +195,9 @@ def test_each_block_size_takes_its_fastest_route():
 
 def test_calibration_routes_every_size_and_stays_exact(monkeypatch):
     monkeypatch.setattr(state, "CALIBRATED", {})
-    chosen = kernels.calibrate(RuntimeConfig(), features=(64, 32), rounds=3, vocab=256, stream_mb=1)
+    # timed here, not read from a verdict an earlier run kept (tests/test_startup.py covers those)
+    chosen = kernels.calibrate(RuntimeConfig(calibration_cache=False), features=(64, 32), rounds=3, vocab=256,
+                               stream_mb=1)
     assert len(chosen.linear) == kernels.MAX_ROWS and set(chosen.linear) <= set(kernels.ROUTES)
     assert kernels.routes() == chosen.linear and chosen.chunked in (True, False)
     assert set(chosen.attention) == {(r, k) for r in kernels.ATTENTION_POINTS[0] for k in kernels.ATTENTION_POINTS[1]}
@@ -299,10 +301,12 @@ def test_a_skinny_linears_block_pins_its_configuration(monkeypatch):
 def test_the_environment_is_read_into_one_configuration():
     env = {"SPECDEC_KERNEL": "avx2", "SPECDEC_KERNEL_CALIBRATE": "0", "SPECDEC_ATTENTION": "sdpa",
            "SPECDEC_FUSED": "off", "SPECDEC_ONE_CALL": "off", "SPECDEC_FASTPATH": "off", "SPECDEC_HUGEPAGES": "off",
-           "SPECDEC_CACHE": "/tmp/c", "SPECDEC_EAGLE_HEAD": "/tmp/h", "SPECDEC_BENCH_THREADS": "3"}
+           "SPECDEC_CACHE": "/tmp/c", "SPECDEC_EAGLE_HEAD": "/tmp/h", "SPECDEC_BENCH_THREADS": "3",
+           "SPECDEC_CALIBRATION_CACHE": "off"}
     assert RuntimeConfig.from_environ(env) == RuntimeConfig(
         kernel="avx2", calibrate=False, attention="sdpa", fused=False, one_call=False, fastpath=False,
-        hugepages=False, cache_dir=Path("/tmp/c"), eagle_head=Path("/tmp/h"), bench_threads=3)
+        hugepages=False, cache_dir=Path("/tmp/c"), eagle_head=Path("/tmp/h"), bench_threads=3,
+        calibration_cache=False)
     assert RuntimeConfig.from_environ({}) == RuntimeConfig(cache_dir=Path("~/.cache/specdec").expanduser())
     assert RuntimeConfig.from_environ({"XDG_CACHE_HOME": "/x", "SPECDEC_KERNEL": ""}).cache_dir == Path("/x/specdec")
     assert RuntimeConfig.from_environ({"SPECDEC_KERNEL": "off"}).variant is None
@@ -310,7 +314,7 @@ def test_the_environment_is_read_into_one_configuration():
 
 @pytest.mark.parametrize("name,value", [("SPECDEC_KERNEL", "avx512"), ("SPECDEC_FUSED", "no"),
                                         ("SPECDEC_ATTENTION", "flash"), ("SPECDEC_KERNEL_CALIBRATE", "yes"),
-                                        ("SPECDEC_BENCH_THREADS", "two")])
+                                        ("SPECDEC_BENCH_THREADS", "two"), ("SPECDEC_CALIBRATION_CACHE", "1")])
 def test_a_bad_variable_is_named(name, value):
     with pytest.raises(ValueError, match=f"{name}='{value}'"):
         RuntimeConfig.from_environ({name: value})

@@ -32,6 +32,9 @@ VARIANTS = {"native": (["-march=native"], "specdec_kernels"),
 # libgomp.so.1 to the copy torch already loaded, so the kernel shares torch's pool.
 _OPENMP = ["-fopenmp"]
 log = logging.getLogger(__name__)
+# variant -> the key of the build this process loaded for it (sources, checkout, torch, flags): what the
+# self-checks' stored verdicts are tied to (``specdec.runtime.verdicts``)
+_LOADED: dict[str, str] = {}
 
 
 def extension(config: RuntimeConfig | None = None):
@@ -67,6 +70,13 @@ def _with_or_without_openmp(name: str, cache_dir: Path):
         return _load(name, [], cache_dir)
 
 
+def build_id(config: RuntimeConfig | None = None) -> str | None:
+    """The key of the build of ``config``'s variant (default: the configuration in force) that this process
+    loaded, or None (off, not built, or not loaded yet)."""
+    config = current() if config is None else config
+    return None if config.variant is None else _LOADED.get(config.variant)
+
+
 def first_line(e: Exception) -> str:
     return str(e).splitlines()[0] if str(e) else type(e).__name__
 
@@ -87,4 +97,5 @@ def _load(name: str, openmp: list[str], cache_dir: Path):
     load(name=f"specdec_packed_linear_{key}", sources=[str(f) for f in _SOURCES], build_directory=str(directory),
          extra_cflags=["-O3", *flags, *openmp, f"-DSPECDEC_OPS={ns}"], extra_ldflags=openmp,
          is_python_module=False, verbose=False)
+    _LOADED[name] = key
     return getattr(torch.ops, ns)

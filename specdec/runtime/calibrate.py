@@ -6,6 +6,9 @@ linear route for each block size 1..MAX_ROWS, chunks against F.linear past it, a
 against SDPA at each of ATTENTION_POINTS, and keeps the fastest; a route slower than torch's own for a
 size is never taken for it. Why and what was measured: docs/decisions/002-linear-routes.md,
 003-attention-kernel.md.
+
+The verdict is kept on disk for later processes on the same machine and build (``verdicts``); one read
+back is used only after ``spot_check`` found every kernel route it names right on small products.
 """
 
 from __future__ import annotations
@@ -19,10 +22,10 @@ import torch.nn.functional as F
 
 from specdec.config import RuntimeConfig, current
 from specdec.runtime import linear as lin
-from specdec.runtime import state
+from specdec.runtime import state, verdicts
 from specdec.runtime.attention import ATTENTION_POINTS
 from specdec.runtime.memory import Slabs
-from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS, ROUTES, Active, Routes
+from specdec.runtime.state import CHUNK_ROWS, KERNEL_ROUTES, MAX_ROWS, ROUTES, Active, Routes
 
 log = logging.getLogger(__name__)
 
@@ -48,23 +51,112 @@ def calibrate(config: RuntimeConfig | None = None, features: tuple[int, int] = (
     [``vocab``, K] one, the shape of a vocabulary projection, ``stream_mb`` MB in all, so they stream
     from memory as a model's weights do (a set that fits the last-level cache favours MKL's routes).
     They are cycled so no call finds its weight cached by the previous one; rounds alternate the
-    routes, and each keeps its fastest round (noise only ever adds time).
+    routes, and each keeps its fastest round (noise only ever adds time). A verdict an earlier process
+    kept for this machine, build and these parameters (``verdicts``) is taken instead where its
+    ``spot_check`` passes (``config.calibration_cache``).
     """
     config = current() if config is None else config
     done = state.CALIBRATED.get(config.variant)
     if done is not None or not config.calibrate:
         return done if done is not None else state.resolve(config).routes
     rt = state.resolve(config)
+    params = {"features": list(features), "rounds": rounds, "vocab": vocab, "stream_mb": stream_mb}
     token = state.pin(rt)  # the timed calls run on this configuration's ops
     try:
-        routes = _calibrate(rt, features, rounds, vocab, stream_mb)
+        routes = _stored(rt, params)
+        source = "kept"
+        if routes is None:
+            routes, source = _calibrate(rt, features, rounds, vocab, stream_mb), "timed"
+            verdicts.store(config, "routes", params, _as_record(routes))
     finally:
         state.unpin(token)
     state.CALIBRATED[config.variant] = routes
-    log.info("specdec kernels: routes per block size 1..%d: %s; %d-%d rows in chunks: %s; attention kernel "
-             "per (rows, keys): %s", MAX_ROWS, routes.linear, MAX_ROWS + 1, CHUNK_ROWS, routes.chunked,
+    log.info("specdec kernels (%s): routes per block size 1..%d: %s; %d-%d rows in chunks: %s; attention kernel "
+             "per (rows, keys): %s", source, MAX_ROWS, routes.linear, MAX_ROWS + 1, CHUNK_ROWS, routes.chunked,
              None if routes.attention is None else dict(routes.attention))
     return routes
+
+
+def _as_record(routes: Routes) -> dict:
+    """``routes`` as JSON: {"linear": [route per size], "chunked": bool, "attention": [[rows, keys, kernel], ...]}."""
+    points = [[r, k, bool(v)] for (r, k), v in sorted((routes.attention or {}).items())]
+    return {"linear": list(routes.linear), "chunked": bool(routes.chunked), "attention": points}
+
+
+def _from_record(record, rt: Active) -> Routes | None:
+    """The routes a stored record holds, or None where it is not a whole verdict this build can run: a size
+    missing, a route this build lacks (the kernel's, its wide shape), a calibration point missing or extra."""
+    try:
+        linear, chunked, points = tuple(record["linear"]), record["chunked"], record["attention"]
+        attention = {(int(r), int(k)): v for r, k, v in points}
+    except (KeyError, TypeError, ValueError):
+        return None
+    built = {"linear", "mm"}
+    if rt.ops is not None:
+        built |= {"packed", "wide"} if rt.ops.has_wide() else {"packed"}
+    grid = {(r, k) for r in ATTENTION_POINTS[0] for k in ATTENTION_POINTS[1]} if rt.ops is not None else set()
+    if (len(linear) != MAX_ROWS or not set(linear) <= built or not isinstance(chunked, bool)
+            or set(attention) != grid or not all(isinstance(v, bool) for v in attention.values())):
+        return None
+    return Routes(linear, chunked, state.frozen_points(attention))
+
+
+def _stored(rt: Active, params: dict) -> Routes | None:
+    """The verdict kept for this machine, build and ``params`` if it reads back whole and passes its spot
+    check; None (time them) otherwise."""
+    record = verdicts.load(rt.config, "routes", params)
+    routes = None if record is None else _from_record(record, rt)
+    if record is not None and routes is None:
+        log.warning("specdec: the kept self-check's routes do not fit this build; timing them again")
+    if routes is not None and not spot_check(routes, rt):
+        log.warning("specdec: a kernel route of the kept self-check disagrees with torch on a spot check; "
+                    "timing the routes again")
+        return None
+    return routes
+
+
+def _close(y: torch.Tensor | None, ref: torch.Tensor) -> bool:
+    """y equals ref to fp32 summation rounding (the same products in another order)."""
+    return (y is not None and y.shape == ref.shape and bool(torch.isfinite(y).all())
+            and (y - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item()))
+
+
+def spot_check(routes: Routes, rt: Active) -> bool:
+    """Whether every kernel route ``routes`` names computes what torch computes, on small random inputs:
+    each block size 1..MAX_ROWS by its route on a [40, 48] weight, a block past MAX_ROWS in chunks (if
+    chunked), and the attention kernel at each calibration point where it is taken, against SDPA.
+    Milliseconds: a stored verdict's check that its routes are right on this build (their speed is the
+    timing's, which is not repeated)."""
+    g = torch.Generator().manual_seed(0)
+    f32 = dict(generator=g, dtype=torch.float32)  # whatever the default dtype: the kernels take fp32 only
+    checked = Active(rt.config, rt.ops, routes, MAX_ROWS)
+    # normal tensors even inside a generation's inference mode: the pack is written into the slab outside it
+    with torch.inference_mode(False), torch.no_grad():
+        scratch = Slabs(hugepages=False)
+        w = _uniform((40, 48), g, scratch)
+        if rt.ops is not None and any(r in KERNEL_ROUTES for r in routes.linear):
+            lin.pack(w, checked, scratch)  # its pack cut from the scratch slabs, freed with them
+    token = state.pin(checked)
+    try:
+        with torch.inference_mode():
+            for m, route in enumerate(routes.linear, start=1):
+                x = torch.randn(m, w.shape[1], **f32)
+                if route != "linear" and not _close(lin._route(x, w, route), F.linear(x, w)):
+                    return False
+            x = torch.randn(2 * MAX_ROWS + 1, w.shape[1], **f32)
+            if routes.chunked and not _close(lin.linear(x, w), F.linear(x, w)):
+                return False
+            for (rows, keys), kernel in sorted((routes.attention or {}).items()):
+                if not kernel:
+                    continue
+                q, k, v = (torch.randn(1, 3, n, 64, **f32) for n in (rows, keys, keys))
+                bias = torch.zeros(1, 1, rows, keys, dtype=torch.float32)
+                ref = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.125)
+                if not _close(rt.ops.attention(q, k, v, bias, 0.125), ref):
+                    return False
+    finally:
+        state.unpin(token)
+    return True
 
 
 def _calibrate(rt: Active, features: tuple[int, int], rounds: int, vocab: int, stream_mb: int) -> Routes:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from specdec.config import RuntimeConfig, current
 from specdec.quant import formats
 from specdec.quant.formats import BlockFormat, dequantize, random_blocks
-from specdec.runtime import state
+from specdec.runtime import state, verdicts
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS, Active
 
 log = logging.getLogger(__name__)
@@ -98,9 +98,33 @@ def routes(fmt: BlockFormat, rt: Active | None = None) -> QuantRoutes:
         return uncalibrated(False)
     if not rt.config.calibrate:
         return uncalibrated(True)
-    found = CALIBRATED[key] = self_check(rt, fmt)
+    found = CALIBRATED[key] = _checked(rt, fmt)
     log.info("specdec kernels: %s blocks by the kernel for 1..%d rows: %s; its passes up to %d rows; the "
              "GEMM: %s", fmt.name, MAX_ROWS, found.kernel, found.chunked_to, found.gemm)
+    return found
+
+
+def _checked(rt: Active, fmt: BlockFormat) -> QuantRoutes:
+    """The verdict an earlier process kept for this machine and build (``verdicts``) where it reads back
+    whole and its spot check passes (``correctness`` anew: every size it routes to the kernel agrees, and
+    the GEMM only where the dequantization is still exact); else ``self_check``'s, kept for the next."""
+    params = {"format": fmt.name, "features": list(CHECK_FEATURES), "chunks": list(CHUNK_SIZES)}
+    record = verdicts.load(rt.config, "quant-routes", params)
+    try:
+        kept = None if record is None else QuantRoutes(tuple(bool(k) for k in record["kernel"]),
+                                                       int(record["chunked_to"]), bool(record["gemm"]))
+    except (KeyError, TypeError, ValueError):
+        kept = None
+    if kept is not None and len(kept.kernel) == MAX_ROWS and kept.chunked_to in (MAX_ROWS, *CHUNK_SIZES):
+        ok, exact = correctness(rt, fmt)
+        if kept.gemm == exact and all(o for k, o in zip(kept.kernel, ok) if k) and (
+                kept.chunked_to == MAX_ROWS or all(ok)):
+            return kept
+        log.warning("specdec: the kept %s self-check disagrees with a spot check of its kernel; checking again",
+                    fmt.name)
+    found = self_check(rt, fmt)
+    verdicts.store(rt.config, "quant-routes", params,
+                   {"kernel": list(found.kernel), "chunked_to": found.chunked_to, "gemm": found.gemm})
     return found
 
 
@@ -248,26 +272,55 @@ def approximates(fmt: BlockFormat, rt: Active | None = None) -> bool:
     found = APPROXIMATES.get(key)
     if found is None:
         found = APPROXIMATES[key] = (fmt.name in APPROX_FORMATS and rt.ops is not None
-                                     and hasattr(rt.ops, "quant_linear_i8") and _approx_check(rt, fmt))
+                                     and hasattr(rt.ops, "quant_linear_i8") and _approx_checked(rt, fmt))
         log.info("specdec kernels: drafts over %s blocks by int8 dot products: %s", fmt.name, found)
     return found
 
 
-def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = APPROX_CHECK_ROUNDS) -> bool:
+def _approx_checked(rt: Active, fmt: BlockFormat) -> bool:
+    """``_approx_check``'s verdict, or where the configuration calibrates, the one an earlier process kept
+    (``verdicts``): False as kept (the exact kernel: nothing to check), True only if ``_approx_close``
+    passes again."""
+    if not rt.config.calibrate:
+        return _approx_check(rt, fmt)
+    params = {"format": fmt.name, "features": list(CHECK_FEATURES), "mb": APPROX_CHECK_MB,
+              "rounds": APPROX_CHECK_ROUNDS}
+    kept = verdicts.load(rt.config, "int8-drafts", params)
+    if kept is False or (kept is True and _approx_close(rt, fmt)):
+        return kept
+    found = _approx_check(rt, fmt)
+    verdicts.store(rt.config, "int8-drafts", params, found)
+    return found
+
+
+def _approx_close(rt: Active, fmt: BlockFormat) -> bool:
+    """The int8 route within APPROX_ERROR of the reference on small random blocks at 1..APPROX_ROWS rows
+    (milliseconds: the untimed half of ``_approx_check``, and the spot check of a kept verdict)."""
     g = torch.Generator().manual_seed(1)
     small = random_blocks(fmt, 48, 4 * fmt.block_weights, g)
+    with torch.inference_mode():
+        for rows in range(1, APPROX_ROWS + 1):
+            x = torch.randn(rows, small.shape[1] // fmt.block_bytes * fmt.block_weights, generator=g,
+                            dtype=torch.float32)
+            y, ref = rt.ops.quant_linear_i8(x, [small], [fmt.ggml_type]), F.linear(x, dequantize(small, fmt))
+            if not bool(torch.isfinite(y).all()) or (y - ref).norm() > APPROX_ERROR * ref.norm():
+                log.warning("specdec: the int8 draft kernel is off the %s reference at %d rows; drafts "
+                            "take the exact kernel", fmt.name, rows)
+                return False
+    return True
+
+
+def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = APPROX_CHECK_ROUNDS) -> bool:
+    """``_approx_close``, and where the configuration calibrates, the int8 route faster than the exact
+    kernel over a layer's linears (``approximates``)."""
+    if not _approx_close(rt, fmt):
+        return False
+    if not rt.config.calibrate:
+        return True
+    g = torch.Generator().manual_seed(2)
     token = state.pin(rt)
     try:
         with torch.inference_mode():
-            for rows in range(1, APPROX_ROWS + 1):
-                x = torch.randn(rows, small.shape[1] // fmt.block_bytes * fmt.block_weights, generator=g)
-                y, ref = rt.ops.quant_linear_i8(x, [small], [fmt.ggml_type]), F.linear(x, dequantize(small, fmt))
-                if not bool(torch.isfinite(y).all()) or (y - ref).norm() > APPROX_ERROR * ref.norm():
-                    log.warning("specdec: the int8 draft kernel is off the %s reference at %d rows; drafts "
-                                "take the exact kernel", fmt.name, rows)
-                    return False
-            if not rt.config.calibrate:
-                return True
             # a step's weights come from memory, not a cache: time a pass over APPROX_CHECK_MB of blocks (the
             # codes' values do not change the time; the scales are finite: random_blocks' for one matrix), each
             # layer's linears in the calls a draft's forward makes (q, k, v and gate, up side by side)
@@ -292,7 +345,6 @@ def _approx_check(rt: Active, fmt: BlockFormat, rounds: int = APPROX_CHECK_ROUND
         state.unpin(token)
 
 
-
 def _layer_calls() -> list[list[tuple[int, int]]]:
     """[N, K] of a Llama layer's linears at the CHECK_FEATURES width (the default model's: D = 576, 3 of 9
     heads' K/V, an MLP of 1536), grouped as the lean forward calls them: q, k, v; o; gate, up; down."""
@@ -305,36 +357,46 @@ def agrees(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return bool(torch.isfinite(y).all()) and (y - ref).abs().max().item() <= 1e-4 * max(1.0, ref.abs().max().item())
 
 
+def correctness(rt: Active, fmt: BlockFormat) -> tuple[list[bool], bool]:
+    """The untimed half of ``self_check`` (milliseconds; also the spot check of a kept verdict): per block
+    size 1..2 * MAX_ROWS, whether the kernel agrees with the reference on a small random matrix of ``fmt``,
+    and whether the build's dequantization equals the reference's bit for bit."""
+    g = torch.Generator().manual_seed(0)
+    small = random_blocks(fmt, 24, 2 * fmt.block_weights, g)
+
+    def correct(rows: int) -> bool:
+        x = torch.randn(rows, small.shape[1] // fmt.block_bytes * fmt.block_weights, generator=g, dtype=torch.float32)
+        if agrees(rt.ops.quant_linear(x, small, fmt.ggml_type), F.linear(x, dequantize(small, fmt))):
+            return True
+        log.warning("specdec: the %s block kernel disagrees with the reference at %d rows; not used there",
+                    fmt.name, rows)
+        return False
+
+    with torch.inference_mode():
+        ok = [correct(m) for m in range(1, 2 * MAX_ROWS + 1)]
+        if torch.equal(_decoded(rt.ops, small, fmt).view(torch.int32), dequantize(small, fmt).view(torch.int32)):
+            return ok, True
+    log.warning("specdec: the %s dequantization of the kernel build disagrees with the reference; "
+                "many rows take the reference", fmt.name)
+    return ok, False
+
+
 def self_check(rt: Active, fmt: BlockFormat, rounds: int = 2) -> QuantRoutes:
     """The GEMM where the build's dequantization equals the reference's bit for bit (a small random
     matrix of ``fmt``); per block size, the kernel where it agrees with the reference there and beats
     what would run instead (the GEMM, else the reference) on a [N, K] = CHECK_FEATURES matrix, fastest of
-    ``rounds`` rounds, the two alternating. The kernel's time grows with the rows, the GEMM's far more
-    slowly: sizes 1..MAX_ROWS are timed from MAX_ROWS down until the kernel wins (it takes every size
-    below), its passes beyond from CHUNK_SIZES up until it loses."""
-    g = torch.Generator().manual_seed(0)
-    small, big = random_blocks(fmt, 24, 2 * fmt.block_weights, g), random_blocks(fmt, *CHECK_FEATURES, g)
+    ``rounds`` rounds, the two alternating (``correctness``, then the timing). The kernel's time grows with
+    the rows, the GEMM's far more slowly: sizes 1..MAX_ROWS are timed from MAX_ROWS down until the kernel
+    wins (it takes every size below), its passes beyond from CHUNK_SIZES up until it loses."""
+    ok, fast = correctness(rt, fmt)
+    g = torch.Generator().manual_seed(1)
+    big = random_blocks(fmt, *CHECK_FEATURES, g)
 
     def kernel(x, w):
         return rt.ops.quant_linear(x, w, fmt.ggml_type)
 
     def reference(x, w):
         return F.linear(x, dequantize(w, fmt))
-
-    def correct(rows: int) -> bool:
-        x = torch.randn(rows, small.shape[1] // fmt.block_bytes * fmt.block_weights, generator=g, dtype=torch.float32)
-        if agrees(kernel(x, small), reference(x, small)):
-            return True
-        log.warning("specdec: the %s block kernel disagrees with the reference at %d rows; not used there",
-                    fmt.name, rows)
-        return False
-
-    def dequantizes() -> bool:
-        if torch.equal(_decoded(rt.ops, small, fmt).view(torch.int32), dequantize(small, fmt).view(torch.int32)):
-            return True
-        log.warning("specdec: the %s dequantization of the kernel build disagrees with the reference; "
-                    "many rows take the reference", fmt.name)
-        return False
 
     def faster(rows: int, other) -> bool:
         x = torch.randn(rows, CHECK_FEATURES[1], generator=g, dtype=torch.float32)
@@ -349,8 +411,6 @@ def self_check(rt: Active, fmt: BlockFormat, rounds: int = 2) -> QuantRoutes:
     token = state.pin(rt)
     try:
         with torch.inference_mode():
-            ok = [correct(m) for m in range(1, 2 * MAX_ROWS + 1)]
-            fast = dequantizes()
             other = (lambda x, w: gemm(x, [w], [fmt], rt.ops)) if fast else reference
             wins = [False] * MAX_ROWS
             for m in range(MAX_ROWS, 0, -1):
