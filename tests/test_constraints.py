@@ -348,3 +348,32 @@ def test_sampling_with_a_constraint_and_penalties_is_the_processed_target(tok):
     assert accepted > 1000, "the drafts were hardly accepted: the test would not see the rule"
     miss = pair_mismatch(torch.cat(pairs), joint)
     assert miss is None, miss
+
+
+def test_the_commands_take_a_constraint_and_name_a_bad_one(tmp_path):
+    """`specdec generate --regex` answers inside the pattern; `chat --json-schema` of a missing file, and a
+    regex that does not compile, fail before any reply with the flag named."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from tiny_chat import save_tiny_chat
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root), HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               SPECDEC_KERNEL_CALIBRATE="0")
+    save_tiny_chat(tmp_path / "tiny")
+    cli = [sys.executable, "-m", "specdec.cli"]
+    model = ["--model", str(tmp_path / "tiny"), "--max-new-tokens", "12"]
+    ok = subprocess.run(cli + ["generate", "hello", *model, "--regex", "(yes|no), [a-z]{2,4}\\.", "--drafter", "auto"],
+                        env=env, capture_output=True, text=True, timeout=180)
+    assert ok.returncode == 0, ok.stderr[-2000:]
+    assert re.search(r"^(yes|no), [a-z]{2,4}\.$", ok.stdout, re.M), ok.stdout
+    missing = subprocess.run(cli + ["chat", *model, "--json-schema", str(tmp_path / "none.json")], input="hi\n",
+                             env=env, capture_output=True, text=True, timeout=180)
+    assert missing.returncode != 0 and "--json-schema" in missing.stderr, missing.stderr[-2000:]
+    bad = subprocess.run(cli + ["generate", "hello", *model, "--regex", "(ab"], env=env, capture_output=True,
+                         text=True, timeout=180)
+    assert bad.returncode != 0 and "regex" in bad.stderr and "does not compile" in bad.stderr, bad.stderr[-2000:]

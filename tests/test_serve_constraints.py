@@ -164,3 +164,26 @@ def test_bad_or_unsupported_options_are_a_400_naming_them(server, extra, param):
     ok = httpx.post(server.url + "/v1/chat/completions", json={"model": "tiny", "messages": chat("x"), "max_tokens": 2},
                     timeout=60)
     assert ok.status_code == 200  # and the server keeps serving
+
+
+def test_concurrent_requests_with_different_constraints_get_their_alone_answers(server, client):
+    """Four requests in one batch (each its own grammar, penalties or none), joining mid-batch: each
+    answer is the one plain decoding gives it alone."""
+    import concurrent.futures
+
+    asks = [({"response_format": {"type": "json_schema", "json_schema": {"name": "w", "schema": SCHEMA}}},
+             dict(constraint=Constraint.json_schema(SCHEMA))),
+            ({"extra_body": {"regex": "[a-c]{3,9}!"}}, dict(constraint=Constraint.regex("[a-c]{3,9}!"))),
+            ({"frequency_penalty": 1.5, "logit_bias": {"120": 4.0}}, dict(frequency_penalty=1.5, logit_bias={120: 4.0})),
+            ({}, {})]
+
+    def ask(i):
+        kw, _ = asks[i % len(asks)]
+        return client.chat.completions.create(model="tiny", messages=chat(f"q{i}"), temperature=0, max_tokens=30,
+                                              **kw).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(ask, range(8)))
+    for i, content in enumerate(got):
+        _, lib = asks[i % len(asks)]
+        assert content == text_of(server, plain(server, chat(f"q{i}"), max_new=30, **lib)), i

@@ -21,7 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from specdec.decoder import SpecDecoder, StepEvent
-from specdec.arguments import add_sampling_arguments, add_weights_argument, positive_int, sampling_arguments, weights_for
+from specdec.arguments import (add_constraint_arguments, add_sampling_arguments, add_weights_argument, constraint_arguments,
+                               positive_int, sampling_arguments, weights_for)
+from specdec.processing import Constraint
 from specdec.prompting import context_window, eos_ids, fit_conversation, has_chat_template
 from specdec.registry import DRAFTERS, make_drafter
 
@@ -116,6 +118,9 @@ class ChatSession:
 
     def set_drafter(self, name: str) -> None:
         self.decoder = SpecDecoder(self.model, make_drafter(name, self.model))  # ValueError if unknown
+        if isinstance(self.sampling.get("constraint"), Constraint):  # compiled once: a bad one fails here
+            self.sampling["constraint"] = self.decoder.processing(self.sampling["constraint"], self.tokenizer,
+                                                                  self.eos).grammar
         self.decoder.warm_up()  # the first reply then pays no one-time packing or corpus index
         self.drafter_name = name
 
@@ -232,6 +237,7 @@ def add_arguments(p) -> None:
     p.add_argument("--max-new-tokens", type=positive_int, default=256, help="per reply")
     p.add_argument("--no-color", action="store_true", help="no colours (drafted tokens not marked)")
     add_sampling_arguments(p)
+    add_constraint_arguments(p)  # every reply: JSON / a regex / a grammar, penalties
 
 
 def run(args) -> int:
@@ -254,8 +260,9 @@ def run(args) -> int:
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; chat needs one with a chat template")
     color = not args.no_color and console.color_system is not None
+    options = constraint_arguments(args, loaded.tokenizer)
     session = ChatSession(loaded.model, loaded.tokenizer, args.drafter, args.max_new_tokens, console, color,
-                          sampling)
+                          sampling | options)
     console.print(f"[bold]specdec chat[/bold] · {loaded.name} · drafter {args.drafter} · up to "
                   f"{args.max_new_tokens} tokens per reply · /help for commands")
     if color:

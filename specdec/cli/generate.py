@@ -12,7 +12,7 @@ from specdec.decoder import SpecDecoder
 from specdec.registry import DRAFTERS, make_drafter
 from specdec.arguments import (add_constraint_arguments, add_sampling_arguments, add_weights_argument, constraint_arguments,
                                positive_int, sampling_arguments, weights_for)
-from specdec.prompting import encode_prompt
+from specdec.prompting import encode_prompt, eos_ids
 
 
 def add_arguments(p) -> None:
@@ -41,14 +41,15 @@ def run(args) -> int:
     prompts = [encode_prompt(tok, t, chat=not args.no_chat_template) for t in texts]
     ids = prompts[0][None] if len(prompts) == 1 else prompts
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model))
+    eos = eos_ids(loaded.model, tok) or None  # the generation config's, else the tokenizer's
     constraints = constraint_arguments(args, tok)
     if "constraint" in constraints:  # compiled now: a schema or grammar that does not compile fails before the warm-up
-        constraints["constraint"] = decoder.processing(constraints["constraint"], tok).grammar
+        constraints["constraint"] = decoder.processing(constraints["constraint"], tok, eos).grammar
     with console.status("preparing specdec's CPU kernels and packed weights ..."):
         kernels.prepare()  # a first-use build (~20 s) and the route self-check are not generation time
         decoder.warm_up()  # the lean forward's check, the weights' packing, a drafter's corpus index
     t = time.perf_counter()
-    out = decoder.generate(ids, max_new_tokens=args.max_new_tokens, **sampling, **constraints)
+    out = decoder.generate(ids, max_new_tokens=args.max_new_tokens, eos_token_id=eos, **sampling, **constraints)
     dt = time.perf_counter() - t
     for b in range(len(prompts)):
         if len(prompts) > 1:
