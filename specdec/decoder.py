@@ -32,6 +32,7 @@ from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Corpus, Drafter
 from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F401 (bench.replay)
 from specdec.kv.bmc import BMCConfig
+from specdec.kv.prefix import PrefixCache
 from specdec.models import float_dtype, sliding_window, text_config, vocab_size_of
 from specdec.processing import Constraint, Grammar, Processing, TokenLogprob, Vocabulary
 from specdec.prompting import eos_ids
@@ -113,8 +114,14 @@ class GenerateOutput:
 
 class SpecDecoder:
     def __init__(self, target, drafter: Drafter | Chooser | None = None,
-                 config: SpecDecoderConfig = SpecDecoderConfig()) -> None:
+                 config: SpecDecoderConfig = SpecDecoderConfig(), prefix_cache: PrefixCache | None = None) -> None:
+        """``prefix_cache``: prompt K/V rows kept between ``generate`` calls (and between the rows of a
+        batch), each prompt prefilled after its longest cached prefix, token- and bit-identical to no
+        reuse (``specdec.kv.prefix``; not used with a drafter that reads the target's hidden states)."""
         self.target = target.eval()
+        self.prefix_cache = prefix_cache
+        if prefix_cache is not None:
+            prefix_cache.bind(target)
         self.drafter = drafter  # as given: a drafter, several sources (drafters.chooser.Sources), or None
         self.chooser = as_chooser(drafter)  # what the loop drafts through
         self.config = config
@@ -213,7 +220,8 @@ class SpecDecoder:
             streamer.put(prompts[0][None].cpu())
         lps = [[] for _ in prompts] if processing is not None and processing.logprobs is not None else None
         with self.running():
-            ids_, events = session.add(prompts, [max_new_tokens] * len(prompts), judge, [processing] * len(prompts))
+            seqs, events = session.add(prompts, [max_new_tokens] * len(prompts), judge, [processing] * len(prompts))
+            row_of = {s: b for b, s in enumerate(seqs)}  # sequence id -> its row of the input
             while True:
                 for e in events:
                     if streamer is not None:  # batch size 1: the one sequence's tokens of this step
@@ -221,21 +229,20 @@ class SpecDecoder:
                     if callback is not None:
                         callback(e)
                     if lps is not None:
-                        lps[e.sequence].extend(e.logprobs)
+                        lps[row_of[e.sequence]].extend(e.logprobs)
                 if not session.rows:
                     break
                 events = session.step()
         if streamer is not None:
             streamer.end()
-        batch = session.batch
-        new = [batch.new[s] for s in range(len(prompts))]
+        results = [session.result(s) for s in seqs]
+        new = [r.tokens for r in results]
         width = max(len(n) for n in new)
         tail = torch.full((len(prompts), width), pad, dtype=torch.long)
-        for s, n in enumerate(new):
-            tail[s, : len(n)] = torch.tensor(n, dtype=torch.long)
+        for b, n in enumerate(new):
+            tail[b, : len(n)] = torch.tensor(n, dtype=torch.long)
         return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], session.steps, [len(n) for n in new],
-                              [batch.steps[s] for s in range(len(prompts))],
-                              [batch.accepted[s] for s in range(len(prompts))], lps)
+                              [r.steps for r in results], [r.accepted for r in results], lps)
 
     def vocabulary(self, tokenizer, eos: set[int]) -> Vocabulary:
         """``tokenizer`` as the grammar engine reads it, built once per tokenizer (~0.4 s for 49k tokens)."""

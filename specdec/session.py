@@ -18,7 +18,9 @@ caller adds only to an empty session. Sequences stop on their own EOS or max_new
 Invariant between steps: the target's BMC store holds every committed token of each live sequence
 but the last one, the *pending* token, which opens the next verify block (row 0), followed by the
 draft tree's nodes. The prefill runs the prompts on the causal fast path, as HF does (prompts of one
-length together, in forwards of at most PREFILL_TOKENS tokens), and gives the first token.
+length together, in forwards of at most PREFILL_TOKENS tokens), and gives the first token; with a
+prefix cache (``specdec.kv.prefix``) each prompt takes its longest cached prefix and prefills the rest
+in aligned blocks, hit or miss, so a reused prefix changes no bit (docs/decisions/021-prefix-cache.md).
 
 Dimensions: B live rows, P prompt columns, N draft nodes, A accepted drafts, D hidden size, V vocab.
 """
@@ -27,13 +29,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
 from specdec.controller import DraftLengthController, period
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.chooser import Shadow, draft_step
-from specdec.forward import forward_block, prefill
+from specdec.forward import forward_block, prefill, prefill_aligned
 from specdec.kv.bmc import BMCCache
 from specdec.models import attention_shape
 from specdec.processing import Processing, RowProcessor, TokenLogprob
@@ -66,8 +69,42 @@ class StepEvent:
     stats: StepStats
     sequence: int = 0  # the sequence's id (``generate``: its index in the batch given)
     finished: bool = False  # the sequence stopped this step (EOS or max_new) and left the batch
+    finish: str | None = None  # why it stopped: "stop" (its EOS) or "length" (max_new); None while it goes on
     # one per token when the sequence asked for them (``Processing.logprobs``), else None
     logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass(frozen=True)
+class SequenceResult:
+    """What one sequence of a session generated (``DecodeSession.result``)."""
+
+    tokens: list[int]  # its new tokens, EOS included where it stopped on one
+    steps: int  # target forwards that gave it tokens (its prefill's included)
+    accepted: int  # drafted tokens it kept
+
+
+class Judge(Protocol):
+    """A session's acceptance rule for its live rows: ``Acceptance`` (one rule for a run) or the server's
+    ``RowAcceptance`` (one per row)."""
+
+    sampling: SamplingParams | None  # what drafters are told (None: draft deterministically)
+    generator: torch.Generator | None  # the drafters' randomness when sampling
+
+    def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
+        """The verdict on logits [B, 1 + N, V] at the pending row and every node."""
+
+    @property
+    def greedy(self) -> bool:
+        """Every row greedy (shadow drafts are scored only then)."""
+
+    def sampling_of(self, row: int) -> SamplingParams | None:
+        """Row ``row``'s sampling (None: greedy)."""
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these live rows (ascending)."""
+
+    def joined(self, other: "Judge") -> "Judge":
+        """The rule once ``other``'s rows joined after the live ones."""
 
 
 @dataclass(frozen=True)
@@ -120,6 +157,7 @@ class _Batch:
         self.steps: dict[int, int] = {}  # target forwards per sequence
         self.accepted: dict[int, int] = {}  # drafted tokens kept per sequence
         self.processors: dict[int, RowProcessor] = {}  # the sequences that process their logits
+        self.cached: dict[int, int] = {}  # prompt tokens each sequence took from the prefix cache
         self.eos = eos
 
     def add(self, s: int, prompt: list[int], max_new: int, processor: RowProcessor | None = None) -> None:
@@ -129,7 +167,7 @@ class _Batch:
             self.processors[s] = processor
 
     def forget(self, s: int) -> None:
-        for d in (self.prompt, self.new, self.max_new, self.steps, self.accepted, self.processors):
+        for d in (self.prompt, self.new, self.max_new, self.steps, self.accepted, self.processors, self.cached):
             d.pop(s, None)
 
     def live_processors(self) -> list[RowProcessor | None]:
@@ -158,7 +196,8 @@ class _Batch:
             drafted = min(len(toks), int(commit.num_accepted[row]))
             self.accepted[s] += drafted
             goes_on = stop is None and len(self.new[s]) < self.max_new[s]
-            events.append(StepEvent(toks, drafted, stats, s, finished=not goes_on, logprobs=lps))
+            finish = None if goes_on else ("stop" if stop is not None else "length")
+            events.append(StepEvent(toks, drafted, stats, s, finished=not goes_on, finish=finish, logprobs=lps))
             if goes_on:
                 keep.append(row)
         return events, keep
@@ -197,7 +236,7 @@ class DecodeSession:
         self.batch = _Batch(eos)
         self.cache: BMCCache | None = None  # None while no row is live
         self.pending: torch.Tensor | None = None  # [B, 1] each live row's pending token
-        self.judge = None  # the acceptance rule of the live rows
+        self.judge: Judge | None = None  # the acceptance rule of the live rows
         self.steps: list[StepStats] = []  # every step so far, prefills included
         self._next_id = 0
         # rows joined since the drafters last began: they restart at the next step that drafts (a batch
@@ -279,6 +318,11 @@ class DecodeSession:
         gone = set(seqs)
         self._keep([r for r, s in enumerate(self.rows) if s not in gone])
 
+    def result(self, s: int) -> SequenceResult:
+        """What sequence ``s`` (an id ``add`` returned, live or finished and not forgotten) generated so far."""
+        b = self.batch
+        return SequenceResult(list(b.new[s]), b.steps[s], b.accepted[s])
+
     def forget(self, s: int) -> None:
         """Drop what is kept of finished sequence s (a server's sequences never end)."""
         assert s not in self.rows, f"sequence {s} is live: remove it first"
@@ -359,8 +403,9 @@ class DecodeSession:
     def _prefill(self, cache: BMCCache, seqs: list[int], prompts: list[torch.Tensor], judge,
                  begin: bool) -> tuple[Verification, Commit, list | None]:
         """Prompts of one length together (no padding: HF's unpadded prefill), each length alone,
-        through ``forward.prefill`` into their rows; the first token of each (sequences ``seqs``), with
-        its logprobs where asked. ``begin``: the drafters begin on these prompts."""
+        through ``forward.prefill`` into their rows, or with the decoder's prefix cache each prompt alone
+        (``_prefill_reusing``); the first token of each (sequences ``seqs``), with its logprobs where
+        asked. ``begin``: the drafters begin on these prompts."""
         d = self.decoder
         want_hidden = d.reads_hidden
         B, P = len(prompts), max(len(p) for p in prompts)
@@ -373,6 +418,11 @@ class DecodeSession:
         # K/V (why: docs/decisions/011-prefill-chunks.md)
         chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
                   for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
+        reuse = self._reuses_prefixes()
+        if reuse:  # each prompt alone, in aligned blocks over what the cache holds (earlier prompts of this
+            chunks = []  # batch included): docs/decisions/021-prefix-cache.md
+            for b, s in enumerate(seqs):
+                logits[b], self.batch.cached[s] = self._prefill_reusing(cache, b, prompts[b], P)
         for rows in chunks:
             pre = prefill(d.target, torch.stack([prompts[b] for b in rows]), want_hidden, d.hidden_layers)
             for g, b in enumerate(rows):
@@ -393,6 +443,31 @@ class DecodeSession:
             lengths = torch.tensor([len(p) for p in prompts])
             d.chooser.begin(Prompt(ids, lengths, prefix, cache, judge.sampling, judge.generator, procs))
         return ver, make_commit(empty, ver, last), logprobs
+
+    def _reuses_prefixes(self) -> bool:
+        """Prompts go through the decoder's prefix cache (not with a drafter that reads the prompt's hidden
+        states: the cache keeps K/V rows only)."""
+        cache = self.decoder.prefix_cache
+        return cache is not None and cache.enabled and not self.decoder.reads_hidden
+
+    def _prefill_reusing(self, cache: BMCCache, b: int, prompt: torch.Tensor, capacity: int) -> tuple[torch.Tensor, int]:
+        """Prompt ``prompt`` into batch row b of ``cache``: its longest cached prefix taken, the rest
+        prefilled in aligned blocks (``forward.prefill_aligned``), its whole blocks kept for later.
+        Returns its logits after the last token [V] and the rows reused."""
+        d = self.decoder
+        prefix_cache = d.prefix_cache
+        tokens = prompt.tolist()
+        hit = prefix_cache.lookup(tokens)
+        pre = prefill_aligned(d.target, prompt, prefix_cache.block, hit.layers or None)
+        prefix_cache.stats.tokens_prefilled += len(tokens) - hit.tokens
+        layers = [(k[0], v[0]) for k, v in pre.layers]  # [H, P, D] each
+        prefix_cache.insert(tokens, layers)
+        cache.load_prefill(b, layers, capacity=capacity)
+        return pre.logits[0], hit.tokens
+
+    def cached_tokens(self, s: int) -> int:
+        """Prompt tokens of sequence s taken from the prefix cache (0: none, or no cache)."""
+        return self.batch.cached.get(s, 0)
 
     def _verify(self, tree: DraftTree, masks: list) -> tuple[Verification, torch.Tensor | None, bool, list | None]:
         """One target forward over [pending token, tree nodes] per row; keep pending + the accepted path

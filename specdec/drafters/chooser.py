@@ -73,6 +73,10 @@ class Chooser(ABC):
     def own_tree(self, key: Hashable) -> bool:
         """Whether class ``key``'s drafts size their own tree (``Drafter.own_tree``)."""
 
+    @abstractmethod
+    def source_of(self, key: Hashable) -> str:
+        """The name of the drafter that drafts class ``key`` (reports and metrics count drafts under it)."""
+
     def _started(self) -> list[Drafter]:
         return list(self.sources.values())
 
@@ -149,6 +153,9 @@ class OneDrafter(Chooser):
     def own_tree(self, key: Hashable) -> bool:
         return self.drafter.own_tree(key)
 
+    def source_of(self, key: Hashable) -> str:
+        return type(self.drafter).__name__
+
 
 class Sources(Chooser, Corpus):
     """Named drafters, one per step; keys are (source name, its draft class)."""
@@ -210,6 +217,10 @@ class Sources(Chooser, Corpus):
 
     def own_tree(self, key: Hashable) -> bool:
         return self.sources[key[0]].own_tree(self._classes.get(key[0]))
+
+    def source_of(self, key: Hashable) -> str:
+        """Keys are (source name, its draft class)."""
+        return key[0]
 
     def propose(self, key: Hashable, budget: int) -> DraftTree:
         self.drafts[key[0]] += 1

@@ -28,7 +28,6 @@ from typing import Callable
 
 import torch
 
-from specdec.drafters.chooser import Sources
 from specdec.processing import Processing
 from specdec.sampling import SamplingParams
 from specdec.serve.acceptance import RowAcceptance, RowRule
@@ -268,9 +267,7 @@ class Engine:
         for e in events:
             new += len(e.tokens)
             c.sequence_steps += 1
-            finish = None
-            if e.finished:
-                finish = "stop" if e.tokens and e.tokens[-1] in self.eos else "length"
+            finish = e.finish
             req = self._live[e.sequence]
             req.answer.extend(e.tokens)
             drafted = e.stats.num_drafted[e.stats.sequences.index(e.sequence)]  # the step's entry of this row
@@ -289,8 +286,8 @@ class Engine:
         # (not stats.key is None: a drafter of one class, a model's or EAGLE's, drafts with key None)
         if not any(stats.num_drafted):
             return None
-        c, chooser = self.counters, self.decoder.chooser
-        source = stats.key[0] if isinstance(chooser, Sources) else type(self.decoder.drafter).__name__
+        c = self.counters
+        source = self.decoder.chooser.source_of(stats.key)
         c.drafted[source] = c.drafted.get(source, 0) + sum(stats.num_drafted)
         c.accepted[source] = c.accepted.get(source, 0) + sum(stats.num_accepted)
         return source
