@@ -2,8 +2,9 @@
 
 from specdec.decoder import GenerateOutput, SpecDecoder, SpecDecoderConfig, StepStats
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
+from specdec.kv.prefix import PrefixCache
 from specdec.processing import Constraint
 
-__all__ = ["Constraint", "GenerateOutput", "SpecDecoder", "SpecDecoderConfig", "StepStats", "ModelDrafter",
+__all__ = ["Constraint", "PrefixCache", "GenerateOutput", "SpecDecoder", "SpecDecoderConfig", "StepStats", "ModelDrafter",
            "PromptLookupDrafter"]
 __version__ = "0.1.0"

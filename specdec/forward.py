@@ -70,7 +70,7 @@ def hidden_of(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) 
 @torch.inference_mode()
 def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: torch.Tensor | None,
                   depth: torch.Tensor | None, want_hidden: bool = False, split: bool = False,
-                  layers: tuple[int, ...] = (), head=None) -> BlockOutput:
+                  layers: tuple[int, ...] = (), head=None, last_only: bool = False) -> BlockOutput:
     """input_ids [B, Q]; block_mask [B, Q, Q] bool; depth [B, Q] position offsets within the block.
 
     block_mask = depth = None means a causal block (chain, plain decode): the store's fast path.
@@ -79,6 +79,8 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     (``hidden_of``; EAGLE-3).
     head: an output layer in the model's place (a draft's ``drafters.vocab.VocabHead``); where HF's forward
     runs, its full logits restricted as that head restricts them.
+    last_only: logits of the last row only [B, 1, V] (a prefill chunk: the output layer over every row
+    would cost more than the chunk's attention).
     """
     if block_mask is None:
         inputs = cache.prepare_chain(input_ids.shape[1])
@@ -91,18 +93,19 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     ours = split or saved == "sdpa"  # other implementations (flash, flex) are left as the user chose
     keep = layers if want_hidden else ()
     if not ours:  # flash, flex: HF's forward as the user set it up
-        return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep), head)
+        return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep, last_only), head)
     path = fastpath.get(model, check=False)  # under the runtime the decoder's block pinned
     rows = numerics_of(model) == "int8"  # its attention a row at a time (quant.numerics)
     with block_scope([n + input_ids.shape[1] for n in cache.lengths] if split else None, rows):
         if path is not None:  # a Llama-shaped target: the same ops without HF's per-module Python
             # the cache's device is the model's (``model.device`` walks its modules at every call)
             logits, hidden = path(cache, input_ids.to(cache.device), inputs.position_ids, inputs.attention_mask,
-                                  split_attention if split else grouped_attention, keep=keep, head=head)
+                                  split_attention if split else grouped_attention, keep=keep, head=head,
+                                  logits_rows=1 if last_only else None)
             return BlockOutput(logits, hidden if want_hidden else None)
         config._attn_implementation = SPLIT if split else PAD  # HF's layers look the function up
         try:
-            return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep), head)
+            return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep, last_only), head)
         finally:
             config._attn_implementation = saved
 
@@ -112,7 +115,7 @@ def _restricted(out: BlockOutput, head) -> BlockOutput:
 
 
 def _hf_block(model, cache: BMCCache, input_ids: torch.Tensor, inputs, want_hidden: bool,
-              layers: tuple[int, ...] = ()) -> BlockOutput:
+              layers: tuple[int, ...] = (), last_only: bool = False) -> BlockOutput:
     """``forward_block`` through HF's forward."""
     out = model(
         input_ids=input_ids.to(model.device),
@@ -121,6 +124,7 @@ def _hf_block(model, cache: BMCCache, input_ids: torch.Tensor, inputs, want_hidd
         use_cache=True,
         **{cache_arg(model): cache},
         output_hidden_states=want_hidden,
+        **({"logits_to_keep": 1} if last_only else {}),
     )
     hidden = hidden_of(out.hidden_states, layers) if want_hidden else None  # HF applies the final norm already
     return BlockOutput(out.logits, hidden)
@@ -153,3 +157,37 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False, layers: t
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     hidden = hidden_of(out.hidden_states, layers) if want_hidden else None
     return Prefill(out.logits[:, -1], hidden, kv)
+
+
+@torch.inference_mode()
+def prefill_aligned(model, input_ids: torch.Tensor, block: int,
+                    prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Prefill:
+    """One prompt [P] in forwards of ``block`` tokens starting at multiples of ``block``, each a causal
+    block over the rows before it (``forward_block``), on top of ``prefix``: the K/V of its first n
+    tokens, per layer [H, n, D], n a multiple of ``block`` (rows an earlier prefill made this way).
+
+    Why: the rows and logits of a chunk are then a function of its tokens and the rows before it,
+    computed by the same forward of the same shape into the same buffers whether the rows before it
+    were computed now or taken from a ``kv.prefix.PrefixCache``: a reused prefix gives the bits of no
+    reuse (the one-forward prefill does not: a GEMM's blocking and SDPA's causal path depend on the
+    row count; docs/decisions/021-prefix-cache.md). Example, block 64, P 150, prefix of 128 rows: one
+    forward over tokens 128..149; without the prefix three (0..63, 64..127, 128..149), the last the same.
+
+    Returns logits [1, V] after the last token, no hidden states, and the K/V per layer [1, H, P, D]."""
+    from specdec.kv.bmc import BMCConfig
+    from specdec.models import attention_shape, float_dtype
+
+    P = input_ids.shape[0]
+    n = 0 if prefix is None else prefix[0][0].shape[1]
+    assert n % block == 0 and n < P, f"a prefix of {n} rows for a prompt of {P} in blocks of {block}"
+    store = BMCCache.for_model(model, 1, BMCConfig(block))
+    if prefix is None:  # buffers made now, as a prefix's would be: one layout, hit or miss
+        L, H, D = attention_shape(model)
+        empty = torch.zeros(H, 0, D, dtype=float_dtype(model), device=model.device)
+        prefix = [(empty, empty)] * L
+    store.load_prefill(0, prefix, capacity=P)  # capacity P rounded up to a block: never grown below
+    ids = input_ids.to(model.device)
+    for s in range(n, P, block):
+        out = forward_block(model, store, ids[None, s : s + block], None, None, last_only=True)
+        store.commit([list(range(min(block, P - s)))])
+    return Prefill(out.logits[:, -1], None, [(layer.keys[:, :, :P], layer.values[:, :, :P]) for layer in store.layers])
