@@ -177,9 +177,9 @@ def top_tokens(convs: list[Conversation], vocab: int, m: int) -> torch.Tensor:
 
 
 def save_checkpoint(d: Path, head, opt: torch.optim.Optimizer, step: int, result: TrainResult, config,
-                    save=save_head) -> None:
-    """The head (by ``save``: EAGLE's files, or EAGLE-3's), the optimizer's state and the step, each
-    file written atomically."""
+                    save=save_head, data: dict | None = None) -> None:
+    """The head (by ``save``: EAGLE's files, or EAGLE-3's), the optimizer's state and the step (with
+    ``data``: what the batch schedule ran over, checked on resume), each file written atomically."""
     from safetensors.torch import save_file
 
     save(head, d)
@@ -191,7 +191,7 @@ def save_checkpoint(d: Path, head, opt: torch.optim.Optimizer, step: int, result
     save_file(tensors, str(tmp))
     os.replace(tmp, d / "optimizer.safetensors")
     state = {"format": STATE_FORMAT, "step": step, "param_groups": sd["param_groups"],
-             "history": result.history, "config": _jsonable(asdict(config))}
+             "history": result.history, "config": _jsonable(asdict(config)), "data": data}
     tmp = d / "train_state.json.tmp"
     tmp.write_text(json.dumps(state, indent=1))
     os.replace(tmp, d / "train_state.json")

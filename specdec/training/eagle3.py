@@ -22,6 +22,9 @@ Dimensions: B conversations, S pair positions (longest conversation - 1), k step
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -37,7 +40,8 @@ from specdec.drafters.eagle_head import causal_bias
 from specdec.models import text_config
 from specdec.training.eagle import (TrainResult, batch_indices, load_checkpoint, lr_at, save_checkpoint,
                                     split_held_out, top_tokens)
-from specdec.training.eagle_data import Conversation, load_data
+from specdec.training.distributed import SOLO, Ranks
+from specdec.training.eagle_data import Conversation, Entry, ShardedData, load_shard, sharded
 
 
 @dataclass(frozen=True)
@@ -109,9 +113,20 @@ class StepStats:
     counts: list[int]  # per step: positions counted
 
 
-def ttt_losses(head: Eagle3Head, batch: Batch3, steps: int, decay: float) -> StepStats:
+def step_counts(batch: Batch3, steps: int) -> torch.Tensor:
+    """[k] positions counted in the loss at each step of the training-time test (a row t + s past its
+    conversation's end has no label at step s)."""
+    B, S, _ = batch.aux.shape
+    pos = torch.arange(S, device=batch.mask.device).expand(B, S)
+    return torch.stack([(batch.mask & (pos + s < batch.lengths[:, None])).sum() for s in range(steps)])
+
+
+def ttt_losses(head: Eagle3Head, batch: Batch3, steps: int, decay: float,
+               counts: torch.Tensor | None = None) -> StepStats:
     """The training-time test over ``batch`` (see the module docstring): k forwards of the head, the
-    step-s rows attending to step 0's causal prefix and their own rows of steps 1..s."""
+    step-s rows attending to step 0's causal prefix and their own rows of steps 1..s. ``counts`` [k]:
+    the positions each step's cross-entropy is averaged over (default this batch's, ``step_counts``; a
+    rank holding part of a global batch passes the whole batch's)."""
     B, S, _ = batch.aux.shape
     dtype, dev = head.fc.weight.dtype, head.fc.weight.device
     cache = DynamicCache()  # the head's K/V of every step so far: [B, H, S * (s + 1), Dh]
@@ -126,7 +141,8 @@ def ttt_losses(head: Eagle3Head, batch: Batch3, steps: int, decay: float) -> Ste
         logq = torch.log_softmax(head.logits(hidden).float(), dim=-1)  # [B, S, M]
         m = batch.mask & (pos + s < batch.lengths[:, None])  # row t + s must still have a label
         count = m.sum()
-        ce = (-(batch.soft[:, s : s + S] * logq).sum(-1) * m).sum() / count.clamp(min=1)
+        den = count if counts is None else counts[s]
+        ce = (-(batch.soft[:, s : s + S] * logq).sum(-1) * m).sum() / den.clamp(min=1)
         total = total + decay**s * ce
         guess = head.to_target_ids(logq.detach().argmax(-1))
         stats.hits.append(int(((guess == batch.best[:, s : s + S]) & m).sum()))
@@ -135,22 +151,53 @@ def ttt_losses(head: Eagle3Head, batch: Batch3, steps: int, decay: float) -> Ste
     return stats
 
 
+class _TTTLoss(nn.Module):
+    """The training-time test's loss as a module's forward, so that DDP (which hooks a module's forward)
+    sees one forward per step; ``head`` is its only submodule (the target's parts are not modules)."""
+
+    def __init__(self, head: Eagle3Head, config: Train3Config) -> None:
+        super().__init__()
+        self.head, self.steps, self.decay = head, config.ttt_steps, config.step_decay
+
+    def forward(self, batch: Batch3, counts: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``scale`` x this rank's share of the loss, its top-1 hits per step [k])."""
+        st = ttt_losses(self.head, batch, self.steps, self.decay, counts)
+        return st.loss * scale, torch.tensor(st.hits, dtype=torch.float32, device=st.loss.device)
+
+
 @torch.no_grad()
+def _depth_hits(head: Eagle3Head, convs: list[Conversation], config: Train3Config) -> torch.Tensor:
+    """[2, k] (hits, counted positions) per depth of the training-time test over ``convs``, teacher-forced
+    against the target's greedy token over its whole vocabulary."""
+    was = head.training
+    head.eval()
+    out = torch.zeros(2, config.ttt_steps, dtype=torch.float64)
+    for i in range(0, len(convs), config.batch_size):
+        st = ttt_losses(head, make_batch3(head, convs[i : i + config.batch_size], config, True),
+                        config.ttt_steps, config.step_decay)
+        out += torch.tensor([st.hits, st.counts], dtype=torch.float64)
+    head.train(was)
+    return out
+
+
 def evaluate3(head: Eagle3Head, convs: list[Conversation], config: Train3Config) -> list[float] | None:
     """Held-out top-1 per depth (training-time-test rows: head token == the target's greedy token over
     its whole vocabulary), a proxy for acceptance at each depth; None without held-out data."""
     if not convs:
         return None
-    was = head.training
-    head.eval()
-    hits, counts = [0] * config.ttt_steps, [0] * config.ttt_steps
-    for i in range(0, len(convs), config.batch_size):
-        st = ttt_losses(head, make_batch3(head, convs[i : i + config.batch_size], config, True),
-                        config.ttt_steps, config.step_decay)
-        hits = [a + b for a, b in zip(hits, st.hits)]
-        counts = [a + b for a, b in zip(counts, st.counts)]
-    head.train(was)
-    return [h / max(1, c) for h, c in zip(hits, counts)]
+    hits, counts = _depth_hits(head, convs, config)
+    return [float(h / max(1.0, float(c))) for h, c in zip(hits, counts)]
+
+
+def _evaluate_sharded(head: Eagle3Head, data: ShardedData, held: list, config: Train3Config,
+                      ranks: Ranks) -> list[float] | None:
+    """``evaluate3`` over every rank's share of the held-out conversations, summed."""
+    if not held:
+        return None
+    mine = [data.features[e.conv] for e in held if ranks.owns(e.conv)]
+    hc = ranks.sum(_depth_hits(head, mine, config).to(ranks.device)).cpu() if mine else \
+        ranks.sum(torch.zeros(2, config.ttt_steps, dtype=torch.float64, device=ranks.device)).cpu()
+    return [float(h / max(1.0, float(c))) for h, c in zip(hc[0], hc[1])]
 
 
 def init_from_target(head: Eagle3Head, target) -> Eagle3Head:
@@ -163,33 +210,85 @@ def init_from_target(head: Eagle3Head, target) -> Eagle3Head:
     return head
 
 
-def _data(data, target, head_layers: tuple[int, ...]) -> list[Conversation]:
-    convs = data if isinstance(data, list) else load_data(data)
+def _data(data, target, head_layers: tuple[int, ...], ranks: Ranks) -> ShardedData:
+    """``data`` (a directory, conversations in memory, or a rank's ``ShardedData``) as this rank's share,
+    its features checked against the head's layers and the target's width."""
+    if isinstance(data, ShardedData):
+        shard = data
+    elif isinstance(data, list):
+        shard = sharded(data)
+    else:
+        shard = load_shard(data, ranks.owns)
     D = text_config(target).hidden_size
-    bad = [c for c in convs if c.aux is None or c.aux_layers != head_layers or c.hidden.shape[1] != D]
+    bad = [c for c in shard.features.values() if c.aux is None or c.aux_layers != head_layers or c.hidden.shape[1] != D]
     if bad:
         have = "none" if bad[0].aux is None else f"layers {bad[0].aux_layers}, width {bad[0].hidden.shape[1]}"
-        where = "the conversations given" if isinstance(data, list) else data
+        where = data if isinstance(data, (str, os.PathLike)) else "the conversations given"
         raise ValueError(f"{where}: {len(bad)} conversations lack EAGLE-3 features of layers {head_layers} "
                          f"at width {D} ({have}): rebuild them (--answers FILE into a new directory)")
-    return convs
+    missing = [e.conv for e in shard.index if ranks.owns(e.conv) and e.conv not in shard.features]
+    if missing:
+        raise ValueError(f"rank {ranks.rank} of {ranks.world} lacks the features of conversations {missing[:5]} "
+                         "of its shard")
+    return shard
 
 
-def train_head3(target, data: str | os.PathLike | list[Conversation], out_dir: str | os.PathLike,
+def schedule_of(train: list[Entry], config: Train3Config) -> dict:
+    """What a checkpoint's step means: the batch schedule's seed and global batch over these conversations
+    (their numbers and lengths, hashed). A resume over other data or another schedule is refused."""
+    h = hashlib.blake2b(digest_size=8)
+    for e in train:
+        h.update(f"{e.conv}:{len(e.ids)};".encode())
+    return {"seed": config.seed, "batch_size": config.batch_size, "train_conversations": len(train),
+            "fingerprint": h.hexdigest()}
+
+
+def _check_schedule(ckpt: Path, schedule: dict) -> None:
+    saved = json.loads((ckpt / "train_state.json").read_text()).get("data")
+    if saved is not None and saved != schedule:
+        raise ValueError(f"{ckpt}: the checkpoint's step counts batches of {saved}, this run's data and schedule "
+                         f"are {schedule}: resume over the same data, seed and global batch, or start afresh")
+
+
+def _local_batch(head: Eagle3Head, data: ShardedData, train: list[Entry], step: int, config: Train3Config,
+                 ranks: Ranks) -> Batch3:
+    """This rank's part of step ``step``'s global batch (``batch_indices``, the same on every rank). A rank
+    holding none of it computes a fully masked batch of one of its own conversations (loss 0 and zero
+    gradients, so that DDP's all-reduce still meets every rank)."""
+    convs = [data.features[train[i].conv] for i in batch_indices(step, len(train), config) if ranks.owns(train[i].conv)]
+    if convs:
+        return make_batch3(head, convs, config)
+    any_own = next(iter(data.features.values()))
+    b = make_batch3(head, [any_own], config)
+    return dataclasses.replace(b, mask=torch.zeros_like(b.mask))
+
+
+def train_head3(target, data: str | os.PathLike | list[Conversation] | ShardedData, out_dir: str | os.PathLike,
                 config: Train3Config = Train3Config(), progress=None, log=print, clock=time.monotonic,
-                minutes: float | None = None) -> TrainResult:
-    """Train (or resume) an EAGLE-3 head on ``data`` (a data directory, or conversations in memory:
-    ``specdec.training.distill``); checkpoints go to ``out_dir/checkpoint`` and the final head to
-    ``out_dir/head`` (vLLM's layout: SPECDEC_EAGLE3_HEAD loads it). ``clock``: seconds, for the
+                minutes: float | None = None, ranks: Ranks = SOLO) -> TrainResult:
+    """Train (or resume) an EAGLE-3 head on ``data`` (a data directory, conversations in memory:
+    ``specdec.training.distill``, or a rank's share); checkpoints go to ``out_dir/checkpoint`` and the final
+    head to ``out_dir/head`` (vLLM's layout: SPECDEC_EAGLE3_HEAD loads it). ``clock``: seconds, for the
     checkpoint period and ``minutes`` (stop after this long, the head evaluated and saved as at the
-    end: a budgeted run). held_out_accuracy: the held-out top-1 of the first step."""
+    end: a budgeted run). held_out_accuracy: the held-out top-1 of the first step.
+
+    ``ranks`` (``specdec.training.distributed``): with W > 1 this is rank r of a data-parallel run (DDP);
+    every rank calls it with the same arguments, rank 0 writes the files. A checkpoint from any W resumes
+    under any W: it holds the head, the optimizer and the step, and a step's global batch does not depend
+    on W."""
     ckpt = Path(out_dir) / "checkpoint"
     for p in target.parameters():
         p.requires_grad_(False)  # the target's embedding and lm_head are borrowed, frozen
     resume = (ckpt / "train_state.json").is_file()
     layers = config.head.aux_layers or default_aux_layers(text_config(target).num_hidden_layers)
-    train, held = split_held_out(_data(data, target, tuple(layers)), config.held_out)
+    shard = _data(data, target, tuple(layers), ranks)
+    train, held = split_held_out(shard.index, config.held_out)
+    if not any(ranks.owns(e.conv) for e in train):
+        raise ValueError(f"rank {ranks.rank} of {ranks.world} holds none of the {len(train)} training conversations: "
+                         "fewer ranks, or more data")
+    schedule = schedule_of(train, config)
     if resume:
+        _check_schedule(ckpt, schedule)
         head = load_eagle3(ckpt, target)
     else:
         torch.manual_seed(config.seed)
@@ -202,40 +301,54 @@ def train_head3(target, data: str | os.PathLike | list[Conversation], out_dir: s
     step, history = load_checkpoint(ckpt, head, opt) if resume else (0, [])
     if resume:
         log(f"resuming from step {step} ({ckpt})")
+    loss_of = _TTTLoss(head, config)
+    if ranks.world > 1:  # gradients averaged over ranks as backward runs (bucketed all-reduce); why DDP: decision 021
+        from torch.nn.parallel import DistributedDataParallel
+
+        loss_of = DistributedDataParallel(loss_of, broadcast_buffers=False)
     result = TrainResult(step, None, history)
     task = progress.add_task("train", total=config.steps, completed=step, loss=float("nan"),
                              acc=float("nan")) if progress is not None else None
+    save = lambda: save_checkpoint(ckpt, head, opt, step, result, config, save=save_eagle3, data=schedule)  # noqa: E731
     saved = start = clock()
     while step < config.steps:
-        if minutes is not None and clock() - start > 60 * minutes:
+        if minutes is not None and ranks.any(clock() - start > 60 * minutes):
             log(f"stopped at step {step} of {config.steps} after {minutes:g} min")
-            depth = evaluate3(head, held, config)
+            depth = _evaluate_sharded(head, shard, held, config, ranks)
             result.history.append({"step": step, "stopped": True, "held_out_acc_per_depth": depth})
             result.held_out_accuracy = None if depth is None else depth[0]
-            save_checkpoint(ckpt, head, opt, step, result, config, save=save_eagle3)
+            if ranks.lead:
+                save()
             break
-        batch = make_batch3(head, [train[i] for i in batch_indices(step, len(train), config)], config)
+        batch = _local_batch(head, shard, train, step, config, ranks)
+        counts = ranks.sum(step_counts(batch, config.ttt_steps))  # [k] the global batch's positions per step
         for group in opt.param_groups:
             group["lr"] = lr_at(step, config)
-        st = ttt_losses(head, batch, config.ttt_steps, config.step_decay)
+        # DDP averages the ranks' gradients: scaled by W, they sum to the global batch's gradient
+        loss, hits = loss_of(batch, counts, float(ranks.world))
         opt.zero_grad(set_to_none=True)
-        st.loss.backward()
+        loss.backward()
         nn.utils.clip_grad_value_(params, config.grad_clip)
         opt.step()
         step += 1
-        acc = st.hits[0] / max(1, st.counts[0])
+        # what the log shows: the whole batch's loss and step-0 hits (one small all-reduce, one host sync)
+        seen = ranks.sum(torch.cat([loss.detach().float().reshape(1) / ranks.world, hits[:1]]).to(ranks.device)).cpu()
+        loss_value, acc = float(seen[0]), float(seen[1]) / max(1, int(counts[0]))
         if task is not None:
-            progress.update(task, completed=step, loss=float(st.loss.detach()), acc=acc)
+            progress.update(task, completed=step, loss=loss_value, acc=acc)
         if step % config.eval_every == 0 or step == config.steps:
-            depth = evaluate3(head, held, config)
-            result.history.append({"step": step, "loss": float(st.loss.detach()), "train_acc": acc,
+            depth = _evaluate_sharded(head, shard, held, config, ranks)
+            result.history.append({"step": step, "loss": loss_value, "train_acc": acc,
                                    "held_out_acc_per_depth": depth})
             result.held_out_accuracy = None if depth is None else depth[0]
-        if clock() - saved >= 60 * config.save_minutes or step == config.steps:
-            save_checkpoint(ckpt, head, opt, step, result, config, save=save_eagle3)
+        if ranks.any(clock() - saved >= 60 * config.save_minutes) or step == config.steps:
+            if ranks.lead:
+                save()
             saved = clock()
     result.step = step
-    save_eagle3(head, Path(out_dir) / "head")
+    if ranks.lead:
+        save_eagle3(head, Path(out_dir) / "head")
+    ranks.barrier()  # no rank returns (and no resume reads) before rank 0's files are complete
     return result
 
 

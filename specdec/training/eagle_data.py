@@ -6,6 +6,15 @@ target's last hidden states (the features the head learns to predict), resumably
     save_answers("DIR/data", "answers.jsonl")                     # token ids only, ~1 KB each
     restore_answers(target, "answers.jsonl", "OTHER/data")        # features again, one forward each
     convs = load_data("DIR/data")                                 # [Conversation(ids, hidden, prompt_len, aux)]
+    shard = load_shard("DIR/data", owns=lambda conv: conv % W == r)  # every conversation's ids, rank r's features
+
+Sharded (torchrun, specdec.training.distributed): conversation i belongs to rank i % W. Each rank answers
+and writes its own conversations (``generate_data(..., shard=(r, W))``) and reads their features, while
+every rank reads every conversation's ids (the held-out split, the draft vocabulary and the batch
+schedule are the same on every rank). Files are named by conversation, so any other rank count reads
+the same directory. Each file is written to a temporary name and renamed (complete or absent), carries
+a digest of its tensors, and is checked before use: a file made for other layers or another width is
+answered again by the data stage and refused, by name, by training.
 
 With ``DataConfig.aux_layers`` (EAGLE-3) each file also holds the inputs of those target layers,
 concatenated (``aux``), from the same forward.
@@ -15,15 +24,17 @@ Nothing here reads or writes pickles. The objective and the training loop: specd
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from specdec.forward import hidden_of
 from specdec.jsonl import read_jsonl
+from specdec.models import text_config
 from specdec.prompting import encode_prompt, eos_ids
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "eagle_prompts.txt"
@@ -102,9 +113,10 @@ def _conv_path(data_dir: Path, i: int) -> Path:
 
 @torch.no_grad()
 def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
-                  config: DataConfig = DataConfig(), progress=None) -> int:
-    """Answer each prompt with the target and store ids + last hidden states; skips done files.
-    Returns the number of conversations written by this call.
+                  config: DataConfig = DataConfig(), progress=None, shard: tuple[int, int] = (0, 1)) -> int:
+    """Answer each prompt with the target and store ids + last hidden states; skips files that are done
+    and pass ``check_conv`` (one made for other layers or another width is answered again). ``shard``
+    (rank r, ranks W): only conversations i with i % W == r. Returns the number written by this call.
 
     Prompts are answered ``config.batch_size`` at a time (left-padded HF ``generate``: on a CPU a
     batch of 8 costs little more per step than one sequence); each answer is cut after its first
@@ -112,8 +124,11 @@ def generate_data(target, prompts: list[list[int]], data_dir: str | os.PathLike,
     will meet them when drafting."""
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
-    todo = [i for i in range(len(prompts)) if not _conv_path(d, i).exists()]
-    task = progress.add_task("data", total=len(prompts), completed=len(prompts) - len(todo)) \
+    r, W = shard
+    D = text_config(target).hidden_size
+    mine = [i for i in range(len(prompts)) if i % W == r]
+    todo = [i for i in mine if check_conv(_conv_path(d, i), D, config.aux_layers) is not None]
+    task = progress.add_task("data", total=len(mine), completed=len(mine) - len(todo)) \
         if progress is not None else None
     for start in range(0, len(todo), config.batch_size):
         chunk = todo[start : start + config.batch_size]
@@ -139,13 +154,52 @@ def _write_conv(target, path: Path, ids: list[int], prompt_len: int, aux_layers:
         tensors["aux"] = hidden_of(states, aux_layers)[0].float().cpu().contiguous()  # [n, D * len(aux_layers)]
     tmp = path.with_suffix(".tmp")
     save_file(tensors, str(tmp), metadata={"prompt_len": str(prompt_len),
-                                           "aux_layers": ",".join(map(str, aux_layers))})
+                                           "aux_layers": ",".join(map(str, aux_layers)),
+                                           "digest": _digest(tensors)})
     os.replace(tmp, path)  # a conversation file is complete or absent, never half written
 
 
 # Answers are the costly part of the data (one decode step per token); features cost one forward per
 # conversation. So a file of answers (token ids only, ~1 KB a conversation) carries a dataset across
 # machines and sessions, and each session can add to it.
+
+def _digest(tensors: dict[str, torch.Tensor]) -> str:
+    """blake2b of the tensors' names, dtypes, shapes and bytes, in name order (what ``check_conv`` and
+    ``load_shard`` compare a file's contents with)."""
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(tensors):
+        t = tensors[name].contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
+
+
+def check_conv(path: Path, width: int, aux_layers: tuple[int, ...]) -> str | None:
+    """What is wrong with conversation file ``path`` for features of ``width`` and ``aux_layers`` (its
+    header only: the names, shapes and metadata), or None if it is fit to use. The contents' digest is
+    compared when the features are read (``load_shard``)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return "missing"
+    try:
+        with safe_open(str(path), framework="pt") as sf:
+            meta, keys = sf.metadata() or {}, set(sf.keys())
+            shapes = {k: tuple(sf.get_slice(k).get_shape()) for k in keys}
+    except Exception as e:  # noqa: BLE001 - a file safetensors cannot parse is named, whatever the parser raised
+        return f"unreadable ({e})"
+    layers = tuple(int(j) for j in meta.get("aux_layers", "").split(",") if j)
+    n = shapes.get("input_ids", (0,))[0]
+    if layers != tuple(aux_layers):
+        return f"features of layers {layers}, not {tuple(aux_layers)}"
+    if shapes.get("hidden") != (n, width):
+        return f"hidden {shapes.get('hidden')}, expected ({n}, {width})"
+    if aux_layers and shapes.get("aux") != (n, width * len(aux_layers)):
+        return f"aux {shapes.get('aux')}, expected ({n}, {width * len(aux_layers)})"
+    if not 0 <= int(meta.get("prompt_len", 0)) < n:
+        return f"prompt_len {meta.get('prompt_len')} of {n} ids"
+    return None
+
 
 def save_answers(data_dir: str | os.PathLike, path: str | os.PathLike) -> int:
     """Write every conversation in ``data_dir`` as a JSONL line {"conv", "prompt_len", "ids"}."""
@@ -176,12 +230,14 @@ def _answer_of(r) -> tuple[int, int, list[int]]:
 
 
 def restore_answers(target, path: str | os.PathLike, data_dir: str | os.PathLike, progress=None,
-                    aux_layers: tuple[int, ...] = ()) -> int:
+                    aux_layers: tuple[int, ...] = (), shard: tuple[int, int] = (0, 1)) -> int:
     """Rebuild the conversation files of an answers file that ``data_dir`` lacks (features by one
-    target forward each; with ``aux_layers``, EAGLE-3's too). Returns how many were written."""
+    target forward each; with ``aux_layers``, EAGLE-3's too); ``shard`` (r, W): conversations i % W == r
+    only. Returns how many were written."""
     d = Path(data_dir)
     d.mkdir(parents=True, exist_ok=True)
-    todo = [r for r in read_answers(path) if not _conv_path(d, r[0]).exists()]
+    r, W = shard
+    todo = [a for a in read_answers(path) if a[0] % W == r and not _conv_path(d, a[0]).exists()]
     task = progress.add_task("answers", total=len(todo)) if progress is not None else None
     for conv, p, ids in todo:
         _write_conv(target, _conv_path(d, conv), ids, p, aux_layers)
@@ -208,18 +264,64 @@ class Conversation:
     aux_layers: tuple[int, ...] = ()  # which layers ``aux`` holds
 
 
-def load_data(data_dir: str | os.PathLike) -> list[Conversation]:
-    from safetensors import safe_open
+@dataclass(frozen=True)
+class Entry:
+    """A conversation's ids without its features: what every rank knows of every conversation."""
+    conv: int  # its number (file conv_00012 -> 12; a line's "conv" in an answers file)
+    ids: torch.Tensor  # [n] int64
+    prompt_len: int
 
+
+@dataclass(frozen=True)
+class ShardedData:
+    """Training data as a rank holds it: every conversation's ids, and the features of its own shard."""
+    index: list[Entry]  # every conversation, by conv ascending
+    features: dict[int, Conversation] = field(default_factory=dict)  # conv -> features: this rank's only
+
+
+def sharded(convs: list[Conversation]) -> ShardedData:
+    """Conversations in memory as one rank's data holding them all (conv = position)."""
+    return ShardedData([Entry(i, c.ids, c.prompt_len) for i, c in enumerate(convs)], dict(enumerate(convs)))
+
+
+def _files(data_dir: str | os.PathLike) -> list[Path]:
     files = sorted(Path(data_dir).glob("conv_*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no training conversations in {data_dir} (run the data stage first)")
-    convs = []
-    for f in files:
+    return files
+
+
+def _read_conv(f: Path) -> Conversation:
+    """A conversation file's contents, its digest compared (files from before digests are read unchecked)."""
+    from safetensors import safe_open
+
+    with safe_open(str(f), framework="pt") as sf:
+        meta = sf.metadata() or {}
+        tensors = {k: sf.get_tensor(k) for k in sf.keys()}
+    if "digest" in meta and _digest(tensors) != meta["digest"]:
+        raise ValueError(f"{f}: contents differ from the digest written with them (a damaged file: delete it "
+                         "and rerun the data stage)")
+    layers = tuple(int(j) for j in meta.get("aux_layers", "").split(",") if j)
+    return Conversation(tensors["input_ids"], tensors["hidden"], int(meta.get("prompt_len", 0)), tensors.get("aux"),
+                        layers)
+
+
+def load_data(data_dir: str | os.PathLike) -> list[Conversation]:
+    return [_read_conv(f) for f in _files(data_dir)]
+
+
+def load_shard(data_dir: str | os.PathLike, owns=lambda conv: True) -> ShardedData:
+    """Every conversation's ids (one small tensor read per file) and the features of those ``owns(conv)``
+    accepts, each checked against its digest."""
+    from safetensors import safe_open
+
+    index, features = [], {}
+    for f in _files(data_dir):
+        conv = int(f.stem.split("_")[1])
+        if owns(conv):
+            c = features[conv] = _read_conv(f)
+            index.append(Entry(conv, c.ids, c.prompt_len))
+            continue
         with safe_open(str(f), framework="pt") as sf:
-            meta = sf.metadata() or {}
-            layers = tuple(int(j) for j in meta.get("aux_layers", "").split(",") if j)
-            convs.append(Conversation(sf.get_tensor("input_ids"), sf.get_tensor("hidden"),
-                                      int(meta.get("prompt_len", 0)),
-                                      sf.get_tensor("aux") if "aux" in sf.keys() else None, layers))
-    return convs
+            index.append(Entry(conv, sf.get_tensor("input_ids"), int((sf.metadata() or {}).get("prompt_len", 0))))
+    return ShardedData(index, features)

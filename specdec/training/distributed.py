@@ -1,0 +1,81 @@
+"""The ranks of a data-parallel training run under ``torchrun`` (torch.distributed), and the one rank of a
+run without it.
+
+    ranks = init_ranks("cuda")      # torchrun's RANK / WORLD_SIZE / LOCAL_RANK; NCCL on GPUs, gloo on CPUs
+    train_head3(target, data, out, config, ranks=ranks)
+    close_ranks(ranks)
+
+W ranks, r this rank. Conversation i belongs to rank i % W: it answers, stores and reads that shard's
+features, and every rank knows every conversation's ids (``eagle_data.ShardedData``). A step's global
+batch is a pure function of (seed, step) over all conversations, whatever W; each rank computes the
+losses of the batch's conversations it holds, divided by the whole batch's position counts (one small
+all-reduce), so the summed gradient is one process's gradient for the same global batch, up to the
+order of fp32 sums. Why DDP and not FSDP, and what a checkpoint holds: docs/decisions/021-distributed-training.md.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# the collective backend per device type: NCCL between GPUs, gloo between CPU processes
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+
+
+@dataclass(frozen=True)
+class Ranks:
+    rank: int = 0  # this process's rank r
+    world: int = 1  # ranks W (1: no process group, no collective)
+    device: torch.device = torch.device("cpu")  # where this rank's target, head and batches live
+
+    @property
+    def lead(self) -> bool:
+        """Rank 0 writes the checkpoints and the head, and logs."""
+        return self.rank == 0
+
+    def owns(self, conv: int) -> bool:
+        """Conversation ``conv`` is in this rank's shard."""
+        return conv % self.world == self.rank
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` summed over the ranks (in place; itself with one rank). A host sync where it is read."""
+        if self.world > 1:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on one (a time budget read from each rank's own clock)."""
+        return bool(self.sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
+
+    def barrier(self) -> None:
+        if self.world > 1:
+            dist.barrier()
+
+
+SOLO = Ranks()
+
+
+def init_ranks(device: str = "cpu") -> Ranks:
+    """This process's rank from torchrun's environment (WORLD_SIZE absent or 1: one rank, no process
+    group). Rank r of a GPU run uses cuda:LOCAL_RANK; the backend follows the device (BACKENDS)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    dev = torch.device(device)
+    if world <= 1:
+        return Ranks(0, 1, dev)
+    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
+    if dev.type not in BACKENDS:
+        raise ValueError(f"training on {world} ranks needs a device of type {' or '.join(BACKENDS)}, not {device!r}")
+    if dev.type == "cuda":
+        dev = torch.device("cuda", local)  # one GPU per rank on each machine
+        torch.cuda.set_device(dev)
+    if not dist.is_initialized():
+        dist.init_process_group(BACKENDS[dev.type], rank=rank, world_size=world)  # MASTER_ADDR / MASTER_PORT
+    return Ranks(rank, world, dev)
+
+
+def close_ranks(ranks: Ranks) -> None:
+    if ranks.world > 1 and dist.is_initialized():
+        dist.destroy_process_group()
