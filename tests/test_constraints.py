@@ -377,3 +377,19 @@ def test_the_commands_take_a_constraint_and_name_a_bad_one(tmp_path):
     bad = subprocess.run(cli + ["generate", "hello", *model, "--regex", "(ab"], env=env, capture_output=True,
                          text=True, timeout=180)
     assert bad.returncode != 0 and "regex" in bad.stderr and "does not compile" in bad.stderr, bad.stderr[-2000:]
+
+
+def test_a_grammar_draft_is_forced_tokens_and_the_guesses_it_allows(tok, vocab):
+    """``GrammarState.draft``: forced `{"name":`, the guess `"Bo"` taken, forced `,"n":`, the guess `12x`
+    cut to `12` (x is no digit); the state where it began. (The string's opening quote is not forced: the
+    tokenizer's `",` and `"}` could follow too.)"""
+    schema = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+              "required": ["name", "n"], "additionalProperties": False}
+    state = Constraint.json_schema(schema).compile(vocab).start()
+    ids = lambda text: tok(text, add_special_tokens=False)["input_ids"]  # noqa: E731
+    guesses = iter([ids('"Bo"'), ids("12x")])
+    before = state.allowed()
+    out = state.draft(40, lambda drafted: next(guesses, []))
+    assert tok.decode(out) == '{"name":"Bo","n":12', tok.decode(out)
+    assert torch.equal(state.allowed(), before)
+    assert state.draft(3, lambda drafted: []) == out[:3]  # the budget caps it

@@ -1,23 +1,28 @@
 """The grammar's own drafts: where a constraint allows only one way on (a JSON key, punctuation, a
-forced literal), those tokens are proposed as a chain, free to make and accepted unless the target
-writes the same text in other tokens.
+forced literal), those tokens are proposed, free to make and accepted unless the target writes the same
+text in other tokens; between them, the text that followed the same n-gram earlier in the prompt or
+answer (prompt lookup's guess), as far as the grammar allows it, then the grammar's forced tokens again.
 
     SpecDecoder(target, Sources({"grammar": GrammarDrafter(), "lookup": PromptLookupDrafter()}))
 
 It reads each row's grammar state from ``Prompt.processors`` (the decoder advances them); rows without
 a grammar, or where it forces nothing, draft nothing, and a step where no row has a forced token has
-no draft of this class (``draft_class`` 0), so beside other sources (``auto``) it drafts only where the
-grammar decides the text and they draft elsewhere.
+no draft of this class (``draft_class`` 0), so beside other sources (``auto``) it drafts where the
+grammar decides the text and they draft elsewhere. Example, schema {"name": string, "age": integer} and
+a prompt holding `"name":"Bob"` earlier: forced `{"name":"`, guessed `Bob"` (what followed `"name":"`
+before), forced `,"age":`, one chain of all three.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
+from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
+from specdec.drafters.prompt_lookup import NgramIndex
 from specdec.tree import DraftTree
 
-LOOKAHEAD = 32  # forced tokens asked of the grammar at most (a key and its punctuation are a few)
+LOOKAHEAD = 32  # tokens a chain holds at most
+MAX_NGRAM = 3  # the longest suffix a guess matches on (prompt lookup's default)
 
 
 class GrammarDrafter(Drafter):
@@ -25,27 +30,41 @@ class GrammarDrafter(Drafter):
 
     def __init__(self) -> None:
         self.processors: list = []
+        self.texts: list[NgramIndex] = []
 
     def begin(self, prompt: Prompt) -> None:
         self.processors = list(prompt.processors or [None] * len(prompt.lengths))
-
-    def _forced(self, limit: int) -> list[list[int]]:
-        return [p.forced(limit) if p is not None else [] for p in self.processors]
+        self.texts = [NgramIndex(row, 1, MAX_NGRAM) for row in TokenHistory(prompt).rows]
 
     def draft_class(self):
         """The longest forced run of any row, up to 2 (0: nothing forced anywhere: no draft)."""
-        return min(2, max((len(f) for f in self._forced(2)), default=0))
+        return min(2, max((len(p.forced(2)) for p in self.processors if p is not None), default=0))
+
+    def _guess(self, text: NgramIndex, drafted: list[int]) -> list[int]:
+        """What followed the longest earlier occurrence of the text's last n-gram, the drafted tokens
+        counted as text (nothing if none occurred)."""
+        tail = (text.tokens[-MAX_NGRAM:] + drafted)[-MAX_NGRAM:]
+        for n in range(len(tail), 0, -1):
+            j = text.table.get(tuple(tail[len(tail) - n:]))
+            if j is not None:
+                return text.tokens[j: j + LOOKAHEAD]
+        return []
 
     def propose(self, budget: int) -> DraftTree:
-        forced = [f[:budget] for f in self._forced(min(budget, LOOKAHEAD))]
-        K = max((len(f) for f in forced), default=0)
-        tokens = torch.zeros(len(forced), K, dtype=torch.long)
-        for b, f in enumerate(forced):
-            tokens[b, : len(f)] = torch.tensor(f, dtype=torch.long)
-        return DraftTree.chain(tokens, torch.tensor([len(f) for f in forced], dtype=torch.long))
+        limit = min(budget, LOOKAHEAD)
+        chains = [p.draft(limit, lambda out, t=t: self._guess(t, out)) if p is not None and p.forced(1) else []
+                  for p, t in zip(self.processors, self.texts)]
+        K = max((len(c) for c in chains), default=0)
+        tokens = torch.zeros(len(chains), K, dtype=torch.long)
+        for b, c in enumerate(chains):
+            tokens[b, : len(c)] = torch.tensor(c, dtype=torch.long)
+        return DraftTree.chain(tokens, torch.tensor([len(c) for c in chains], dtype=torch.long))
 
     def accept(self, commit: Commit) -> None:
-        """Nothing to learn: the grammar states are the decoder's, advanced with the commit."""
+        """The grammar states are the decoder's, advanced with the commit; the texts grow here."""
+        for b, text in enumerate(self.texts):
+            text.extend(commit.new_tokens(b))
 
     def select(self, rows: list[int]) -> None:
         self.processors = [self.processors[b] for b in rows]
+        self.texts = [self.texts[b] for b in rows]

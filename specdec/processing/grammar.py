@@ -188,6 +188,32 @@ class GrammarState:
             return []
         return list(self.matcher.compute_ff_tokens())[:limit]
 
+    def draft(self, budget: int, guess) -> list[int]:
+        """Up to ``budget`` tokens the grammar allows from here, the state unmoved: the tokens it forces,
+        then as many of ``guess(drafted so far)`` (a guessed continuation: a list of tokens) as it
+        allows, then what it forces after those, and so on until a guess is refused or runs out.
+        Example: JSON {"name": ..., with guesses copied from the prompt: `{"name":"` forced, `Bob` guessed,
+        `","age":` forced."""
+        out: list[int] = []
+        taken = 0  # tokens consumed here, rolled back at the end
+        try:
+            while len(out) < budget and not self.matcher.is_stopped():
+                step = list(self.matcher.compute_ff_tokens())[: budget - len(out)]
+                if not step:
+                    guessed = [int(t) for t in guess(out)][: budget - len(out)]
+                    step = guessed[: self.matcher.validate_tokens(guessed)] if guessed else []
+                if not step:
+                    break
+                for t in step:
+                    if self.matcher.is_stopped() or not self.matcher.consume_token(t):
+                        raise RuntimeError(f"the grammar refused token {t} it had allowed: {self.matcher.get_error()}")
+                    taken += 1
+                out += step
+        finally:
+            if taken:
+                self.matcher.rollback(taken)
+        return out
+
     def tree_masks(self, parents: list[int], tokens: list[int]) -> tuple[torch.Tensor, list[bool]]:
         """The allowed tokens after each block row of a draft tree, and which nodes the grammar allows.
 

@@ -117,6 +117,11 @@ class RowProcessor:
         """Tokens the grammar forces next (none without a grammar)."""
         return self.grammar.forced(limit) if self.grammar is not None else []
 
+    def draft(self, budget: int, guess) -> list[int]:
+        """A chain the grammar allows: its forced tokens and the guesses it accepts (``GrammarState.draft``);
+        none without a grammar."""
+        return self.grammar.draft(budget, guess) if self.grammar is not None else []
+
     def check_tree(self, parents: list[int], tokens: list[int]) -> tuple[list[bool], torch.Tensor | None]:
         """Which real nodes the grammar allows on their paths, and the allowed tokens after each block row
         [1 + N, V] (None without a grammar: every node kept)."""
