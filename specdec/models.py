@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -209,15 +210,52 @@ def _gguf_cache_dir(gguf: Path, dtype: torch.dtype, kind: str = "fp32") -> Path:
     return cache_root() / "gguf" / f"{gguf.stem}{suffix}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
+VERIFIED = "verified.json"  # a cache folder's record of its weights' stat when they last hashed right
+SETTLED_S = 2.0  # weights changed more recently than this are hashed at every load (see _cache_is_valid)
+
+
 def _cache_is_valid(d: Path) -> bool:
+    """The folder's manifest is this format's and its weights have the manifest's size and SHA-256.
+
+    The hash (~0.8 s for the default model's fp32 weights) runs once per change of the weights: when it
+    matches, the file's stat (size, mtime, ctime, inode) is recorded beside it, and a later load whose stat
+    is the same takes the file as hashed. Any write moves ctime, which no user call can set back; a file
+    changed within SETTLED_S of now is hashed every time, as a second write within one timestamp tick
+    would leave its stat unchanged (git's rule for "racily clean" files)."""
     try:
         manifest = json.loads((d / "manifest.json").read_text())
         weights = d / "model.safetensors"
-        return (manifest.get("format") == CACHE_FORMAT
-                and weights.stat().st_size == manifest["size"]
-                and _sha256(weights) == manifest["sha256"])
+        st = weights.stat()
+        if manifest.get("format") != CACHE_FORMAT or st.st_size != manifest["size"]:
+            return False
+        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, manifest["sha256"]]
+        try:
+            if json.loads((d / VERIFIED).read_text()) == stamp:
+                return True
+        except (OSError, ValueError):
+            pass
+        if _sha256(weights) != manifest["sha256"]:
+            return False
+        if time.time() - max(st.st_mtime, st.st_ctime) > SETTLED_S:
+            _write_atomic(d / VERIFIED, json.dumps(stamp))
+        return True
     except (OSError, ValueError, KeyError):
         return False
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """``text`` into ``path`` by a temporary file renamed over it; a folder that cannot be written is passed
+    over (the record only saves time)."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    except OSError:
+        return
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
 
 
 def _ensure_cache(d: Path, build) -> None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from specdec import models
 from specdec.config import RuntimeConfig
 from specdec.quant.formats import FORMATS
 from specdec.quant.gguf_index import open_index
@@ -171,3 +172,31 @@ def test_the_spot_check_runs_the_routes_on_fp32_whatever_the_default_dtype(kept)
         assert calibrate.spot_check(routes, rt)
     finally:
         torch.set_default_dtype(saved)
+
+
+def test_cached_weights_are_hashed_once_per_change(tmp_path, monkeypatch):
+    """A cache folder's weights hashed right are not hashed again while their stat stays the same; a
+    change (even of one byte, size kept) is hashed and refused, and a file changed within SETTLED_S of now
+    is hashed at every load."""
+    import os
+    import time
+
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(b"x" * 4096)
+    (tmp_path / "manifest.json").write_text(json.dumps(
+        {"format": models.CACHE_FORMAT, "size": 4096, "sha256": models._sha256(w)}))
+    hashed = []
+    real = models._sha256
+    monkeypatch.setattr(models, "_sha256", lambda f: hashed.append(f) or real(f))
+    assert models._cache_is_valid(tmp_path) and models._cache_is_valid(tmp_path)
+    assert len(hashed) == 2 and not (tmp_path / models.VERIFIED).exists()  # just written: hashed each time
+    old = time.time() - 10
+    os.utime(w, (old, old))  # settled (ctime moves too, to now: recorded only once it is old enough)
+    monkeypatch.setattr(models, "SETTLED_S", -1.0)
+    assert models._cache_is_valid(tmp_path) and len(hashed) == 3 and (tmp_path / models.VERIFIED).exists()
+    assert models._cache_is_valid(tmp_path) and len(hashed) == 3  # the stat as recorded: not hashed again
+    w.write_bytes(b"x" * 4095 + b"y")  # same size, one byte changed
+    assert not models._cache_is_valid(tmp_path) and len(hashed) == 4
+    (tmp_path / models.VERIFIED).write_text("{torn")
+    w.write_bytes(b"x" * 4096)
+    assert models._cache_is_valid(tmp_path) and len(hashed) == 5
