@@ -67,7 +67,7 @@ def drafts(usage, accepted: bool = True) -> dict:
     a time to first token, target steps (1 to the answer's tokens)."""
     extra = usage["specdec"] if isinstance(usage, dict) else usage.specdec
     completion = usage["completion_tokens"] if isinstance(usage, dict) else usage.completion_tokens
-    assert set(extra) == {"drafted_tokens", "accepted_tokens", "time_to_first_token_s", "steps"}
+    assert set(extra) == {"drafted_tokens", "accepted_tokens", "time_to_first_token_s", "steps", "cached_tokens"}
     assert 1 <= extra["steps"] <= completion or completion == 0
     assert extra["drafted_tokens"] >= extra["accepted_tokens"] >= (1 if accepted else 0), extra
     assert extra["accepted_tokens"] < max(completion, 1)  # the first token is never a draft

@@ -18,6 +18,17 @@ resident memory is read from its ``/metrics`` (``process_resident_memory_bytes``
 first one at or after it) is what a bounded server keeps small. The JSON is rewritten (atomically)
 after every sample, so a long soak that is stopped keeps what it measured.
 
+``--modes multiturn``: N clients each hold a ``--turns``-turn conversation whose first message is one
+shared system prompt of about ``--system-tokens`` tokens (text from the question file), each turn's
+answer appended before the next question, as a chat client resends the whole conversation. Reported:
+time to first token per turn (p50), the later turns' over the first's, tokens/s, and the prompt tokens
+the server reported cached (``usage.prompt_tokens_details.cached_tokens``). With ``--baseline-url`` (the
+same server started with ``--prefix-cache-mb 0``) the same conversations run there too: the TTFT
+ratios side by side, the tokens/s ratio, and (greedy) whether every turn's answer is the same.
+
+    specdec serve --port 8000 &  specdec serve --port 8001 --prefix-cache-mb 0 &
+    specdec bench-serve --modes multiturn --clients 8 --turns 8 --baseline-url http://127.0.0.1:8001
+
 ``--modes malformed``: ``--malformed N`` bad requests in a row (``MALFORMED``: broken JSON, wrong types,
 out-of-range values, an unknown model, an empty and an over-long prompt), the status of each counted,
 then one good request that must be answered: a server that keeps serving answers every bad one with a
@@ -40,7 +51,7 @@ from specdec.bench.questions import load_questions
 from specdec.jsonl import write_json_atomic
 
 RSS_METRIC = "process_resident_memory_bytes"  # Prometheus' process collector (Linux), as `specdec serve` exports it
-MODES = ("concurrent", "sequential", "soak", "malformed")
+MODES = ("concurrent", "sequential", "soak", "malformed", "multiturn")
 
 
 def add_arguments(p) -> None:
@@ -53,7 +64,7 @@ def add_arguments(p) -> None:
     p.add_argument("--questions", default=None, help="a question JSONL (default: the shipped set)")
     p.add_argument("--max-seconds", type=non_negative_float, default=1800.0, help="time bound per mode")
     p.add_argument("--modes", type=name_list, default=["concurrent", "sequential"],
-                   help="concurrent, sequential, soak (in that order). The server remembers what it served "
+                   help="concurrent, sequential, soak, malformed, multiturn (in that order). The server remembers what it served "
                         "(suffix cache): compare the modes on servers started with --no-suffix-cache, or one "
                         "mode per fresh server")
     p.add_argument("--soak-seconds", type=non_negative_float, default=1800.0, help="soak: how long the load runs")
@@ -61,6 +72,11 @@ def add_arguments(p) -> None:
                    help="soak: memory growth is measured from the first sample at or after this time")
     p.add_argument("--sample-every", type=non_negative_float, default=10.0, help="soak: seconds between RSS samples")
     p.add_argument("--malformed", type=positive_int, default=1000, help="malformed: bad requests sent in a row")
+    p.add_argument("--turns", type=positive_int, default=8, help="multiturn: turns per conversation")
+    p.add_argument("--system-tokens", type=positive_int, default=1500,
+                   help="multiturn: the shared system prompt's length (about: 4 characters a token)")
+    p.add_argument("--baseline-url", default=None,
+                   help="multiturn: the same server without a prefix cache (--prefix-cache-mb 0), to compare")
     p.add_argument("--out", default="serve_load.json", help="where the JSON results go")
 
 
@@ -72,6 +88,8 @@ class Sample:
     tokens: int  # completion tokens (usage)
     text: str
     error: str | None = None
+    prompt_tokens: int = 0  # usage's, where the server reports it
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens: prompt tokens a prefix cache reused
 
 
 def percentile(xs: list[float], q: float) -> float | None:
@@ -84,7 +102,7 @@ def percentile(xs: list[float], q: float) -> float | None:
 
 async def _one(client, url: str, body: dict, index: int) -> Sample:
     t0 = time.perf_counter()
-    ttft, parts, tokens = None, [], 0
+    ttft, parts, tokens, usage = None, [], 0, {}
     try:
         async with client.stream("POST", url, json=body) as r:
             if r.status_code != 200:
@@ -96,7 +114,8 @@ async def _one(client, url: str, body: dict, index: int) -> Sample:
                 if "error" in chunk:
                     return Sample(index, None, None, 0, "", chunk["error"]["message"])
                 if chunk.get("usage"):
-                    tokens = chunk["usage"]["completion_tokens"]
+                    usage = chunk["usage"]
+                    tokens = usage["completion_tokens"]
                 for choice in chunk.get("choices", []):
                     text = choice.get("delta", {}).get("content") or ""
                     if text and ttft is None:
@@ -106,7 +125,9 @@ async def _one(client, url: str, body: dict, index: int) -> Sample:
         return Sample(index, None, None, 0, "", f"{type(e).__name__}: {e}")
     # a server that sends no usage (another implementation): its content chunks, about one token each
     tokens = tokens or sum(1 for p in parts if p)
-    return Sample(index, ttft, time.perf_counter() - t0, tokens, "".join(parts))
+    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    return Sample(index, ttft, time.perf_counter() - t0, tokens, "".join(parts), None, usage.get("prompt_tokens", 0),
+                  cached)
 
 
 async def run_load(url: str, bodies: list[dict], clients: int, per_client: int, max_seconds: float) -> dict:
@@ -246,6 +267,68 @@ async def run_malformed(url: str, model: str, count: int) -> dict:
             "then_error": good.error}
 
 
+def system_prompt(texts: list[str], tokens: int) -> str:
+    """A shared system prompt of about ``tokens`` tokens (4 characters each): reference notes made of
+    ``texts`` in turn."""
+    head = "You are a careful assistant. Answer briefly, using these reference notes where they help.\n"
+    notes, i = [], 0
+    while len(head) + sum(len(n) + 1 for n in notes) < 4 * tokens:
+        notes.append(f"Note {i + 1}: {texts[i % len(texts)]}")
+        i += 1
+    return (head + "\n".join(notes))[: 4 * tokens]
+
+
+async def run_conversations(url: str, model: str, system: str, questions: list[str], clients: int, turns: int,
+                            max_tokens: int, temperature: float, max_seconds: float) -> dict:
+    """``clients`` conversations at once, ``turns`` turns each (client c's turn t asks
+    questions[(c * turns + t) % len(questions)]), each turn's answer appended before the next; the
+    summary: TTFT per turn, the later turns' over the first's, and every sample (``prompt`` is c * turns + t)."""
+    import httpx
+
+    endpoint = url.rstrip("/") + "/v1/chat/completions"
+    deadline = time.perf_counter() + max_seconds
+    samples: list[Sample] = []
+    skipped = 0
+
+    async def conversation(c: int, client) -> None:
+        nonlocal skipped
+        messages = [{"role": "system", "content": system}]
+        for t in range(turns):
+            if time.perf_counter() > deadline:
+                skipped += turns - t
+                return
+            messages.append({"role": "user", "content": questions[(c * turns + t) % len(questions)]})
+            body = {"model": model, "messages": list(messages), "stream": True, "max_tokens": max_tokens,
+                    "stream_options": {"include_usage": True}, "temperature": temperature, "seed": 0}
+            s = await _one(client, endpoint, body, c * turns + t)
+            samples.append(s)
+            if s.error is not None:  # the conversation cannot go on without its answer
+                skipped += turns - t - 1
+                return
+            messages.append({"role": "assistant", "content": s.text})
+
+    limits = httpx.Limits(max_connections=clients + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+        t0 = time.perf_counter()
+        await asyncio.gather(*(conversation(c, client) for c in range(clients)))
+        wall = time.perf_counter() - t0
+    return summarize(samples, wall, skipped) | turn_summary(samples, turns)
+
+
+def turn_summary(samples: list[Sample], turns: int) -> dict:
+    """TTFT p50 per turn, the later turns' p50 over the first turn's, and the prompt tokens reported
+    cached. Example: turn p50s [2.0, 0.4, 0.5] -> later 0.4 or 0.5 (p50 of every later sample) / 2.0."""
+    ok = [s for s in samples if s.error is None and s.ttft is not None]
+    per_turn = [percentile([s.ttft for s in ok if s.prompt % turns == t], 50) for t in range(turns)]
+    first = per_turn[0]
+    later = percentile([s.ttft for s in ok if s.prompt % turns > 0], 50)
+    return {"turns": turns, "ttft_p50_by_turn_s": per_turn, "ttft_first_turn_p50_s": first,
+            "ttft_later_turns_p50_s": later,
+            "later_over_first": later / first if first and later is not None else None,
+            "prompt_tokens": sum(s.prompt_tokens for s in ok), "cached_tokens": sum(s.cached_tokens for s in ok),
+            "first_turn_prompt_tokens": percentile([s.prompt_tokens for s in ok if s.prompt % turns == 0], 50)}
+
+
 def summarize(samples: list[Sample], wall: float, skipped: int = 0) -> dict:
     ok = [s for s in samples if s.error is None]
     ttft = [s.ttft for s in ok if s.ttft is not None]
@@ -257,6 +340,17 @@ def summarize(samples: list[Sample], wall: float, skipped: int = 0) -> dict:
             "latency_p50_s": percentile(lat, 50), "latency_p99_s": percentile(lat, 99),
             "first_errors": [s.error for s in samples if s.error is not None][:5],
             "samples": [asdict(s) for s in samples]}
+
+
+def compare_conversations(cached: dict | None, baseline: dict | None, temperature: float) -> dict:
+    """With the prefix cache against without: tokens/s ratio and (greedy) whether every turn answered the same."""
+    if cached is None or baseline is None:
+        return {}
+    out = {"multiturn_throughput_ratio": cached["tokens_per_s"] / baseline["tokens_per_s"]
+           if baseline["tokens_per_s"] else None}
+    if temperature == 0:
+        out["multiturn_answers_identical"] = same_answers(cached, baseline)
+    return out
 
 
 def same_answers(a: dict, b: dict) -> bool:
@@ -297,6 +391,16 @@ def run(args) -> int:
     if "malformed" in args.modes:
         print(f"malformed: {args.malformed} bad requests in a row, then a good one ...")
         result["malformed"] = asyncio.run(run_malformed(args.url, args.model, args.malformed))
+    if "multiturn" in args.modes:
+        system = system_prompt([q.turns[0] for q in questions], args.system_tokens)
+        asks = [q.turns[0] for q in questions]
+        for key, url in (("multiturn", args.url), ("multiturn_baseline", args.baseline_url)):
+            if url is None:
+                continue
+            print(f"{key}: {args.clients} conversations x {args.turns} turns against {url} ...")
+            result[key] = asyncio.run(run_conversations(url, args.model, system, asks, args.clients, args.turns,
+                                                        args.max_tokens, args.temperature, args.max_seconds))
+        result |= compare_conversations(result.get("multiturn"), result.get("multiturn_baseline"), args.temperature)
     if "concurrent" in result and "sequential" in result:
         seq = result["sequential"]["tokens_per_s"]
         result["throughput_ratio"] = result["concurrent"]["tokens_per_s"] / seq if seq else None
@@ -307,6 +411,16 @@ def run(args) -> int:
         r = result["malformed"]
         print(f"malformed: {r['requests']} requests in {r['wall_s']:.1f} s, statuses {r['statuses']}; "
               f"then a good request: {'served' if r['then_served'] else 'FAILED: ' + str(r['then_error'])}")
+    for key in ("multiturn", "multiturn_baseline"):
+        if key in result:
+            r = result[key]
+            fmt = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+            print(f"{key:>18}: {r['requests']} turns, {r['errors']} errors, {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
+                  f"first turn {fmt(r['ttft_first_turn_p50_s'])} s, later turns {fmt(r['ttft_later_turns_p50_s'])} s "
+                  f"({fmt(r['later_over_first'])}x), {r['cached_tokens']} of {r['prompt_tokens']} prompt tokens cached")
+    if "multiturn_throughput_ratio" in result:
+        print(f"multiturn with / without the prefix cache, tokens/s: {result['multiturn_throughput_ratio']:.2f}x; "
+              f"answers identical: {result.get('multiturn_answers_identical', 'n/a (sampling)')}")
     for mode in ("concurrent", "sequential", "soak"):
         if mode in result:
             r = result[mode]
@@ -325,4 +439,6 @@ def run(args) -> int:
         print(f"concurrent / sequential tokens/s: {result['throughput_ratio']:.2f}x; answers identical: "
               f"{result.get('answers_identical', 'n/a (sampling)')}")
     print(f"written to {args.out}")
-    return 0 if all(result[m]["errors"] == 0 for m in args.modes) else 1
+    failed = any(result[m]["errors"] for m in args.modes if m in result) or \
+        ("multiturn_baseline" in result and result["multiturn_baseline"]["errors"])
+    return 1 if failed else 0

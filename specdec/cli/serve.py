@@ -1,6 +1,7 @@
 """`specdec serve`: an OpenAI-compatible HTTP server (chat and completions, streaming or not) over
 one continuously batched decode loop; the suffix drafter's memory of served text persists across
-restarts (``--no-suffix-cache`` opts out). ``--api-key`` / ``--api-key-file``, ``--max-body-bytes``,
+restarts (``--no-suffix-cache`` opts out); prompt rows are reused across requests (``--prefix-cache-mb``,
+``specdec.kv.prefix``). ``--api-key`` / ``--api-key-file``, ``--max-body-bytes``,
 ``--request-timeout`` and ``--max-connections`` make it fit to face other people (no TLS: see README)."""
 
 from __future__ import annotations
@@ -31,6 +32,10 @@ def add_arguments(p) -> None:
     p.add_argument("--cache-max-tokens", type=positive_int, default=1_000_000,
                    help="served tokens the suffix cache keeps; the oldest answers are evicted beyond it")
     p.add_argument("--save-every", type=positive_int, default=300, help="seconds between cache saves")
+    p.add_argument("--prefix-cache-mb", type=non_negative_int, default=PREFIX_CACHE_MB,
+                   help="MiB of prompt K/V rows kept for later requests that start with the same tokens (a "
+                        "conversation's earlier turns, a shared system prompt: only the rest is prefilled; "
+                        "answers unchanged, bit for bit); least recently used first out; 0: off")
     p.add_argument("--shutdown-timeout", type=positive_int, default=10,
                    help="seconds in-flight answers get to finish on SIGTERM/SIGINT before they are cancelled")
     p.add_argument("--trim-every", type=non_negative_float, default=0.0,
@@ -49,6 +54,17 @@ def add_arguments(p) -> None:
     p.add_argument("--max-connections", type=non_negative_int, default=0,
                    help="open connections at most (uvicorn's limit_concurrency; beyond it: 503); "
                         "0: --max-batch + --max-queue + 32")
+
+
+# ~11k tokens of the default model (46 KB a token): a 1,500-token system prompt and eight conversations
+PREFIX_CACHE_MB = 512
+
+
+def prefix_cache(args):
+    """The prefix cache --prefix-cache-mb asks for (None: 0)."""
+    from specdec.kv.prefix import PrefixCache
+
+    return PrefixCache(args.prefix_cache_mb * 2**20) if args.prefix_cache_mb else None
 
 
 def api_key(args) -> str | None:
@@ -99,7 +115,11 @@ def run(args) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specdec.serve")
     loaded = load_model(args.model, weights=weights_for(args.model, args.weights), numerics=args.numerics)
-    decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model), SpecDecoderConfig(runtime=args.runtime))
+    decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model), SpecDecoderConfig(runtime=args.runtime),
+                          prefix_cache=prefix_cache(args))
+    if decoder.prefix_cache is not None and decoder.reads_hidden:
+        log.warning("the prefix cache stays unused: drafter %s reads the prompt's hidden states, which it does not keep",
+                    args.drafter)
     log.info("preparing the CPU kernels and packed weights ...")
     kernels.prepare()
     decoder.warm_up()

@@ -270,8 +270,10 @@ class _Progress:
     accepted: int = 0  # of them, kept
     first_token: float | None = None  # seconds from arrival to its first token
     steps: int = 0  # target forwards that gave it tokens (its prefill's included): tau = tokens / steps
+    cached: int = 0  # prompt tokens taken from the prefix cache
 
     def add(self, u: Update) -> None:
+        self.cached += u.cached
         if u.tokens and self.first_token is None:
             self.first_token = time.perf_counter() - self.arrived
         self.steps += bool(u.tokens)
@@ -283,7 +285,8 @@ class _Progress:
         ttft = None if self.first_token is None else round(self.first_token, 6)
         return protocol.usage(prompt_tokens, self.tokens, {"drafted_tokens": self.drafted,
                                                            "accepted_tokens": self.accepted,
-                                                           "time_to_first_token_s": ttft, "steps": self.steps})
+                                                           "time_to_first_token_s": ttft, "steps": self.steps,
+                                                           "cached_tokens": self.cached}, self.cached)
 
 
 class _Deadline:
@@ -329,6 +332,24 @@ class _EngineCollector:
             accepted.add_metric([source], c.accepted.get(source, 0))
             rate.add_metric([source], c.accepted.get(source, 0) / max(1, n))
         yield from (finished, drafted, accepted, rate)
+        prefix = e.decoder.prefix_cache
+        if prefix is not None:
+            yield from prefix_metrics(prefix)
+
+
+def prefix_metrics(cache):
+    """The prefix cache's counts (``specdec.kv.prefix.PrefixStats``) as Prometheus metrics."""
+    st = cache.stats
+    yield CounterMetricFamily("specdec_prefix_cache_lookups", "prompts looked up in the prefix cache", value=st.lookups)
+    yield CounterMetricFamily("specdec_prefix_cache_hits", "prompts that reused cached rows", value=st.hits)
+    yield CounterMetricFamily("specdec_prefix_cache_reused_tokens", "prompt tokens taken from the prefix cache",
+                              value=st.tokens_reused)
+    yield CounterMetricFamily("specdec_prefix_cache_prefilled_tokens", "prompt tokens computed (the rest)",
+                              value=st.tokens_prefilled)
+    yield CounterMetricFamily("specdec_prefix_cache_evicted_blocks", "blocks evicted (least recently used)",
+                              value=cache.index.evictions)
+    yield GaugeMetricFamily("specdec_prefix_cache_bytes", "bytes of K/V rows held", value=cache.nbytes)
+    yield GaugeMetricFamily("specdec_prefix_cache_max_bytes", "the budget (--prefix-cache-mb)", value=cache.max_bytes)
 
 
 def _error(e: ApiError) -> JSONResponse:

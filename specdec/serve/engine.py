@@ -65,6 +65,7 @@ class Update:
     drafted: int = 0  # draft tokens verified for this request in the step (>= from_draft)
     source: str | None = None  # the drafter whose draft the step verified for it (None: nothing drafted)
     logprobs: list | None = None  # one ``TokenLogprob`` per token, when the request asked for them
+    cached: int = 0  # prompt tokens taken from the prefix cache (on the request's first update only)
 
 
 @dataclass
@@ -258,9 +259,10 @@ class Engine:
                 self._count_finish("error")
             raise
         self._live.update(zip(ids, requests))
-        self._dispatch(events)
+        self._dispatch(events, cached={s: self.session.cached_tokens(s) for s in ids})
 
-    def _dispatch(self, events: list[StepEvent], source: str | None = None) -> None:
+    def _dispatch(self, events: list[StepEvent], source: str | None = None, cached: dict[int, int] | None = None) -> None:
+        """``cached``: prompt tokens each sequence took from the prefix cache (its first update says it)."""
         c = self.counters
         now = time.perf_counter()
         new = 0
@@ -272,7 +274,7 @@ class Engine:
             req.answer.extend(e.tokens)
             drafted = e.stats.num_drafted[e.stats.sequences.index(e.sequence)]  # the step's entry of this row
             update = Update(e.tokens, finish, e.from_draft, drafted=drafted, source=source if drafted else None,
-                            logprobs=e.logprobs)
+                            logprobs=e.logprobs, cached=(cached or {}).get(e.sequence, 0))
             if finish is None:
                 req.emit(update)
             else:

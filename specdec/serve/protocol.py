@@ -296,11 +296,13 @@ def new_id(chat: bool) -> str:
     return ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
 
 
-def usage(prompt_tokens: int, completion_tokens: int, specdec: dict | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, specdec: dict | None = None, cached_tokens: int = 0) -> dict:
     """OpenAI's usage object; ``specdec``: this server's extension (drafted and accepted tokens, time to
-    first token), a field OpenAI's clients keep as an extra and otherwise ignore."""
+    first token), a field OpenAI's clients keep as an extra and otherwise ignore. ``cached_tokens``: prompt
+    tokens taken from the prefix cache (OpenAI's ``prompt_tokens_details.cached_tokens``)."""
     out = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-           "total_tokens": prompt_tokens + completion_tokens}
+           "total_tokens": prompt_tokens + completion_tokens,
+           "prompt_tokens_details": {"cached_tokens": cached_tokens}}
     if specdec is not None:
         out["specdec"] = specdec
     return out
