@@ -8,6 +8,7 @@ import torch
 
 from conftest import hf_greedy, perturbed, tiny_llama
 from specdec import PrefixCache, PromptLookupDrafter, SpecDecoder
+from specdec.config import RuntimeConfig
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoderConfig
 from specdec.drafters import ModelDrafter
@@ -102,15 +103,22 @@ def _layers_equal(a, b) -> bool:
     return all(torch.equal(ka, kb) and torch.equal(va, vb) for (ka, va), (kb, vb) in zip(a, b))
 
 
+TARGET32 = tiny_llama(5, layers=2, dtype=torch.float32)  # fp32: the CPU kernels' routes and fused ops take it
+PATHS = {"lean": RuntimeConfig(calibrate=False), "hf": RuntimeConfig(calibrate=False, fastpath=False)}
+
+
 @pytest.mark.parametrize("length", [9, 24, 37])
-def test_a_reused_prefix_gives_the_bits_of_no_reuse(length):
+@pytest.mark.parametrize("path", list(PATHS))
+@pytest.mark.parametrize("target", [TARGET, TARGET32], ids=["float64", "float32"])
+def test_a_reused_prefix_gives_the_bits_of_no_reuse(length, path, target):
     ids = torch.tensor(_ids(length, length))
-    cold = prefill_aligned(TARGET, ids, BLOCK)
-    for n in range(BLOCK, length, BLOCK):  # every whole-block prefix short of the last token
-        hit = [(k[0, :, :n], v[0, :, :n]) for k, v in cold.layers]
-        warm = prefill_aligned(TARGET, ids, BLOCK, hit)
-        assert torch.equal(warm.logits, cold.logits), f"prefix {n}"
-        assert _layers_equal(warm.layers, cold.layers), f"prefix {n}"
+    with SpecDecoder(target, config=SpecDecoderConfig(runtime=PATHS[path])).running():
+        cold = prefill_aligned(target, ids, BLOCK)
+        for n in range(BLOCK, length, BLOCK):  # every whole-block prefix short of the last token
+            hit = [(k[0, :, :n], v[0, :, :n]) for k, v in cold.layers]
+            warm = prefill_aligned(target, ids, BLOCK, hit)
+            assert torch.equal(warm.logits, cold.logits), f"prefix {n}"
+            assert _layers_equal(warm.layers, cold.layers), f"prefix {n}"
 
 
 def test_the_aligned_prefill_is_the_models_forward():
@@ -259,3 +267,40 @@ def test_one_cache_serves_one_target():
     SpecDecoder(TARGET, prefix_cache=cache)  # the same target again: fine
     with pytest.raises(ValueError, match="another target"):
         SpecDecoder(tiny_llama(6), prefix_cache=cache)
+
+
+def test_seeded_sampling_draws_the_same_with_the_cache():
+    cache = PrefixCache(MB, block=BLOCK)
+    with_cache = SpecDecoder(TARGET, PromptLookupDrafter(), _config(), prefix_cache=cache)
+    without = SpecDecoder(TARGET, PromptLookupDrafter(), _config())
+    for p in PROMPTS[:3]:
+        kw = dict(max_new_tokens=12, eos_token_id=None, do_sample=True, temperature=0.8, seed=7)
+        assert torch.equal(with_cache.generate(torch.tensor(p)[None], **kw).sequences,
+                           without.generate(torch.tensor(p)[None], **kw).sequences)
+    assert cache.stats.tokens_reused > 0
+
+
+def test_a_drafter_reading_hidden_states_leaves_the_cache_unused():
+    from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
+
+    cache = PrefixCache(MB, block=BLOCK)
+    decoder = SpecDecoder(TARGET, EagleDrafter(TARGET, EagleHead(TARGET), EagleConfig(total_tokens=6, depth=3, top_k=2)),
+                          _config(), prefix_cache=cache)
+    for p, want in zip(PROMPTS[:2], _expected(PROMPTS[:2], 8)):
+        assert decoder.generate(torch.tensor(p)[None], max_new_tokens=8, eos_token_id=None).generated(0).tolist() == want
+    assert cache.stats.lookups == 0 and cache.nbytes == 0
+
+
+@pytest.mark.parametrize("weights", ["fp32", "packed"])
+def test_the_default_model_gets_the_bits_of_no_reuse(real, weights):
+    """The default model, fp32 (the ``real`` fixture's) and packed (the serve default): a GEMM's blocking
+    and SDPA's path depend on the row count, so only the aligned prefill makes this hold."""
+    from specdec.models import load_model
+
+    model = real.model if weights == "fp32" else load_model("default", weights="packed").model
+    ids = torch.randint(1, 40000, (200,), generator=torch.Generator().manual_seed(1))
+    with SpecDecoder(model).running():
+        cold = prefill_aligned(model, ids, 64)
+        hit = [(k[0, :, :128], v[0, :, :128]) for k, v in cold.layers]
+        warm = prefill_aligned(model, ids, 64, hit)
+    assert torch.equal(warm.logits, cold.logits) and _layers_equal(warm.layers, cold.layers)
