@@ -104,6 +104,14 @@ class Oracle(Drafter):
         self.done = [self.done[b] for b in rows]
 
 
+def _eagle(model):
+    """An EAGLE drafter with a random head: dynamic trees of 10 nodes, siblings and depth, mostly refused."""
+    from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead, EagleHeadConfig
+
+    torch.manual_seed(1)
+    return EagleDrafter(model, EagleHead(model, EagleHeadConfig()), EagleConfig(total_tokens=10, depth=4, top_k=3))
+
+
 def drafters(model):
     return {
         "prompt-lookup": lambda: PromptLookupDrafter(),
@@ -111,6 +119,7 @@ def drafters(model):
         "suffix": lambda: SuffixDrafter(),
         "streaming": lambda: StreamingDrafter(model, budget=16, sink=2),
         "grammar": lambda: GrammarDrafter(),
+        "eagle": lambda: _eagle(model),
         "grammar+model": lambda: Sources({"grammar": GrammarDrafter(), "model": ModelDrafter(perturbed(model, 0.05))}),
     }
 
