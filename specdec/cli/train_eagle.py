@@ -30,6 +30,14 @@ of every answer there (and of each ``--with-answers FILE``) come from batched fo
 device's memory (specdec.training.distill: no per-conversation files), and training runs at most
 ``--train-minutes``. ``--device cuda`` runs the target and the head there.
 
+Under ``torchrun`` (``--arch eagle3``; README "Training on several GPUs"): W processes, one per GPU (NCCL)
+or CPU process (gloo, ``--device cpu``), from the environment torchrun sets. Conversation i is rank
+i % W's: it answers it and writes its file (``--in-memory``: its answers go to ``FILE.rank{r}-of-{W}.jsonl``
+beside ``--answers FILE`` and its features stay in its own device's memory); every rank reads every
+conversation's ids; the head trains under DDP on the same global batch of ``--batch-size`` conversations
+as one process would (specdec.training.distributed); rank 0 writes the checkpoints and the head. A
+checkpoint resumes under any rank count.
+
 Batches are a pure function of (seed, step), so a resumed run equals an uninterrupted one.
 Nothing here reads or writes pickles.
 """
@@ -43,6 +51,7 @@ from pathlib import Path
 import torch
 
 from specdec.arguments import non_negative_float, non_negative_int, positive_int
+from specdec.training.distributed import SOLO, Ranks, close_ranks, init_ranks
 from specdec.training.eagle import TrainConfig, train_head
 from specdec.training.eagle3 import Train3Config
 from specdec.training.eagle_data import (PROMPTS_FILE, DataConfig, encode_prompts, generate_data, read_prompts,
@@ -100,36 +109,51 @@ def add_arguments(parser) -> None:
 
 
 def run(args) -> int:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.in_memory and (args.arch != "eagle3" or not args.answers):
+        raise ValueError("--in-memory trains an EAGLE-3 head (--arch eagle3) and keeps its answers in --answers FILE")
+    ranks = init_ranks(args.device)
+    try:
+        if ranks.world > 1 and args.arch != "eagle3":
+            raise ValueError(f"train-eagle on {ranks.world} ranks trains EAGLE-3 heads (--arch eagle3); EAGLE-1's "
+                             "head trains in one process")
+        return _run(args, ranks)
+    finally:
+        close_ranks(ranks)
+
+
+def _run(args, ranks: Ranks) -> int:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from specdec.models import load_model
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    console = Console(stderr=True, quiet=args.quiet)
+    console = Console(stderr=True, quiet=args.quiet or not ranks.lead)  # rank 0 speaks for the run
     t0 = time.time()
-    if args.in_memory and (args.arch != "eagle3" or not args.answers):
-        raise ValueError("--in-memory trains an EAGLE-3 head (--arch eagle3) and keeps its answers in --answers FILE")
-    loaded = load_model(args.model, device=args.device)
+    loaded = load_model(args.model, device=str(ranks.device))
     target = loaded.model.eval()
-    console.print(f"target {loaded.name} loaded in {time.time() - t0:.1f} s")
+    console.print(f"target {loaded.name} loaded in {time.time() - t0:.1f} s" +
+                  (f" on each of {ranks.world} ranks ({ranks.device.type})" if ranks.world > 1 else ""))
     columns = [TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TextColumn("{task.fields[loss]:.3f} loss  {task.fields[acc]:.1%} acc", justify="right"),
                TimeRemainingColumn()]
-    progress = lambda cols: Progress(*cols, console=console, disable=args.quiet)  # noqa: E731
+    progress = lambda cols: Progress(*cols, console=console, disable=args.quiet or not ranks.lead)  # noqa: E731
     if args.in_memory:
-        convs = _answers_in_memory(args, loaded, target, console)
+        data = _answers_in_memory(args, loaded, target, console, ranks)
         if args.tf32:
             torch.set_float32_matmul_precision("high")
         with progress(columns) as prog:
-            _train_eagle3(args, target, console, prog, convs)
+            _train_eagle3(args, target, console, prog, data, ranks)
         return 0
     if args.stage in ("all", "data"):
-        _data_stage(args, loaded, target, console, progress(columns[:3] + [TimeRemainingColumn()]))
+        _data_stage(args, loaded, target, console, progress(columns[:3] + [TimeRemainingColumn()]), ranks)
     if args.stage in ("all", "train"):
         with progress(columns) as prog:
-            (_train_eagle3 if args.arch == "eagle3" else _train_eagle)(args, target, console, prog)
+            if args.arch == "eagle3":
+                _train_eagle3(args, target, console, prog, ranks=ranks)
+            else:
+                _train_eagle(args, target, console, prog)
     return 0
 
 
@@ -141,7 +165,7 @@ def _aux_layers(args, target) -> tuple[int, ...]:
     return default_aux_layers(text_config(target).num_hidden_layers) if args.arch == "eagle3" else ()
 
 
-def _data_stage(args, loaded, target, console, prog) -> None:
+def _data_stage(args, loaded, target, console, prog, ranks: Ranks = SOLO) -> None:
     out = Path(args.out)
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer: train-eagle needs one to encode its prompts")
@@ -149,13 +173,16 @@ def _data_stage(args, loaded, target, console, prog) -> None:
     data_cfg = DataConfig(args.max_new_tokens, args.temperature, args.seed, args.data_batch_size, aux)
     prompts = read_prompts(args.prompts)[: args.num_prompts]
     ids = encode_prompts(loaded.tokenizer, prompts)
+    shard = (ranks.rank, ranks.world)  # each rank answers and writes its own conversations
     with prog:
         if args.answers and Path(args.answers).exists():
-            k = restore_answers(target, args.answers, out / "data", prog, aux)
+            k = restore_answers(target, args.answers, out / "data", prog, aux, shard)
             console.print(f"answers: {k} conversations rebuilt from {args.answers}")
-        n = generate_data(target, ids, out / "data", data_cfg, prog)
-    console.print(f"data: {n} new conversations, {len(ids)} in {out / 'data'}")
-    if args.answers:
+        n = generate_data(target, ids, out / "data", data_cfg, prog, shard)
+    console.print(f"data: {n} new conversations (rank 0's), {len(ids)} in {out / 'data'}" if ranks.world > 1
+                  else f"data: {n} new conversations, {len(ids)} in {out / 'data'}")
+    ranks.barrier()  # every shard written before anyone reads them all
+    if args.answers and ranks.lead:
         k = save_answers(out / "data", args.answers)
         console.print(f"answers: {k} conversations written to {args.answers}")
 
@@ -176,26 +203,31 @@ def _train_eagle(args, target, console, prog) -> None:
         console.print(f"EAGLE layout written to {args.export_eagle}")
 
 
-def _answers_in_memory(args, loaded, target, console):
-    """--in-memory's data: new answers appended to --answers, then every answer's features in memory."""
-    from specdec.training.distill import AnswerConfig, answer_prompts, features, read_answers
+def _answers_in_memory(args, loaded, target, console, ranks: Ranks = SOLO):
+    """--in-memory's data: new answers appended to --answers (a rank's to its own file beside it), then the
+    features of this rank's share of every answer in memory (conversation i of the list: rank i % W's)."""
+    from specdec.training.distill import AnswerConfig, answer_prompts, features, read_all_answers, read_answers
+    from specdec.training.eagle_data import Entry, ShardedData
 
     if args.stage in ("all", "data"):
         prompts = encode_prompts(loaded.tokenizer, read_prompts(args.prompts)[: args.num_prompts])
         cfg = AnswerConfig(args.max_new_tokens, args.data_batch_size, args.data_minutes, args.temperature, args.seed)
-        n = answer_prompts(target, prompts, args.answers, cfg, log=console.print)
-        console.print(f"answers: {n} new in {args.answers}")
-    answers = read_answers(args.answers)
+        n = answer_prompts(target, prompts, args.answers, cfg, log=console.print, shard=(ranks.rank, ranks.world))
+        console.print(f"answers: {n} new in {args.answers}" + (" (rank 0's)" if ranks.world > 1 else ""))
+        ranks.barrier()  # every rank's answers appended before anyone reads them all
+    answers = read_all_answers(args.answers)
     for extra in args.with_answers:
         answers += read_answers(extra)
     t = time.time()
-    convs = features(target, answers, _aux_layers(args, target), max_len=args.max_len)
+    mine = [i for i in range(len(answers)) if ranks.owns(i)]
+    convs = features(target, [answers[i] for i in mine], _aux_layers(args, target), max_len=args.max_len)
     console.print(f"features of {len(convs)} conversations ({sum(len(c.ids) for c in convs)} tokens) "
-                  f"in memory in {time.time() - t:.1f} s")
-    return convs
+                  f"in memory in {time.time() - t:.1f} s" + (f", rank 0's of {len(answers)}" if ranks.world > 1 else ""))
+    index = [Entry(i, torch.tensor(ids[: args.max_len]), p) for i, (_, p, ids) in enumerate(answers)]
+    return ShardedData(index, dict(zip(mine, convs)))
 
 
-def _train_eagle3(args, target, console, prog, data=None) -> None:
+def _train_eagle3(args, target, console, prog, data=None, ranks: Ranks = SOLO) -> None:
     from specdec.drafters.eagle3_io import load_eagle3, save_eagle3
     from specdec.training.eagle3 import schedule_note, train_head3
 
@@ -205,11 +237,14 @@ def _train_eagle3(args, target, console, prog, data=None) -> None:
                        draft_vocab=args.draft_vocab or Train3Config.draft_vocab, seed=args.seed,
                        ttt_steps=args.ttt_steps)
     console.print(schedule_note(cfg))
-    res = train_head3(target, Path(args.out) / "data" if data is None else data, out, cfg, prog, log=console.print,
-                      minutes=args.train_minutes)
+    res = train_head3(target, Path(args.out) / "data" if data is None else data, out, cfg, prog if ranks.lead else None,
+                      log=console.print, minutes=args.train_minutes, ranks=ranks)
     depth = res.history[-1].get("held_out_acc_per_depth") if res.history else None
     console.print(f"EAGLE-3 head after {res.step} steps in {out / 'head'}; held-out top-1 per depth {depth}")
-    print(json.dumps({"step": res.step, "held_out_accuracy_per_depth": depth, "head": str(out / "head")}))
+    if not ranks.lead:
+        return
+    print(json.dumps({"step": res.step, "held_out_accuracy_per_depth": depth, "head": str(out / "head"),
+                      "ranks": ranks.world}))
     if args.export_layout:
         save_eagle3(load_eagle3(out / "head", target), out / f"head-{args.export_layout}", args.export_layout)
         console.print(f"{args.export_layout} layout written to {out / f'head-{args.export_layout}'}")

@@ -42,6 +42,29 @@ def read_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
     return read_jsonl(path, _answer_of, "an answer", cut_last=True) if Path(path).exists() else []
 
 
+def shard_path(path: str | os.PathLike, rank: int, world: int) -> Path:
+    """The answers file rank r of W appends to: ``path`` itself for one rank, else ``NAME.rank{r}-of-{W}.jsonl``
+    beside it (ranks never append to one file)."""
+    path = Path(path)
+    return path if world == 1 else path.with_name(f"{path.stem}.rank{rank}-of-{world}{path.suffix}")
+
+
+def answer_files(path: str | os.PathLike) -> list[Path]:
+    """``path`` and every rank's file beside it (of any rank count), those that exist."""
+    path = Path(path)
+    ranked = sorted(path.parent.glob(f"{path.stem}.rank*-of-*{path.suffix}"))
+    return [p for p in [path, *ranked] if p.exists()]
+
+
+def read_all_answers(path: str | os.PathLike) -> list[tuple[int, int, list[int]]]:
+    """Every answer in ``answer_files(path)``, one per conversation (the first file's), by conv."""
+    seen: dict[int, tuple[int, int, list[int]]] = {}
+    for f in answer_files(path):
+        for a in read_answers(f):
+            seen.setdefault(a[0], a)
+    return [seen[c] for c in sorted(seen)]
+
+
 def _drop_cut_line(path: Path) -> None:
     """Truncate a last line a crash cut (no newline), so appended lines start on their own."""
     if not path.exists():
@@ -62,14 +85,18 @@ def _append(path: Path, rows: list[dict]) -> None:
 
 @torch.inference_mode()
 def answer_prompts(target, prompts: list[list[int]], path: str | os.PathLike, config: AnswerConfig = AnswerConfig(),
-                   first_conv: int = 0, log=print, clock=time.monotonic) -> int:
+                   first_conv: int = 0, log=print, clock=time.monotonic, shard: tuple[int, int] = (0, 1)) -> int:
     """Answers of ``target`` to ``prompts`` (token ids; greedy, or sampled at ``config.temperature``),
     appended to the answers file ``path`` as conversations ``first_conv + i``; prompts already answered
-    there are skipped. Returns how many were answered by this call."""
-    path = Path(path)
-    _drop_cut_line(path)
-    done = {conv for conv, _, _ in read_answers(path)}
-    todo = sorted((i for i in range(len(prompts)) if first_conv + i not in done), key=lambda i: len(prompts[i]))
+    there (or in a rank's file beside it: ``answer_files``) are skipped. ``shard`` (rank r, ranks W): only
+    conversations c with c % W == r, appended to ``shard_path(path, r, W)``. Returns how many were
+    answered by this call."""
+    r, W = shard
+    _drop_cut_line(shard_path(path, r, W))  # its own file only: the other ranks may be appending to theirs
+    done = {conv for conv, _, _ in read_all_answers(path)}  # a line another crash cut is skipped there
+    path = shard_path(path, r, W)
+    todo = sorted((i for i in range(len(prompts)) if first_conv + i not in done and (first_conv + i) % W == r),
+                  key=lambda i: len(prompts[i]))
     start, answered = clock(), 0
     for at in range(0, len(todo), config.batch_size):
         if config.minutes is not None and clock() - start > 60 * config.minutes:

@@ -305,7 +305,7 @@ def train_head3(target, data: str | os.PathLike | list[Conversation] | ShardedDa
     if ranks.world > 1:  # gradients averaged over ranks as backward runs (bucketed all-reduce); why DDP: decision 021
         from torch.nn.parallel import DistributedDataParallel
 
-        loss_of = DistributedDataParallel(loss_of, broadcast_buffers=False)
+        loss_of = DistributedDataParallel(loss_of)
     result = TrainResult(step, None, history)
     task = progress.add_task("train", total=config.steps, completed=step, loss=float("nan"),
                              acc=float("nan")) if progress is not None else None
