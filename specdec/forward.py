@@ -29,7 +29,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, DynamicCache
 
-from specdec.kv.bmc import BMCCache
+from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.models import attention_shape, float_dtype
 from specdec.runtime import fastpath
 from specdec.quant.numerics import numerics_of
 from specdec.runtime.attention import block_scope, grouped_attention, split_attention
@@ -174,9 +175,6 @@ def prefill_aligned(model, input_ids: torch.Tensor, block: int,
     forward over tokens 128..149; without the prefix three (0..63, 64..127, 128..149), the last the same.
 
     Returns logits [1, V] after the last token, no hidden states, and the K/V per layer [1, H, P, D]."""
-    from specdec.kv.bmc import BMCConfig
-    from specdec.models import attention_shape, float_dtype
-
     P = input_ids.shape[0]
     n = 0 if prefix is None else prefix[0][0].shape[1]
     assert n % block == 0 and n < P, f"a prefix of {n} rows for a prompt of {P} in blocks of {block}"

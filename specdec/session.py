@@ -445,10 +445,9 @@ class DecodeSession:
         return ver, make_commit(empty, ver, last), logprobs
 
     def _reuses_prefixes(self) -> bool:
-        """Prompts go through the decoder's prefix cache (not with a drafter that reads the prompt's hidden
-        states: the cache keeps K/V rows only)."""
-        cache = self.decoder.prefix_cache
-        return cache is not None and cache.enabled and not self.decoder.reads_hidden
+        """Prompts go through the decoder's prefix cache, an empty budget's too (not with a drafter that
+        reads the prompt's hidden states: the cache keeps K/V rows only)."""
+        return self.decoder.prefix_cache is not None and not self.decoder.reads_hidden
 
     def _prefill_reusing(self, cache: BMCCache, b: int, prompt: torch.Tensor, capacity: int) -> tuple[torch.Tensor, int]:
         """Prompt ``prompt`` into batch row b of ``cache``: its longest cached prefix taken, the rest

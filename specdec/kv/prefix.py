@@ -159,7 +159,8 @@ class PrefixStats:
 
 class PrefixCache:
     """Prompt K/V rows of earlier sequences, shared by every later one (a batch's rows included), LRU
-    under ``max_bytes`` (0: nothing is kept).
+    under ``max_bytes`` (0: nothing is kept, the prompts still prefilled in aligned blocks: the exact
+    baseline of a cache that keeps them).
 
         decoder = SpecDecoder(target, drafter, prefix_cache=PrefixCache(max_bytes=512 * 2**20))
         decoder.generate(system + question_1)   # prefills all of it, keeps its whole 64-token blocks
