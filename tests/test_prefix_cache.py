@@ -167,16 +167,22 @@ def _answers(out) -> list[list[int]]:
 
 @pytest.mark.parametrize("name", list(DRAFTERS))
 def test_alone_each_prompt_answers_as_without_the_cache(name):
+    """Tokens equal to HF's and to a decoder without a cache; every logprob bit-equal to a decoder whose
+    cache keeps nothing (the same aligned prefill, computed whole): a row off by one position moves them
+    even where the tiny model's argmax does not move."""
     cache = PrefixCache(MB, block=BLOCK)
     with_cache = SpecDecoder(TARGET, DRAFTERS[name](), _config(), prefix_cache=cache)
+    cold = SpecDecoder(TARGET, DRAFTERS[name](), _config(), prefix_cache=PrefixCache(0, block=BLOCK))
     without = SpecDecoder(TARGET, DRAFTERS[name](), _config())
     expected = _expected(PROMPTS, 12)
     reused = []
     for p, want in zip(PROMPTS, expected):
         before = cache.stats.tokens_reused
-        got = with_cache.generate(torch.tensor(p)[None], max_new_tokens=12, eos_token_id=None).generated(0).tolist()
+        got = with_cache.generate(torch.tensor(p)[None], max_new_tokens=12, eos_token_id=None, logprobs=2)
         reused.append(cache.stats.tokens_reused - before)
-        assert got == want
+        assert got.generated(0).tolist() == want
+        assert got.logprobs == cold.generate(torch.tensor(p)[None], max_new_tokens=12, eos_token_id=None,
+                                             logprobs=2).logprobs
         assert without.generate(torch.tensor(p)[None], max_new_tokens=12, eos_token_id=None).generated(0).tolist() == want
     # what each took: nothing first; the system prompt's 5 blocks; 2 of them; 5 (its turn 1 only had
     # 46 tokens: 5 whole blocks); the exact 16-token prefix: 1 block (its last token is computed); none
@@ -189,11 +195,14 @@ def test_in_a_batch_the_rows_share_the_cache_and_answer_as_without(name):
     cache = PrefixCache(MB, block=BLOCK)
     decoder = SpecDecoder(TARGET, DRAFTERS[name](), _config(), prefix_cache=cache)
     expected = _expected(PROMPTS, 10)
-    first = decoder.generate(PROMPTS, max_new_tokens=10, eos_token_id=None)
+    cold = SpecDecoder(TARGET, DRAFTERS[name](), _config(), prefix_cache=PrefixCache(0, block=BLOCK))
+    first = decoder.generate(PROMPTS, max_new_tokens=10, eos_token_id=None, logprobs=1)
     assert _answers(first) == expected
     assert cache.stats.tokens_reused == 40 + 16 + 40 + 8  # the batch's later rows took the first's blocks
-    again = decoder.generate(PROMPTS[::-1], max_new_tokens=10, eos_token_id=None)  # every row hits now
+    assert first.logprobs == cold.generate(PROMPTS, max_new_tokens=10, eos_token_id=None, logprobs=1).logprobs
+    again = decoder.generate(PROMPTS[::-1], max_new_tokens=10, eos_token_id=None, logprobs=1)  # every row hits now
     assert _answers(again) == expected[::-1]
+    assert again.logprobs == cold.generate(PROMPTS[::-1], max_new_tokens=10, eos_token_id=None, logprobs=1).logprobs
     assert _answers(SpecDecoder(TARGET, DRAFTERS[name](), _config()).generate(PROMPTS, max_new_tokens=10,
                                                                                 eos_token_id=None)) == expected
 
@@ -230,16 +239,16 @@ def test_self_speculation_drafts_over_reused_rows(make):
 
     cache = PrefixCache(MB, block=BLOCK)
     with_cache = SpecDecoder(TARGET, make(), _config(3), prefix_cache=cache)
-    without = SpecDecoder(TARGET, make(), _config(3))
+    cold = SpecDecoder(TARGET, make(), _config(3), prefix_cache=PrefixCache(0, block=BLOCK))
     prompts = [SYSTEM + _ids(21, 9), SYSTEM + _ids(22, 11)]
     expected = _expected(prompts, 16)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # short prompts fit the budget: the draft copies them whole
         for p, want in zip(prompts, expected):
-            a = with_cache.generate(torch.tensor(p)[None], max_new_tokens=16, eos_token_id=None)
-            b = without.generate(torch.tensor(p)[None], max_new_tokens=16, eos_token_id=None)
+            a = with_cache.generate(torch.tensor(p)[None], max_new_tokens=16, eos_token_id=None, logprobs=1)
+            b = cold.generate(torch.tensor(p)[None], max_new_tokens=16, eos_token_id=None, logprobs=1)
             assert a.generated(0).tolist() == want == b.generated(0).tolist()
-            assert a.accepted_per_sequence == b.accepted_per_sequence
+            assert a.accepted_per_sequence == b.accepted_per_sequence and a.logprobs == b.logprobs
     assert cache.stats.tokens_reused == 40
 
 
