@@ -111,3 +111,18 @@ def test_the_multiturn_load_script_on_a_tiny_load(servers):
     s = turn_summary(samples, 3)
     assert s["ttft_p50_by_turn_s"] == [2.0, 0.4, 0.6] and s["later_over_first"] == pytest.approx(0.2)
     assert s["cached_tokens"] == 16 and s["prompt_tokens"] == 30
+
+
+def test_prefix_cache_mb_sizes_the_cache_and_zero_turns_it_off():
+    import argparse
+
+    from specdec.cli.serve import add_arguments, prefix_cache
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    cache = prefix_cache(parser.parse_args([]))
+    assert cache is not None and cache.max_bytes == 512 * 2**20 and cache.block == 64
+    assert prefix_cache(parser.parse_args(["--prefix-cache-mb", "8"])).max_bytes == 8 * 2**20
+    assert prefix_cache(parser.parse_args(["--prefix-cache-mb", "0"])) is None
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--prefix-cache-mb", "-1"])
