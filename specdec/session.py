@@ -418,11 +418,11 @@ class DecodeSession:
         # K/V (why: docs/decisions/011-prefill-chunks.md)
         chunks = [rows[i : i + max(1, PREFILL_TOKENS // n)] for n, rows in groups.items()
                   for i in range(0, len(rows), max(1, PREFILL_TOKENS // n))]
-        reuse = self._reuses_prefixes()
-        if reuse:  # each prompt alone, in aligned blocks over what the cache holds (earlier prompts of this
-            chunks = []  # batch included): docs/decisions/021-prefix-cache.md
+        if self._reuses_prefixes():  # each prompt alone, in aligned blocks over what the cache holds (the
+            # blocks of this batch's earlier prompts included): docs/decisions/021-prefix-cache.md
             for b, s in enumerate(seqs):
                 logits[b], self.batch.cached[s] = self._prefill_reusing(cache, b, prompts[b], P)
+            chunks = []
         for rows in chunks:
             pre = prefill(d.target, torch.stack([prompts[b] for b in rows]), want_hidden, d.hidden_layers)
             for g, b in enumerate(rows):

@@ -132,8 +132,7 @@ class BlockIndex:
             self._nodes[n.parent].children -= 1
 
     def clear(self) -> None:
-        for node in list(self._nodes):
-            self._nodes.pop(node)
+        self._nodes.clear()
         self._ids.clear()
         self.nbytes = 0
 
