@@ -45,11 +45,13 @@ def _prompts():
 
 
 def _worker(rank: int, world: int, port: int, jobs: list[tuple]) -> None:
-    """One rank, as torchrun would start it (its environment), running ``jobs`` in order."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
+    """One rank of a gloo group made here (init_ranks adopts it), running ``jobs`` in order."""
+    import torch.distributed as dist
+
     torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     ranks = init_ranks("cpu")
+    assert (ranks.rank, ranks.world) == (rank, world)
     try:
         target = _target()
         for kind, *args in jobs:

@@ -15,7 +15,6 @@ order of fp32 sums. Why DDP and not FSDP, and what a checkpoint holds: docs/deci
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -48,6 +47,8 @@ class Ranks:
 
     def any(self, flag: bool) -> bool:
         """True on every rank if ``flag`` is true on one (a time budget read from each rank's own clock)."""
+        if self.world == 1:
+            return flag  # no device tensor, no host sync
         return bool(self.sum(torch.tensor([float(flag)], device=self.device)).item() > 0)
 
     def barrier(self) -> None:
@@ -59,23 +60,24 @@ SOLO = Ranks()
 
 
 def init_ranks(device: str = "cpu") -> Ranks:
-    """This process's rank from torchrun's environment (WORLD_SIZE absent or 1: one rank, no process
-    group). Rank r of a GPU run uses cuda:LOCAL_RANK; the backend follows the device (BACKENDS)."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    """This process's rank: of the process group already made (by the caller), else of the one torchrun's
+    environment describes (made here: its backend follows the device, BACKENDS), else the only rank.
+    Rank r of a GPU run uses its machine's GPU LOCAL_RANK."""
     dev = torch.device(device)
-    if world <= 1:
-        return Ranks(0, 1, dev)
-    rank, local = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    if dev.type not in BACKENDS:
-        raise ValueError(f"training on {world} ranks needs a device of type {' or '.join(BACKENDS)}, not {device!r}")
-    if dev.type == "cuda":
-        dev = torch.device("cuda", local)  # one GPU per rank on each machine
-        torch.cuda.set_device(dev)
     if not dist.is_initialized():
-        dist.init_process_group(BACKENDS[dev.type], rank=rank, world_size=world)  # MASTER_ADDR / MASTER_PORT
+        if not dist.is_torchelastic_launched():
+            return Ranks(0, 1, dev)
+        if dev.type not in BACKENDS:
+            raise ValueError(f"training under torchrun needs a device of type {' or '.join(BACKENDS)}, not {device!r}")
+        dist.init_process_group(BACKENDS[dev.type])  # RANK, WORLD_SIZE, MASTER_ADDR / MASTER_PORT from torchrun
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if dev.type == "cuda":
+        dev = torch.device("cuda", dist.get_node_local_rank(fallback_rank=rank % torch.cuda.device_count()))
+        torch.cuda.set_device(dev)  # one GPU per rank on each machine
     return Ranks(rank, world, dev)
 
 
 def close_ranks(ranks: Ranks) -> None:
-    if ranks.world > 1 and dist.is_initialized():
+    """Leave the process group (torchrun's, or the caller's), if there is one."""
+    if dist.is_initialized():
         dist.destroy_process_group()
