@@ -180,9 +180,9 @@ def prefill_aligned(model, input_ids: torch.Tensor, block: int,
     assert n % block == 0 and n < P, f"a prefix of {n} rows for a prompt of {P} in blocks of {block}"
     store = BMCCache.for_model(model, 1, BMCConfig(block))
     if prefix is None:  # buffers made now, as a prefix's would be: one layout, hit or miss
-        L, H, D = attention_shape(model)
+        num_layers, H, D = attention_shape(model)
         empty = torch.zeros(H, 0, D, dtype=float_dtype(model), device=model.device)
-        prefix = [(empty, empty)] * L
+        prefix = [(empty, empty)] * num_layers
     store.load_prefill(0, prefix, capacity=P)  # capacity P rounded up to a block: never grown below
     ids = input_ids.to(model.device)
     for s in range(n, P, block):

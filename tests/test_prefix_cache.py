@@ -188,6 +188,7 @@ def test_alone_each_prompt_answers_as_without_the_cache(name):
     # 46 tokens: 5 whole blocks); the exact 16-token prefix: 1 block (its last token is computed); none
     assert reused == [0, 40, 16, 40, 8, 0]
     assert cache.stats.hits == 4 and cache.stats.lookups == 6
+    assert cache.stats.tokens_prefilled == sum(len(p) for p in PROMPTS) - sum(reused)
 
 
 @pytest.mark.parametrize("name", list(DRAFTERS))

@@ -18,7 +18,7 @@ whole block, not kept)::
 Two parts: ``BlockIndex`` (pure: which blocks exist, least recently used first, a byte budget; tested
 on token lists) and ``PrefixCache`` (the K/V of each block, and the counts /metrics reports).
 
-Dimensions: L layers, H K/V heads, D head dim, n rows, C = block rows.
+Dimensions: H K/V heads, D head dim, n rows, C = block rows (a block's layers stacked first: [layers, H, C, D]).
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ class PrefixCache:
         decoder.generate(system + question_2)   # prefills from the last whole block of `system` on
 
     Its rows are exact only with the prefill that made them: a decoder with a prefix cache prefills every
-    prompt in aligned blocks (``forward.prefill_aligned``), hit or miss. One cache serves one target.
+    prompt in aligned blocks (``forward.prefill_aligned``), hit or miss. One cache serves one target, in
+    one runtime configuration (the kernels' routes, fixed per process, are part of the arithmetic).
     """
 
     def __init__(self, max_bytes: int, block: int = BLOCK) -> None:
@@ -209,8 +210,8 @@ class PrefixCache:
             return Hit(0)
         self.stats.hits += 1
         self.stats.tokens_reused += len(ids) * self.block
-        blocks = [self.index.payload(i) for i in ids]  # each (keys [L, H, C, D], values [L, H, C, D])
-        keys = torch.cat([k for k, _ in blocks], dim=2)  # [L, H, n, D]
+        blocks = [self.index.payload(i) for i in ids]  # each (keys, values) [layers, H, C, D]
+        keys = torch.cat([k for k, _ in blocks], dim=2)  # [layers, H, n, D]
         values = torch.cat([v for _, v in blocks], dim=2)
         return Hit(len(ids) * self.block, [(keys[i], values[i]) for i in range(keys.shape[0])])
 
@@ -224,7 +225,7 @@ class PrefixCache:
         k0, v0 = layers[0]
         nbytes = len(layers) * C * (k0[:, :1].numel() * k0.element_size() + v0[:, :1].numel() * v0.element_size())
 
-        def make(i: int):  # block i's rows, copied out of the store they sit in: [L, H, C, D] each
+        def make(i: int):  # block i's rows, copied out of the store they sit in: [layers, H, C, D] each
             self.stats.inserted_blocks += 1
             return (torch.stack([k[:, i * C : (i + 1) * C] for k, _ in layers]),
                     torch.stack([v[:, i * C : (i + 1) * C] for _, v in layers]))
