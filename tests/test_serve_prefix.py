@@ -126,3 +126,27 @@ def test_prefix_cache_mb_sizes_the_cache_and_zero_turns_it_off():
     assert prefix_cache(parser.parse_args(["--prefix-cache-mb", "0"])) is None
     with pytest.raises(SystemExit):
         parser.parse_args(["--prefix-cache-mb", "-1"])
+
+
+def test_bench_serve_multiturn_against_a_cached_and_a_plain_server(servers, tmp_path, capsys):
+    """The command's glue: --modes multiturn with --baseline-url writes both runs and the comparison."""
+    import argparse
+    import json
+
+    from specdec.bench.serve_load import add_arguments, run
+
+    cached, plain = servers
+    questions = tmp_path / "q.jsonl"
+    questions.write_text("\n".join(json.dumps({"question_id": i, "category": "c", "turns": [t]})
+                                   for i, t in enumerate(["hi", "why?", "ok"])), encoding="utf-8")
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "load.json"
+    args = parser.parse_args(["--url", cached.url, "--model", "tiny", "--modes", "multiturn", "--clients", "2",
+                              "--turns", "2", "--max-tokens", "4", "--system-tokens", "10", "--questions",
+                              str(questions), "--baseline-url", plain.url, "--out", str(out)])
+    assert run(args) == 0
+    result = json.loads(out.read_text())
+    assert result["multiturn"]["requests"] == result["multiturn_baseline"]["requests"] == 4
+    assert result["multiturn_answers_identical"] is True
+    assert "later turns" in capsys.readouterr().out
