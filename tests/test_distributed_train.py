@@ -188,3 +188,19 @@ def test_train_eagle_under_torchrun_trains_the_head_one_process_trains(runs, tmp
     target = _target()
     _heads_close(load_eagle3(out / "eagle3" / "head", target), load_eagle3(tmp_path / "solo" / "eagle3" / "head", target),
                  **FP32)
+
+
+def test_ranks_answer_their_own_prompts_into_their_own_files(tmp_path):
+    """--in-memory's answers on 2 ranks: rank r answers conversations c % 2 == r into its own file beside
+    the answers file; every rank reads them all; one rank later finds nothing left to answer."""
+    from specdec.training.distill import AnswerConfig, answer_files, answer_prompts, read_all_answers, read_answers
+
+    target, path, quiet = _target(), tmp_path / "answers.jsonl", (lambda *a: None)
+    cfg = AnswerConfig(max_new_tokens=8, batch_size=4)
+    for r in (0, 1):
+        assert answer_prompts(target, _prompts(), path, cfg, log=quiet, shard=(r, 2)) == 4
+    files = answer_files(path)
+    assert [f.name for f in files] == ["answers.rank0-of-2.jsonl", "answers.rank1-of-2.jsonl"]
+    assert [sorted(c for c, _, _ in read_answers(f)) for f in files] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert [c for c, _, _ in read_all_answers(path)] == list(range(8))
+    assert answer_prompts(target, _prompts(), path, cfg, log=quiet) == 0 and not path.exists()
