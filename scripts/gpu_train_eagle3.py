@@ -281,6 +281,7 @@ def main(argv=None) -> int:
     if args.gpus:
         plan = replace(plan, gpus=args.gpus)
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     run = Path(args.run) if args.run else Path(tempfile.mkdtemp(prefix="gpu_train_eagle3-"))  # not under OUT:
     run.mkdir(parents=True, exist_ok=True)  # the device machine returns at most 8 files from there
     report = Report(out / "gpu_train_eagle3.json", plan, args)
