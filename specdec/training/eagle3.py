@@ -17,6 +17,10 @@ training data. AdamW, linear warmup and decay, gradient values clipped. A checkp
 layout, optimizer, step) is written every ``save_minutes`` and at the end, each file atomically;
 batches are a pure function of (seed, step), so a resumed run equals an uninterrupted one.
 
+On W ranks (``ranks=``, specdec.training.distributed: torchrun, DDP) each rank holds the conversations
+c % W == r and computes the part of step s's global batch it holds, its losses divided by the whole
+batch's position counts; the ranks' summed gradients are one process's for that batch (to fp32 rounding).
+
 Dimensions: B conversations, S pair positions (longest conversation - 1), k steps, D hidden, M draft vocab.
 """
 
@@ -302,7 +306,7 @@ def train_head3(target, data: str | os.PathLike | list[Conversation] | ShardedDa
     if resume:
         log(f"resuming from step {step} ({ckpt})")
     loss_of = _TTTLoss(head, config)
-    if ranks.world > 1:  # gradients averaged over ranks as backward runs (bucketed all-reduce); why DDP: decision 021
+    if ranks.world > 1:  # gradients averaged over ranks as backward runs (bucketed all-reduce); why DDP: docs/decisions/022-distributed-training.md
         from torch.nn.parallel import DistributedDataParallel
 
         loss_of = DistributedDataParallel(loss_of)
