@@ -10,7 +10,7 @@ features, and every rank knows every conversation's ids (``eagle_data.ShardedDat
 batch is a pure function of (seed, step) over all conversations, whatever W; each rank computes the
 losses of the batch's conversations it holds, divided by the whole batch's position counts (one small
 all-reduce), so the summed gradient is one process's gradient for the same global batch, up to the
-order of fp32 sums. Why DDP and not FSDP, and what a checkpoint holds: docs/decisions/021-distributed-training.md.
+order of fp32 sums. Why DDP and not FSDP, and what a checkpoint holds: docs/decisions/022-distributed-training.md.
 """
 
 from __future__ import annotations
