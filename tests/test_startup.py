@@ -200,3 +200,19 @@ def test_cached_weights_are_hashed_once_per_change(tmp_path, monkeypatch):
     (tmp_path / models.VERIFIED).write_text("{torn")
     w.write_bytes(b"x" * 4096)
     assert models._cache_is_valid(tmp_path) and len(hashed) == 5
+
+
+def test_the_process_entry_skips_the_teardown_after_a_quick_command_only(monkeypatch):
+    import specdec.cli as cli
+
+    ran, ended = [], []
+    monkeypatch.setattr(cli, "main", lambda argv: ran.append(argv) or 3)
+    monkeypatch.setattr(cli.atexit, "_run_exitfuncs", lambda: ended.append("atexit"))
+    monkeypatch.setattr(cli.os, "_exit", lambda code: ended.append(code))
+    monkeypatch.setattr(cli.sys, "argv", ["specdec", "generate", "hi"])
+    cli.entry()
+    assert ran == [["generate", "hi"]] and ended == ["atexit", 3]  # exit handlers, then the process ends
+    monkeypatch.setattr(cli.sys, "argv", ["specdec", "bench-kv"])
+    with pytest.raises(SystemExit) as e:  # any other command: the interpreter's own exit
+        cli.entry()
+    assert e.value.code == 3 and ended == ["atexit", 3]

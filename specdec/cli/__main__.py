@@ -1,7 +1,5 @@
 """``python -m specdec.cli``: the same as the ``specdec`` command."""
 
-import sys
+from specdec.cli import entry
 
-from specdec.cli import main
-
-sys.exit(main())
+entry()
