@@ -82,8 +82,6 @@ def first_line(e: Exception) -> str:
 
 
 def _load(name: str, openmp: list[str], cache_dir: Path):
-    from torch.utils.cpp_extension import load
-
     flags, ns = VARIANTS[name]
     sources = b"".join(f.read_bytes() for f in _SOURCES + _HEADERS)
     # the checkout's path too: the build's ninja file names the sources by absolute path, so two checkouts
@@ -91,11 +89,20 @@ def _load(name: str, openmp: list[str], cache_dir: Path):
     key = hashlib.sha256(sources + str(_CSRC.resolve()).encode() + torch.__version__.encode()
                          + " ".join([name, *flags, *openmp]).encode()).hexdigest()[:16]
     directory = cache_dir / "torch_extensions" / f"packed_linear-{key}"
-    directory.mkdir(parents=True, exist_ok=True)
-    if not any(directory.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
-        print(f"specdec: building the CPU kernel ({name}, once, ~20 s) ...", file=sys.stderr, flush=True)
-    load(name=f"specdec_packed_linear_{key}", sources=[str(f) for f in _SOURCES], build_directory=str(directory),
-         extra_cflags=["-O3", *flags, *openmp, f"-DSPECDEC_OPS={ns}"], extra_ldflags=openmp,
-         is_python_module=False, verbose=False)
+    library = directory / f"specdec_packed_linear_{key}.so"
+    if library.is_file() and not (directory / "lock").exists():
+        # built before from exactly these sources, flags and torch (the key names them all), and no build is
+        # running (torch's builder holds ``lock`` meanwhile): loaded as it is, without importing torch's
+        # extension builder (setuptools with it) and running ninja to find nothing to do: ~0.3 s a process
+        torch.ops.load_library(str(library))
+    else:
+        from torch.utils.cpp_extension import load
+
+        directory.mkdir(parents=True, exist_ok=True)
+        if not any(directory.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
+            print(f"specdec: building the CPU kernel ({name}, once, ~20 s) ...", file=sys.stderr, flush=True)
+        load(name=library.stem, sources=[str(f) for f in _SOURCES], build_directory=str(directory),
+             extra_cflags=["-O3", *flags, *openmp, f"-DSPECDEC_OPS={ns}"], extra_ldflags=openmp,
+             is_python_module=False, verbose=False)
     _LOADED[name] = key
     return getattr(torch.ops, ns)
