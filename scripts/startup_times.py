@@ -8,7 +8,7 @@ Three figures per run, the kinds in turn within each run (so a busy spell hits a
 - ``generate``: wall seconds of the README's command (``specdec generate "Summarize: ..." --drafter
   prompt-lookup``), from the process's start to its exit;
 - ``chat``: seconds from ``specdec chat``'s start to the first character of its reply to a question that
-  waits on its stdin from the start (then ``/quit``);
+  waits on its stdin from the start (then ``/quit``); ``chat-auto`` the same with ``--drafter auto``;
 - ``serve``: seconds from ``specdec serve``'s start to the end of its first answer (a greedy chat
   completion of 16 tokens, asked every 50 ms until the server takes it), and to the first token of a
   streamed one sent just after.
@@ -58,10 +58,11 @@ def generate_seconds(checkout: str | None) -> float:
     return time.perf_counter() - t
 
 
-def chat_seconds(checkout: str | None) -> float:
+def chat_seconds(checkout: str | None, drafter: str = "prompt-lookup") -> float:
     """Start to the first character after the reply's "model> " (the question is on stdin from the start)."""
     t = time.perf_counter()
-    p = subprocess.Popen(_command("chat", "--no-color", "--max-new-tokens", "32"), env=_env(checkout),
+    p = subprocess.Popen(_command("chat", "--no-color", "--max-new-tokens", "32", "--drafter", drafter),
+                         env=_env(checkout),
                          cwd=_cwd(checkout), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     p.stdin.write(f"{PROMPT}\n/quit\n".encode())
     p.stdin.close()
@@ -121,7 +122,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--checkout", default=None, help="a checkout whose specdec package to run (PYTHONPATH)")
-    ap.add_argument("--kinds", default="generate,chat,serve")
+    ap.add_argument("--kinds", default="generate,chat,serve", help="of generate, chat, chat-auto (--drafter auto), serve")
     ap.add_argument("--out", default=None, help="a JSON file for every run's figures")
     args = ap.parse_args()
     kinds = [k for k in args.kinds.split(",") if k]
@@ -134,6 +135,8 @@ def main() -> int:
                 runs[kind].append(generate_seconds(args.checkout))
             elif kind == "chat":
                 runs[kind].append(chat_seconds(args.checkout))
+            elif kind == "chat-auto":
+                runs[kind].append(chat_seconds(args.checkout, "auto"))
             else:
                 answered, streamed = serve_seconds(args.checkout)
                 runs[kind].append(answered)

@@ -17,7 +17,8 @@ verdict of the wrong shape is timed again and rewritten, never used. A record th
 still not trusted blindly: the caller runs a cheap spot check of every kernel route it names against the
 reference (``calibrate.spot_check``, ``qlinear.correctness``) before using it, and times again if one fails.
 Delete the folder (or run with ``RuntimeConfig(calibration_cache=False)``, ``SPECDEC_CALIBRATION_CACHE=off``)
-to time everything again, e.g. after moving a busy machine's verdicts to a quiet one.
+to time everything again, e.g. after moving a busy machine's verdicts to a quiet one. Why:
+docs/decisions/023-start-up.md.
 """
 
 from __future__ import annotations
