@@ -273,13 +273,41 @@ def _ensure_cache(d: Path, build) -> None:
 
 
 def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
+    """The GGUF dequantized, from its cache folder: the model built with its parameters on the meta device
+    (no allocation, no initialisation; buffers computed as usual), then each parameter a view of the mapped
+    weights file (``_mapped_safetensors``: nothing read or copied up front). transformers' ``from_pretrained``
+    read the default model's 540 MB and ran its conversion and initialisation passes: 0.7 s a load, 0.2 s now."""
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
     d = _gguf_cache_dir(gguf, dtype)
     _ensure_cache(d, lambda: _build_gguf_cache(gguf, dtype, d))
-    loaded = _load_hf_dir(d, dtype, False, name)
-    if loaded.tokenizer is None:
-        raise ModelLoadError(f"cached tokenizer missing in {d}; delete the folder to rebuild it")
-    _apply_cached_rope(loaded.model, d)
-    return loaded
+    tokenizer = _load_hf_dir_tokenizer(d)
+    with init_empty_weights(include_buffers=False):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)
+    _assign_parameters(model, _mapped_safetensors(d / "model.safetensors"), d)
+    model.generation_config = GenerationConfig.from_pretrained(d)
+    _apply_cached_rope(model, d)
+    return LoadedModel(model.eval(), tokenizer, name)
+
+
+def _assign_parameters(model: torch.nn.Module, stored: dict[str, torch.Tensor], folder: Path) -> None:
+    """Each of ``model``'s meta parameters becomes ``stored``'s tensor of its name, as a parameter (as
+    ``from_pretrained`` makes it); a tied pair (an output layer tied to the embedding, kept once in the file
+    under either name: the model's ``all_tied_weights_keys``) is tied again, one parameter in both places."""
+    tied = dict(getattr(model, "all_tied_weights_keys", None) or {})  # e.g. lm_head.weight -> model.embed_tokens.weight
+    partner = {**tied, **{source: target for target, source in tied.items()}}
+    for name, p in list(model.named_parameters(remove_duplicate=False)):
+        if not p.is_meta:
+            continue
+        key = name if name in stored else partner.get(name)
+        if key not in stored:
+            raise ModelLoadError(f"{folder}: the cached weights lack {name}; delete the folder to rebuild it")
+        parent, _, attr = name.rpartition(".")
+        module = model.get_submodule(parent)
+        module._parameters[attr] = torch.nn.Parameter(stored[key].to(p.dtype))
+    if tied:
+        model.tie_weights()
 
 
 def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
@@ -374,6 +402,37 @@ def _load_hf_dir_tokenizer(d: Path):
         return AutoTokenizer.from_pretrained(d, local_files_only=True)
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"cached tokenizer missing in {d}; delete the folder to rebuild it ({e})") from e
+
+
+def _mapped_safetensors(weights: Path) -> dict[str, torch.Tensor]:
+    """The tensors of a safetensors file as views of one private mapping of it (copy-on-write: a write
+    changes this process's page, never the file; pages are read as they are first touched). Layout: a u64
+    header length, a JSON header of name -> {dtype, shape, data_offsets [begin, end) after the header}, the
+    data. A header that does not describe the file is a ModelLoadError naming it."""
+    import struct
+
+    dtypes = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+    try:
+        size = weights.stat().st_size
+        with open(weights, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if 8 + n > size:
+                raise ValueError("its header runs past the end")
+            header = json.loads(f.read(n))
+        storage = torch.UntypedStorage.from_file(str(weights), shared=False, nbytes=size)
+        out = {}
+        for key, entry in header.items():
+            if key == "__metadata__":
+                continue
+            dtype, (begin, end) = dtypes[entry["dtype"]], entry["data_offsets"]
+            start, count = 8 + n + begin, int(torch.Size(entry["shape"]).numel())
+            if start % dtype.itemsize or end - begin != count * dtype.itemsize or 8 + n + end > size:
+                raise ValueError(f"tensor {key} does not lie whole and aligned in the file")
+            out[key] = torch.empty(0, dtype=dtype).set_(storage, start // dtype.itemsize, entry["shape"])
+        return out
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error, RuntimeError) as e:
+        raise ModelLoadError(f"corrupt weights file {weights}: {e}") from e
 
 
 def _materialize(model: torch.nn.Module, weights: Path) -> None:

@@ -216,3 +216,38 @@ def test_the_process_entry_skips_the_teardown_after_a_quick_command_only(monkeyp
     with pytest.raises(SystemExit) as e:  # any other command: the interpreter's own exit
         cli.entry()
     assert e.value.code == 3 and ended == ["atexit", 3]
+
+
+def test_mapped_safetensors_are_the_files_tensors_and_writes_stay_in_the_process(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    f = tmp_path / "w.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({"a": torch.randn(3, 5, generator=g), "b": torch.arange(7, dtype=torch.int64),
+               "c": torch.randn(4, generator=g).to(torch.bfloat16)}, str(f))
+    mapped, ref = models._mapped_safetensors(f), load_file(str(f))
+    assert mapped.keys() == ref.keys() and all(torch.equal(mapped[k], ref[k]) for k in ref)
+    mapped["a"].mul_(0)  # copy-on-write: this process's page only
+    assert torch.equal(load_file(str(f))["a"], ref["a"])
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(f.read_bytes()[:-8])
+    with pytest.raises(models.ModelLoadError, match="corrupt weights file .*cut.safetensors"):
+        models._mapped_safetensors(cut)
+
+
+def test_a_tied_output_layer_kept_once_is_tied_again(tmp_path):
+    from accelerate import init_empty_weights
+    from safetensors.torch import save_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    source = LlamaForCausalLM(config).eval()
+    save_model(source, str(tmp_path / "model.safetensors"))  # the tied pair under one name
+    with init_empty_weights(include_buffers=False):
+        model = LlamaForCausalLM(config).eval()
+    models._assign_parameters(model, models._mapped_safetensors(tmp_path / "model.safetensors"), tmp_path)
+    assert model.lm_head.weight is model.model.embed_tokens.weight and model.lm_head.weight.requires_grad
+    ids = torch.tensor([[1, 5, 9, 3]])
+    assert torch.equal(model(ids).logits, source(ids).logits)
