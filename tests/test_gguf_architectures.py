@@ -106,7 +106,7 @@ def test_every_drafter_on_the_packed_file_is_exact_and_accepts_drafts(files, nam
     # stored answers that hold this one draft from it: verified and accepted on this file
     assert accepted["suffix-corpus"] > 0, accepted
     # on a random model whether its text repeats is chance: most drafters find something to copy or predict
-    drafting = [n for n in DRAFTERS if n not in ("none", "eagle")]
+    drafting = [n for n in DRAFTERS if n not in ("none", "eagle", "grammar")]  # grammar: with a constraint only
     assert sum(accepted[n] > 0 for n in drafting) >= len(drafting) // 2, accepted
 
 
