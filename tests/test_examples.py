@@ -35,7 +35,7 @@ def default_model():
 
 def test_every_example_is_run_here():
     tested = {"quickstart", "batch", "sampling", "bigram_drafter", "openai_client", "prompt_lookup",
-              "model_drafter", "eagle", "train_eagle"}
+              "model_drafter", "eagle", "train_eagle", "structured_output"}
     assert {p.stem for p in EXAMPLES.glob("*.py")} == tested
 
 
@@ -50,6 +50,12 @@ def test_batch_answers_each_prompt_as_alone(default_model, monkeypatch, capsys):
     out = run_example("batch", "--max-new-tokens", "8", monkeypatch=monkeypatch, capsys=capsys)
     assert out.count("--- ") == 4 and "for the batch" in out
     assert "the second answer equals its prompt's alone: True" in out
+
+
+@pytest.mark.real_model
+def test_structured_output_is_constrained_plain_decoding(default_model, monkeypatch, capsys):
+    out = run_example("structured_output", "--max-new-tokens", "40", monkeypatch=monkeypatch, capsys=capsys)
+    assert "identical to constrained plain decoding: True" in out and "logprob" in out
 
 
 @pytest.mark.real_model

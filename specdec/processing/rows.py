@@ -83,7 +83,7 @@ class TokenLogprob:
 
     token: int
     logprob: float
-    top: list[tuple[int, float]]  # (token, logprob), most likely first; empty when 0 were asked
+    top: list[tuple[int, float]]  # (token, logprob), most likely first, allowed tokens only; empty when 0 asked
 
 
 class RowProcessor:
@@ -169,7 +169,8 @@ class RowProcessor:
         chosen = logprob_rows.gather(1, torch.tensor(tokens, dtype=torch.long)[:, None])[:, 0].tolist()
         if k:
             top_v, top_i = logprob_rows.topk(k, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+            # tokens the processing ruled out (-inf) are not alternatives: fewer than k where fewer are allowed
+            tops = [[(t, lp) for t, lp in zip(i, v) if lp != float("-inf")] for i, v in zip(top_i.tolist(), top_v.tolist())]
         else:
             tops = [[] for _ in tokens]
         return [TokenLogprob(t, lp, top) for t, lp, top in zip(tokens, chosen, tops)]
