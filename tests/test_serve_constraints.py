@@ -24,12 +24,7 @@ SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength
           "required": ["word", "n", "ok"], "additionalProperties": False}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny forwards on one thread
 
 
 @pytest.fixture(scope="module")

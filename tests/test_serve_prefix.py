@@ -21,12 +21,7 @@ EOS = 256  # the tiny tokenizer's <|im_end|>
 SYSTEM = "You are terse. Notes: alpha beta gamma delta."  # ~60 tokens with the template: 7 blocks of 8
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny forwards on one thread
 
 
 def _decoder(cache: PrefixCache | None) -> SpecDecoder:

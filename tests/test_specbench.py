@@ -38,14 +38,7 @@ def _question_file(tmp_path) -> Path:
     return p
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """A tiny model gains nothing from two threads, and a busy shared core makes them wait on each
-    other (10x slower steps seen here)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")  # conftest: tiny forwards on one thread
 
 
 @pytest.fixture(scope="module")
