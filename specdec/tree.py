@@ -108,6 +108,16 @@ class DraftTree:
             num_nodes = torch.full((B,), K, dtype=torch.long, device=tokens.device)
         return DraftTree(tokens, parents, num_nodes, probs)
 
+    @staticmethod
+    def chains(rows: list[list[int]]) -> "DraftTree":
+        """One chain per row from token lists of any lengths (an empty list drafts nothing), on the host.
+        Example: [[5, 6], [7]] -> tokens [[5, 6], [7, 0]], num_nodes [2, 1]."""
+        K = max((len(r) for r in rows), default=0)
+        tokens = torch.zeros(len(rows), K, dtype=torch.long)
+        for b, r in enumerate(rows):
+            tokens[b, : len(r)] = torch.tensor(r, dtype=torch.long)
+        return DraftTree.chain(tokens, torch.tensor([len(r) for r in rows], dtype=torch.long))
+
     def to_networkx(self, b: int = 0, decode: Callable[[int], str] | None = None):
         """Row ``b``'s real nodes as a ``networkx.DiGraph``, for inspection (drawing, ``nx.write_gml``,
         ``nx.dag_longest_path``), never on a hot path. Node -1 is the pending token (``depth`` 0);

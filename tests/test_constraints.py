@@ -5,7 +5,6 @@ grammar's state following the accepted path only; logprobs equal to plain decodi
 
 from __future__ import annotations
 
-import json
 import random
 
 import pytest
@@ -89,11 +88,7 @@ class Oracle(Drafter):
                 chain = list(chain)
                 chain[self.rng.randrange(len(chain))] = self.rng.choice(self.swaps)
             chains.append(chain)
-        K = max(len(c) for c in chains)
-        t = torch.zeros(len(chains), K, dtype=torch.long)
-        for b, c in enumerate(chains):
-            t[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        return DraftTree.chain(t, torch.tensor([len(c) for c in chains]))
+        return DraftTree.chains(chains)
 
     def accept(self, commit) -> None:
         for b in range(len(self.rows)):

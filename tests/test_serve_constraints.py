@@ -6,7 +6,6 @@ import json
 
 import httpx
 import pytest
-import torch
 
 from specdec.drafters.chooser import Sources
 from specdec.drafters.grammar import GrammarDrafter

@@ -16,7 +16,6 @@ before), forced `,"age":`, one chain of all three.
 
 from __future__ import annotations
 
-import torch
 
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.drafters.prompt_lookup import NgramIndex
@@ -63,11 +62,7 @@ class GrammarDrafter(Drafter):
             self.draft_class()
         chains = [c[: max(0, budget)] for c in self._chains]
         self._chains = None
-        K = max((len(c) for c in chains), default=0)
-        tokens = torch.zeros(len(chains), K, dtype=torch.long)
-        for b, c in enumerate(chains):
-            tokens[b, : len(c)] = torch.tensor(c, dtype=torch.long)
-        return DraftTree.chain(tokens, torch.tensor([len(c) for c in chains], dtype=torch.long))
+        return DraftTree.chains(chains)
 
     def accept(self, commit: Commit) -> None:
         """The grammar states are the decoder's, advanced with the commit; the texts grow here."""

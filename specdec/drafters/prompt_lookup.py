@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.tree import DraftTree
@@ -109,13 +108,7 @@ class PromptLookupDrafter(Drafter):
         assert self.rows is not None, "begin() first"
         matches = self._matches if self._matches is not None else [self._match(r) for r in self.rows]
         self._matches = None
-        drafts = [found[: max(0, budget)] for _, found in matches]
-        width = max(len(d) for d in drafts)
-        tokens = torch.zeros(len(drafts), width, dtype=torch.long)
-        for b, d in enumerate(drafts):
-            tokens[b, : len(d)] = torch.tensor(d, dtype=torch.long)
-        num = torch.tensor([len(d) for d in drafts], dtype=torch.long)
-        return DraftTree.chain(tokens, num)
+        return DraftTree.chains([found[: max(0, budget)] for _, found in matches])
 
     def accept(self, commit: Commit) -> None:
         for b, row in enumerate(self.rows):

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from specdec.processing.grammar import Constraint, ConstraintError
+from specdec.processing.grammar import Constraint
 from specdec.processing.rows import MAX_TOP_LOGPROBS
 from specdec.sampling import SamplingParams
 
