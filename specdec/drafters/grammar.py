@@ -7,9 +7,8 @@ answer (prompt lookup's guess), as far as the grammar allows it, then the gramma
 
 It reads each row's grammar state from ``Prompt.processors`` (the decoder advances them); rows without
 a grammar draft nothing, and a step where no row has a chain has no draft of this class (``draft_class``
-0), so beside other sources (``auto``) it drafts only under a constraint. Drafting on guesses too, not only
-where the grammar forces a token, measured 1.49x constrained plain decoding against 1.20x (JSON-schema
-answers, packed default model, docs/benchmarks.md "Structured output"). Example, schema {"name": string, "age": integer} and
+0), so beside other sources (``auto``) it drafts only under a constraint; it drafts on guesses too, not
+only where the grammar forces a token (why: docs/decisions/020-constraints.md). Example, schema {"name": string, "age": integer} and
 a prompt holding `"name":"Bob"` earlier: forced `{"name":"`, guessed `Bob"` (what followed `"name":"`
 before), forced `,"age":`, one chain of all three.
 """

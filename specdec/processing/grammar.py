@@ -139,7 +139,7 @@ class Grammar:
         self.text = text
         self.vocabulary = vocabulary
         self.constraint = constraint
-        # a matcher at the start, never moved: each sequence's is a copy (~20x cheaper than parsing again)
+        # a matcher at the start, never moved: each sequence's is a copy, not a new parse (decision 020)
         self._start = _llguidance().LLMatcher(vocabulary.tokenizer, text)
 
     def start(self) -> "GrammarState":
