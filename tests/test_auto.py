@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import hf_greedy, perturbed, tiny_llama
+from controller_helpers import ask, choice
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters import ModelDrafter, PromptLookupDrafter
@@ -15,14 +16,14 @@ from specdec.registry import make_drafter
 
 
 def _pick(c, keys, say=lambda k: 1):
-    return c.choose(keys, say)[0]
+    return choice(c, keys, say)[0]
 
 
 def test_choose_on_scripted_gains():
     """Classes measured fewer than min_samples times first (the least measured), then the best
     measured gain, a passed-over class revisited on schedule."""
     c = DraftLengthController(DraftLengthConfig(revisit_every=4, min_samples=2))
-    assert c.choose([], lambda k: 1) == (None, 0)
+    assert choice(c, [], lambda k: 1) == (None, 0)
     keys = [("lookup", 3), ("eagle", None)]
     assert _pick(c, keys) == ("lookup", 3)  # neither measured: the first
     c.update([0], [0], verify_time=1.0)
@@ -54,17 +55,17 @@ def test_a_class_that_drafts_nothing_passes_the_step_on():
     def say(sizes):
         return lambda k: asked.append(k) or sizes.get(k, 0)
 
-    assert c.choose([poor, new, good], say({good: 5})) == (good, 5)  # new (fresh) said 0: passed on
+    assert choice(c, [poor, new, good], say({good: 5})) == (good, 5)  # new (fresh) said 0: passed on
     assert asked == [new, good]
     asked.clear()
-    assert c.choose([poor, good], say({})) == (None, 0)  # good says 0, then poor (a loser) too
+    assert choice(c, [poor, good], say({})) == (None, 0)  # good says 0, then poor (a loser) too
     assert asked == [good, poor]
-    assert c.choose([poor, good], say({poor: 1})) == (poor, 1)  # ... unless it is due a probe
+    assert choice(c, [poor, good], say({poor: 1})) == (poor, 1)  # ... unless it is due a probe
     asked.clear()
-    assert c.choose([poor, good, new], say({new: 3})) == (new, 3)
+    assert choice(c, [poor, good, new], say({new: 3})) == (new, 3)
     c.update([3], [0], verify_time=1.1, draft_time=0.0, key=new)  # measured now: gain 0.9
     asked.clear()
-    assert c.choose([poor, new, good], say({})) == (None, 0)
+    assert choice(c, [poor, new, good], say({})) == (None, 0)
     assert asked == [good, poor]  # good said 0, poor lost: new (gain below poor's) not asked
     assert c.state(new).idle == 1 and c.state(good).idle == 0
 
@@ -84,12 +85,12 @@ def test_a_shadow_draft_is_measured_without_drafting():
     trials = [row[0] for row in st.positions.trials[:3]]
     assert trials == [1.0, 1.0, 1.0] and st.positions.hits[1][0] == 1.0 and st.positions.hits[2][0] == 0.0
     assert _pick(c, [copy, model]) == copy  # measured once (< min_samples): tried first
-    assert c.choose([copy, model], lambda k: 1, free=[copy])[0] == model  # by gain: 2.67 > 2.5
+    assert choice(c, [copy, model], lambda k: 1, free=[copy])[0] == model  # by gain: 2.67 > 2.5
     for _ in range(60):  # the copies stop matching: a gain below 1 (1 / 1.2), and no probe ever
         c.observe_shadow([[-1, 0, 1]], [[]], judged=[1], draft_time=0.0, key=copy)
-    assert st.gain < 1 and [c.budget(copy) for _ in range(100)] == [0] * 100
+    assert st.gain < 1 and [ask(c, copy) for _ in range(100)] == [0] * 100
     c.new_run(1)  # a new answer: measured afresh (its gain weighs min_samples - 1), drafts again
-    assert not st.shadowed and c.budget(copy) > 0
+    assert not st.shadowed and ask(c, copy) > 0
 
 
 def test_a_shadow_draft_cut_short_by_the_text_is_scored_at_its_expected_rest():
@@ -124,13 +125,13 @@ def test_a_shadowed_class_gets_no_revisit_turn():
     copy, model = ("lookup", 1), ("eagle", 0)
     c.update([3], [3], verify_time=1.0, key=model)  # gain 4
     c.observe_shadow([[-1]], [[]], judged=[1], draft_time=0.0, key=copy)  # gain 1
-    picks = [c.choose([copy, model], lambda k: 1, free=[copy])[0] for _ in range(20)]
+    picks = [choice(c, [copy, model], lambda k: 1, free=[copy])[0] for _ in range(20)]
     assert picks == [model] * 20
     unshadowed = DraftLengthController(DraftLengthConfig(min_samples=1, revisit_every=4))
     unshadowed.update([0], [0], verify_time=1.0)
     unshadowed.update([3], [3], verify_time=1.0, key=model)
     unshadowed.update([1], [0], verify_time=1.0, key=copy)  # gain 0.5, measured where drafted
-    assert copy in [unshadowed.choose([copy, model], lambda k: 1)[0] for _ in range(20)]
+    assert copy in [choice(unshadowed, [copy, model], lambda k: 1)[0] for _ in range(20)]
 
 
 def test_a_shadow_draft_at_a_batch_is_scored_per_row_of_the_batch():

@@ -1,6 +1,9 @@
-"""The controller's decisions are pinned: a seeded random drive of every public method (new runs, batch
-changes, chain and tree steps, several sources, shadow drafts) must give the budgets, choices and
-acceptance rates recorded from the controller before it became a package (tests/controller_decisions.json).
+"""The controller's decisions are pinned: a seeded random drive of every question (chain and tree plans,
+choices among several sources, shadow sizes) and every observation (new runs, batch changes, verified
+steps, trees, shadow drafts) must give the budgets, choices and acceptance rates recorded from the
+controller before it became a package (tests/controller_decisions.json). Each question's plan is taken
+(``observe``) as the decoder takes it, so the pin replays the decoder's sequence of decisions; and a
+question asked changes nothing until its plan is observed (checked on the same drive).
 
 A pin, not a check: it says that a decision changed, not whether the new one is right, and a deliberate
 change re-records it. What the decisions must be, whatever was recorded, is checked in
@@ -11,6 +14,7 @@ To re-record after a deliberate change of behaviour: ``python tests/test_control
 """
 
 import json
+import pickle
 import random
 from pathlib import Path
 
@@ -60,9 +64,22 @@ def _step(rng, c, key, n, batch, out):
         c.observe_tree([p for p, _ in trees], [a for _, a in trees], key)
 
 
-def drive(config, seed, steps=STEPS):
-    """Every decision a controller makes on a seeded random schedule: a list of numbers and keys."""
+def drive(config, seed, steps=STEPS, pure=False):
+    """Every decision a controller makes on a seeded random schedule: a list of numbers and keys. With
+    ``pure``, each question is asked twice and must leave the controller as it was (pickled) and
+    answer the same plan."""
     rng, c, out = random.Random(seed), DraftLengthController(config), []
+
+    def take(ask):
+        """Ask (``ask()`` returns a Plan), then follow the plan: the decoder's order."""
+        before = pickle.dumps(c) if pure else None
+        plan = ask()
+        if pure:
+            assert pickle.dumps(c) == before, "a question changed the controller"
+            assert ask() == plan, "a question answered twice differently"
+        c.observe(plan)
+        return plan
+
     batch = 1
     c.new_run(batch)
     for step in range(steps):
@@ -78,23 +95,25 @@ def drive(config, seed, steps=STEPS):
         key = rng.choice(KEYS)
         op = rng.random()
         if op < 0.35:
-            n = c.budget(key)
+            n = take(lambda: c.plan(key)).size
             out.append(n)
             _step(rng, c, key, n, batch, out)
         elif op < 0.6:
-            n = c.tree_budget(rng.choice([0, 4, 12, 24]), key)
+            cap = rng.choice([0, 4, 12, 24])
+            n = take(lambda: c.plan(key, cap, tree=True)).size
             out.append(n)
             _step(rng, c, key, n, batch, out)
         elif op < 0.8:
             keys = rng.sample(KEYS, rng.randrange(1, len(KEYS) + 1))
             free = [k for k in keys if rng.random() < 0.3]
             tree = {k: rng.random() < 0.5 for k in keys}
-            pick, n = c.choose(keys, lambda k: c.tree_budget(12, k) if tree[k] else c.budget(k), free)
-            out.append([KEYS.index(pick) if pick in KEYS else -1, n])
-            _step(rng, c, pick, n, batch, out)
+            plan = take(lambda: c.choose(keys, lambda k: c.plan(k, 12, tree=True) if tree[k] else c.plan(k), free))
+            out.append([KEYS.index(plan.key) if plan.key in KEYS else -1, plan.size])
+            _step(rng, c, plan.key, plan.size, batch, out)
         else:
             tree = rng.random() < 0.5
-            n = c.shadow_size(rng.choice([0, 3, 10]), key, tree=tree)
+            cap = rng.choice([0, 3, 10])
+            n = take(lambda: c.plan_shadow(cap, key, tree=tree)).size
             out.append(n)
             rows = [_tree(rng, n) if n and rng.random() < 0.8 else ([], []) for _ in range(batch)]
             judged = [rng.randrange(len(a), len(a) + 3) for _, a in rows]
@@ -106,11 +125,20 @@ def drive(config, seed, steps=STEPS):
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_controller_decides_as_recorded(name, seed):
+def test_the_plans_taken_replay_the_recorded_decisions(name, seed):
     expected = json.loads(RECORD.read_text())[f"{name}/{seed}"]
     got = json.loads(json.dumps(drive(CONFIGS[name](), seed)))  # the same float and list forms
     first = next((i for i, (a, b) in enumerate(zip(got, expected)) if a != b), None)
     assert first is None and len(got) == len(expected), f"decision {first} differs: {got[first]} != {expected[first]}"
+
+
+@pytest.mark.parametrize("name", ["default", "short"])
+def test_questions_change_nothing_until_their_plan_is_observed(name):
+    """The recorded drive again, each question asked twice before its plan is taken: asking leaves the
+    controller byte for byte as it was and answers alike (the decisions still replay)."""
+    expected = json.loads(RECORD.read_text())[f"{name}/0"]
+    got = json.loads(json.dumps(drive(CONFIGS[name](), 0, steps=300, pure=True)))
+    assert got == expected[: len(got)]  # the first 300 steps' decisions
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 import pytest
 
+from controller_helpers import ask_batch
 from specdec.controller import chooser, cost, policies
 from specdec.controller.tables import ClassState, VerifyTimes, nearest_batch, running_mean, running_time
 
@@ -91,9 +92,10 @@ def test_sources_are_asked_fresh_first_then_due_then_by_gain():
     assert chooser.ask_order(keys, states, (), 3, 64) == (["c"], ["d"], ["a", "b"])
     assert chooser.ask_order(keys, states, ("c",), 3, 64) == ([], ["d"], ["a", "b", "c"])
     said = {"a": 0, "b": 2}
+    states["a"].idle = 5
     pick = chooser.choose(["a", "b"], {k: states[k] for k in "ab"}, said.get, (), 3, 64,
                           lambda st: policies.pays(st.gain, st.gain_samples, 3))
-    assert pick == ("b", 2) and states["a"].idle == 0 and states["b"].idle == 0
+    assert pick == ("b", 2, ["a", "b"]) and states["a"].idle == 5  # the classes asked; the caller resets them
 
 
 def test_a_batch_whose_cost_grows_as_fast_as_its_rows_drafts_nothing_but_a_periodic_retime():
@@ -105,17 +107,18 @@ def test_a_batch_whose_cost_grows_as_fast_as_its_rows_drafts_nothing_but_a_perio
     c.times.by_batch[4] = {1: 0.10, 2: 0.12}  # a sure draft of 1 node: 2 / 1.2 = 1.67x, worth trying
     c.times.by_batch[1] = {1: 0.10, 2: 0.50}  # batch 1 is the per-class gate's alone
     c.set_batch(16)
-    assert [c.priced_out() for _ in range(8)] == [True, True, True, False] * 2
+    assert all(c.priced_out() for _ in range(8))  # a question alone counts nothing toward the re-timing
+    assert [ask_batch(c) for _ in range(8)] == [True, True, True, False] * 2  # plans taken: every 4th drafts
     for b in (4, 1):
         c.set_batch(b)
-        assert not any(c.priced_out() for _ in range(8))
+        assert not any(ask_batch(c) for _ in range(8))
     c.set_batch(16)
     c.times.live[3] = 0.25  # a 3-row block timed cheaper per row (3 x 0.10 / 0.25 = 1.2): worth trying again
-    assert not c.priced_out()
+    assert not ask_batch(c)
     off = DraftLengthController(DraftLengthConfig(cost_aware=False))  # fixed drafts are never priced out
     off.times.by_batch[16] = {1: 0.10, 2: 0.30}
     off.set_batch(16)
-    assert not off.priced_out()
+    assert not ask_batch(off)
 
     class Asked:  # a chooser that must not be asked while the batch is priced out
         def choose(self, *a):
@@ -144,7 +147,7 @@ def test_drafting_steps_at_a_batch_are_judged_together_from_the_nearest_well_mea
     for _ in range(3):  # 1.5 tokens a row of 8 in 1.6 plain steps: 0.94x, whatever the class
         c.update([1] * 8, [1] * 4 + [0] * 4, verify_time=0.15, draft_time=0.01, key=("lookup", len(c.batch_gains.by_batch)))
     assert c.batch_gains.by_batch[8][1] == 3 and c.batch_gains.by_batch[8][0] < 1
-    assert [c.priced_out() for _ in range(4)] == [True, True, True, False]
+    assert [ask_batch(c) for _ in range(4)] == [True, True, True, False]
     c.set_batch(1)
     c.update([1], [1], verify_time=0.15, draft_time=0.01)  # batch 1: its own class gate, not pooled
-    assert 1 not in c.batch_gains.by_batch and not c.priced_out()
+    assert 1 not in c.batch_gains.by_batch and not ask_batch(c)

@@ -9,6 +9,7 @@ import random
 
 import pytest
 
+from controller_helpers import ask, take
 from specdec.controller import DraftLengthConfig, DraftLengthController
 
 def verify_cost(slope: float):
@@ -27,13 +28,13 @@ def chain(k: int) -> list[int]:
 def decode(c: DraftLengthController, steps: int, rate, verify=FLAT, draft: float = 0.0, key=None,
            tree: int = 0, seed: int = 0) -> list[int]:
     """Drive ``c`` for ``steps`` steps at batch 1: each asks for a chain (``budget``) or, with ``tree`` > 0,
-    a tree of up to ``tree`` nodes (``tree_budget``; drafted as a chain), keeps its leading tokens
+    a tree of up to ``tree`` nodes (``plan(tree=True)``; drafted as a chain), keeps its leading tokens
     while each passes with chance ``rate(step)``, and reports them with verify(1 + k) seconds and
     ``draft`` seconds a drafted token. Returns the sizes asked for."""
     rng = random.Random(seed)
     sizes = []
     for step in range(steps):
-        k = c.tree_budget(tree, key) if tree else c.budget(key)
+        k = ask(c, key, tree, tree=True) if tree else ask(c, key)
         accepted = 0
         while accepted < k and rng.random() < rate(step):
             accepted += 1
@@ -64,11 +65,11 @@ def test_the_length_grows_after_a_whole_draft_and_shrinks_after_none_never_below
     rng = random.Random(1)
     in_a_row = grew = shrank = 0
     for _ in range(400):
-        k = c.budget()
+        k = ask(c)
         drafted = [rng.choice([0, k, k]) for _ in range(3)]
         accepted = [d if rng.random() < 0.3 else rng.randint(0, max(0, d - 1)) for d in drafted]
         c.update(drafted, accepted, 1.0, 0.0)
-        n = c.budget()
+        n = ask(c)
         if not any(drafted):
             assert n == k
         elif any(d > 0 and a == d for d, a in zip(drafted, accepted)):
@@ -165,12 +166,13 @@ def test_a_new_run_keeps_what_was_measured():
 
 def choose_steps(c: DraftLengthController, steps: int, rates: dict) -> list:
     """Drive ``c`` choosing among the sources of ``rates`` (source -> chance a drafted token is accepted)
-    at every step, as the decoder drives a chooser at batch 1; returns the source that drafted at each
+    at every step (``choose``, the plan taken), as the decoder drives a chooser at batch 1; returns the source that drafted at each
     step (None: nothing drafted)."""
     rng = random.Random(0)
     picks = []
     for _ in range(steps):
-        key, k = c.choose(list(rates), c.budget)
+        plan = take(c, c.choose(list(rates), c.plan))
+        key, k = plan.key, plan.size
         accepted = 0
         while accepted < k and rng.random() < rates.get(key, 0.0):
             accepted += 1

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from controller_helpers import ask, gate, take
 from specdec import models
 from specdec.config import RuntimeConfig
 from specdec.controller import DraftLengthConfig, DraftLengthController
@@ -79,17 +80,17 @@ def test_ngram_index_matches_the_scan_as_the_text_grows():
 def test_controller_follows_bass_heuristic():
     c = DraftLengthController(DraftLengthConfig(initial=4, minimum=1, maximum=8, cost_aware=False))
     c.update([4], [4])
-    assert c.budget() == 6  # all accepted: +2
+    assert ask(c) == 6  # all accepted: +2
     c.update([6], [2])
-    assert c.budget() == 5  # shrink by one
+    assert ask(c) == 5  # shrink by one
     c.update([5], [5])
     c.update([7], [7])
-    assert c.budget() == 8  # capped
+    assert ask(c) == 8  # capped
     for _ in range(10):
         c.update([8], [0])
-    assert c.budget() == 1  # floor
+    assert ask(c) == 1  # floor
     c.update([0], [0])
-    assert c.budget() == 1  # nothing drafted: nothing learned
+    assert ask(c) == 1  # nothing drafted: nothing learned
 
 
 def test_controller_rejects_inconsistent_config():
@@ -154,7 +155,7 @@ def test_cost_gate_turns_drafting_off_when_acceptance_cannot_pay():
     c.update([0], [0], verify_time=1.0)  # a plain step: t(1) = 1
     _chain_step(c, [4], [0], verify_time=1.4)  # t(5) = 1.4, nothing accepted: alpha = 0
     assert c.alpha == 0.0
-    budgets = [c.budget() for _ in range(12)]
+    budgets = [ask(c) for _ in range(12)]
     assert budgets == [0, 0, 0, 1] + [0] * 7 + [1]  # off; one-token probes after 4, then 8 steps
 
 
@@ -167,23 +168,23 @@ def test_one_missed_draft_is_not_yet_a_verdict_at_batch_1():
     c = _cost_aware(explore_every=8)
     c.update([0], [0], verify_time=1.0)
     _chain_step(c, [3], [0], verify_time=1.4, draft_time=1.5)  # rejected whole: table prices 0
-    assert c.budget() == 1
+    assert ask(c) == 1
     _chain_step(c, [1], [0], verify_time=1.1, draft_time=0.5)
-    assert c.budget() == 1  # two of three
+    assert ask(c) == 1  # two of three
     _chain_step(c, [1], [0], verify_time=1.1, draft_time=0.5)
-    assert c.budget() == 0  # judged: it does not pay
+    assert ask(c) == 0  # judged: it does not pay
     b = _cost_aware(explore_every=8)
     b.set_batch(4)
     b.update([0] * 4, [0] * 4, verify_time=1.0)
     _chain_step(b, [3] * 4, [0] * 4, verify_time=2.0, draft_time=1.5)
-    assert b.budget() == 0
+    assert ask(b) == 0
 
 
 def test_cost_gate_times_a_plain_step_first():
     c = _cost_aware()
-    assert c.budget() == 0
+    assert ask(c) == 0
     c.update([0], [0], verify_time=1.0)
-    assert c.budget() == c.length  # acceptance not measured yet: BASS's initial length
+    assert ask(c) == c.length  # acceptance not measured yet: BASS's initial length
 
 
 def test_cost_gate_keeps_drafting_when_acceptance_pays():
@@ -191,9 +192,9 @@ def test_cost_gate_keeps_drafting_when_acceptance_pays():
     c.update([0], [0], verify_time=1.0)
     _chain_step(c, [4], [4], verify_time=1.4)  # all accepted: alpha = 1, 5 tokens for 1.4x
     assert c.length == 6  # BASS grew (its length caps only its own policy, without the gate)
-    assert c.budget() == 5  # one row past the 5 timed: assumed to cost what 5 did, and so timed next
+    assert ask(c) == 5  # one row past the 5 timed: assumed to cost what 5 did, and so timed next
     _chain_step(c, [5], [5], verify_time=1.4)
-    assert c.budget() == 6
+    assert ask(c) == 6
 
 
 def test_cost_gate_picks_the_cheapest_length_that_pays():
@@ -281,9 +282,9 @@ def test_cost_gate_keeps_acceptance_per_draft_class():
         _chain_step(c, [4], [0], verify_time=1.4, key=1)  # 1-gram matches: rejected
         _chain_step(c, [4], [4], verify_time=1.4, key=3)  # 3-gram matches: copied in full
     assert c.state(1).alpha == 0.0 and c.state(3).alpha == 1.0
-    assert c.budget(1) == 0
-    assert c.budget(3) == 5 and c.state(3).length == 8  # the cost model's length, one row past 5 timed
-    assert c.budget(2) == c.config.initial  # a class never seen: not measured yet, try it
+    assert ask(c, 1) == 0
+    assert ask(c, 3) == 5 and c.state(3).length == 8  # the cost model's length, one row past 5 timed
+    assert ask(c, 2) == c.config.initial  # a class never seen: not measured yet, try it
 
 
 def test_prompt_lookup_class_is_the_matched_ngram_size():
@@ -314,16 +315,16 @@ def test_gate_for_self_sized_drafts_follows_measured_throughput():
     """Drafting steps that yield 1.5 tokens in 2x a plain step's time lose: the gate closes and
     probes on the schedule; steps that yield 3 tokens in 1.5x win: it stays open."""
     c = _cost_aware(explore_every=2, gate_decay=0.8)
-    assert not c.gate()  # no plain step timed yet
+    assert not gate(c)  # no plain step timed yet
     c.update([0], [0], verify_time=1.0)
-    assert c.gate()  # drafting not measured yet: try it
+    assert gate(c)  # drafting not measured yet: try it
     for _ in range(5):
         c.update([5], [0], verify_time=1.6, draft_time=0.4)  # 1 token per 2.0 s
-    assert [c.gate() for _ in range(6)] == [False, True, False, False, False, True]  # probes at 2, then 4
+    assert [gate(c) for _ in range(6)] == [False, True, False, False, False, True]  # probes at 2, then 4
     c.update([5], [4], verify_time=1.2, draft_time=0.3)
     for _ in range(10):
         c.update([5], [2], verify_time=1.2, draft_time=0.3)  # 3 tokens per 1.5 s
-    assert c.gate() and c.gate()
+    assert gate(c) and gate(c)
 
 
 def test_a_drafters_resume_counts_in_the_gain_not_in_the_draft_price():
@@ -347,21 +348,21 @@ def test_gate_judges_a_class_after_min_samples_and_reopens_after_good_probes():
     c = _cost_aware(explore_every=2)
     c.update([0], [0], verify_time=1.0)
     c.update([5], [0], **poor)
-    assert c.gate()
+    assert gate(c)
     c.update([5], [3], **good)
     c.update([5], [3], **good)
-    assert c.state().gain == pytest.approx((0.625 + 2 * 4 / 1.5) / 3) and c.gate()
+    assert c.state().gain == pytest.approx((0.625 + 2 * 4 / 1.5) / 3) and gate(c)
     c = _cost_aware(explore_every=2)
     c.update([0], [0], verify_time=1.0)
     for _ in range(3):
         c.update([5], [0], **poor)
-    assert not c.gate() and c.gate()  # closed; a probe at 2
+    assert not gate(c) and gate(c)  # closed; a probe at 2
     c.update([5], [3], **good)
     assert c.state().gain == pytest.approx(4 / 1.5) and c.state().gain_samples == 1
-    assert c.gate() and c.state().interval == 2
+    assert gate(c) and c.state().interval == 2
     for _ in range(5):
         c.update([5], [0], **poor)  # the mean of the fresh measurement: (2.67 + 5 x 0.625) / 6 < 1
-    assert [c.gate() for _ in range(2)] == [False, True]  # closed again, a probe at 2
+    assert [gate(c) for _ in range(2)] == [False, True]  # closed again, a probe at 2
 
 
 def _poor_start(steps: int, draft_per_token: float, verify_per_row: float) -> list[int]:
@@ -373,7 +374,7 @@ def _poor_start(steps: int, draft_per_token: float, verify_per_row: float) -> li
     c.update([0], [0], verify_time=verify(1))
     drafted = []
     for i in range(steps):
-        k = [3, 1][i] if i < 2 else c.budget()
+        k = [3, 1][i] if i < 2 else ask(c)
         accepted = [1, 0][i] if i < 2 else k
         _chain_step(c, [k], [accepted], verify_time=verify(1 + k), draft_time=draft_per_token * k or None)
         drafted.append(k)
@@ -423,7 +424,7 @@ def test_a_draft_taken_whole_grows_only_where_a_longer_one_would_pay_taken_whole
         c.update([0], [0], verify_time=verify(1))
         ks = []
         for _ in range(120):
-            k = c.budget()
+            k = ask(c)
             _chain_step(c, [k], [k], verify_time=verify(1 + k), draft_time=per_token * k or None)
             ks.append(k)
         return ks
@@ -443,7 +444,7 @@ def test_chain_probes_lengthen_while_taken_whole():
         _chain_step(c, [2], [0], verify_time=2.5, draft_time=0.1)
     probes = []
     for i in range(400):  # probes cost 1.5 steps: probe_share spaces them 75 steps apart
-        k = c.budget()
+        k = ask(c)
         if k:
             probes.append(k)
             got = k if len(probes) < 3 else 1
@@ -451,7 +452,7 @@ def test_chain_probes_lengthen_while_taken_whole():
     assert probes[:4] == [1, 3, 5, 1]
     c.set_batch(4)
     c.update([0] * 4, [0] * 4, verify_time=1.0)
-    assert {c.budget() for _ in range(200)} == {0, 1}
+    assert {ask(c) for _ in range(200)} == {0, 1}
 
 
 def test_tree_probes_are_sized_as_chain_probes():
@@ -462,18 +463,18 @@ def test_tree_probes_are_sized_as_chain_probes():
     verify = lambda n: 1.0 + 0.01 * n  # noqa: E731  (a probe costs 1% of a step: spaced by explore_every)
     tree = [-1, 0, 1, -1, 3, 3]  # two branches of three levels, six nodes
     for _ in range(3):  # three trees that win nothing, each drafting 0.3 of a step: the gate closes
-        n = c.tree_budget(6, key="t")
+        n = ask(c, "t", 6, tree=True)
         c.update([n], [0], verify_time=verify(n), draft_time=0.3, key="t")
         c.observe_tree([tree[:n]], [[]], key="t")
     c.state("t").values = [0.0, 1.0, 1.5, 1.8, 2.0, 2.1, 2.2]  # as if Sequoia wanted all six nodes
     c.config = dataclasses.replace(c.config, retree_every=10**6)
-    assert [c.tree_budget(6, key="t") for _ in range(3)] == [0, 1, 0]  # closed; a one-node probe at 2
+    assert [ask(c, "t", 6, tree=True) for _ in range(3)] == [0, 1, 0]  # closed; a one-node probe at 2
     c.update([1], [1], verify_time=verify(1), draft_time=1.2, key="t")  # taken whole, still a loss
-    sizes = [c.tree_budget(6, key="t") for _ in range(4)]
+    sizes = [ask(c, "t", 6, tree=True) for _ in range(4)]
     assert sizes == [0, 0, 0, 3]  # the next probe, 4 steps on, three nodes (not six)
     c.set_batch(4)
     c.update([0] * 4, [0] * 4, verify_time=1.0)
-    assert {c.tree_budget(6, key="t") for _ in range(200)} == {0, 1}
+    assert {ask(c, "t", 6, tree=True) for _ in range(200)} == {0, 1}
 
 
 def test_at_a_batch_measured_gain_vetoes_the_prediction():
@@ -483,14 +484,14 @@ def test_at_a_batch_measured_gain_vetoes_the_prediction():
     c = _cost_aware(explore_every=3)
     c.set_batch(4)
     c.update([0] * 4, [0] * 4, verify_time=1.0)
-    k = c.budget()
+    k = ask(c)
     assert k > 0
     for _ in range(c.config.min_samples):  # the gain is judged once min_samples steps are measured
         _chain_step(c, [3, 0, 0, 0], [3, 0, 0, 0], verify_time=2.0, draft_time=0.0)
     assert c.alpha == 1.0 and c.best_length(3) > 0  # the prediction alone would draft
-    assert [c.budget() for _ in range(3)] == [0, 0, 1]  # measured: it does not pay; probes
+    assert [ask(c) for _ in range(3)] == [0, 0, 1]  # measured: it does not pay; probes
     c.set_batch(1)  # another batch size has its own step times: a plain step is timed first
-    assert c.budget() == 0
+    assert ask(c) == 0
 
 
 def test_probes_are_spaced_by_what_a_probe_costs_at_the_batch():
@@ -500,11 +501,11 @@ def test_probes_are_spaced_by_what_a_probe_costs_at_the_batch():
     c.set_batch(8)
     c.update([0] * 8, [0] * 8, verify_time=1.0)
     _chain_step(c, [1] * 8, [0] * 8, verify_time=2.2, draft_time=0.0)  # a probe that won nothing
-    budgets = [c.budget() for _ in range(130)]
+    budgets = [ask(c) for _ in range(130)]
     assert [i for i, b in enumerate(budgets) if b] == [59, 119]
     c.set_batch(7)  # a row finished: batch 7 has no timings yet; batch 8's probe cost stands in
     assert c.probe_cost() == pytest.approx(1.2)
-    assert not any(c.budget() for _ in range(50))
+    assert not any(ask(c) for _ in range(50))
 
 
 def test_probes_of_a_source_that_catches_up_are_spaced_by_its_catch_up_too():
@@ -516,7 +517,7 @@ def test_probes_of_a_source_that_catches_up_are_spaced_by_its_catch_up_too():
     c.update([0] * 8, [0] * 8, verify_time=1.0)
     for _ in range(c.config.min_samples):
         _chain_step(c, [1] * 8, [0] * 8, key="eagle", verify_time=2.2, draft_time=0.0, catch_up=3.8)
-    budgets = [c.budget("eagle") for _ in range(300)]
+    budgets = [ask(c, "eagle") for _ in range(300)]
     assert [i for i, b in enumerate(budgets) if b] == [249]
 
 
@@ -531,7 +532,7 @@ def test_at_batch_1_probes_are_spaced_by_the_catch_up_of_pauses_not_of_the_promp
         _chain_step(c, [1], [0], key="model", verify_time=1.1, draft_time=0.0, catch_up=12.0)  # the prompt
         for _ in range(c.config.min_samples - 1):  # drafts after pauses, or right after a step (0 s)
             _chain_step(c, [1], [0], key="model", verify_time=1.1, draft_time=0.0, catch_up=resume, resume=resume)
-        budgets = [c.budget("model") for _ in range(300)]
+        budgets = [ask(c, "model") for _ in range(300)]
         assert [i for i, b in enumerate(budgets) if b][:6] == probes
 
 
@@ -551,23 +552,23 @@ def test_each_batch_size_has_its_own_measured_gain():
     for _ in range(40):
         _chain_step(c, [1, 1, 0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0, 0, 0], key="copy", verify_time=1.6,
                     draft_time=0.0)
-    assert c.state("copy").gain < 1 and c.budget("copy") == 0
+    assert c.state("copy").gain < 1 and ask(c, "copy") == 0
     c.set_batch(7)
     assert c.state("copy").gain < 1  # 7 rows start from 8's
     c.set_batch(1)
-    assert c.state("copy").gain == pytest.approx(3 / 1.1) and c.budget("copy") > 0
+    assert c.state("copy").gain == pytest.approx(3 / 1.1) and ask(c, "copy") > 0
 
 
 def test_a_new_draft_class_at_a_batch_starts_with_a_one_token_probe():
     c = _cost_aware()
     c.update([0], [0], verify_time=1.0)
-    assert c.budget(key=3) == 4  # batch 1: the whole initial length (a 5-row verify costs ~a step)
+    assert ask(c, key=3) == 4  # batch 1: the whole initial length (a 5-row verify costs ~a step)
     c.set_batch(8)
     c.update([0] * 8, [0] * 8, verify_time=1.0)
-    assert c.budget(key=2) == 1  # batch 8: 8 x 5 rows would cost ~4 steps before alpha is known
-    assert c.tree_budget(16, key="tree") == 1  # and a tree drafter: one node per row, not 8 x 17 rows
+    assert ask(c, key=2) == 1  # batch 8: 8 x 5 rows would cost ~4 steps before alpha is known
+    assert ask(c, "tree", 16, tree=True) == 1  # and a tree drafter: one node per row, not 8 x 17 rows
     c.set_batch(1)
-    assert c.tree_budget(16, key="tree") == 16  # batch 1: the drafter's own size
+    assert ask(c, "tree", 16, tree=True) == 16  # batch 1: the drafter's own size
 
 
 def test_at_a_batch_the_length_rule_counts_only_the_rows_that_draft():
@@ -601,7 +602,7 @@ def test_a_new_run_at_a_batch_keeps_measured_classes_measured():
         _chain_step(c, [1] * 8, [0] * 8, verify_time=2.0, draft_time=0.0, key="k")
     c.new_run(8)
     assert c.state("k").gain_samples == c.config.min_samples
-    assert c.choose(["k"], lambda k: c.budget(k)) == (None, 0)  # not paying, not fresh: no draft
+    assert take(c, c.choose(["k"], c.plan)).size == 0  # not paying, not fresh: no draft
     c.new_run(1)
     assert c.state("k").gain_samples == c.config.min_samples - 1  # batch 1: tried again
 
@@ -612,15 +613,16 @@ def test_bass_schedule_on_a_scripted_acceptance_trace():
     c = DraftLengthController(DraftLengthConfig.bass())
     trace = [([7, 7], [7, 2]), ([9, 9], [9, 0]), ([11, 11], [3, 1]), ([9, 9], [2, 0]), ([7, 7], [6, 6]),
              ([6, 6], [6, 1])]
-    lengths = [c.budget()]
+    lengths = [ask(c)]
     for drafted, accepted in trace:
         c.update(drafted, accepted)
-        lengths.append(c.budget())
+        lengths.append(ask(c))
     # 11 -> 11 - 2 = 9; 9 -> 9 - (1 + 1) = 7; 7 -> 7 - (1 + 2) = 4, floored at the 6 accepted
     assert lengths == [7, 9, 11, 9, 7, 6, 8]
     for _ in range(20):
-        c.update([c.budget()], [c.budget()])
-    assert c.budget() == 32
+        k = ask(c)
+        c.update([k], [k])
+    assert ask(c) == 32
 
 
 def _tree_controller(step_times: dict[int, float]) -> DraftLengthController:
@@ -641,13 +643,13 @@ def test_tree_budget_follows_measured_acceptance_and_verify_cost():
     cheap = _tree_controller({1: 1.0, **{q: 1.0 for q in range(2, 18)}})
     dear = _tree_controller({1: 1.0, **{q: 1.0 + 0.3 * (q - 1) for q in range(2, 18)}})
     for c in (cheap, dear):
-        assert c.tree_budget(16) == 16  # no tree seen yet: the drafter's own size
+        assert ask(c, cap=16, tree=True) == 16  # no tree seen yet: the drafter's own size
         for i in range(40):
             c.observe_tree([wide], [list(range([3, 8, 6, 8][i % 4]))])  # the first chain, 3-8 deep
         c.update([16], [5], verify_time=c.step_time[17], draft_time=0.0)
-    big, small = cheap.tree_budget(16), dear.tree_budget(16)
+    big, small = ask(cheap, cap=16, tree=True), ask(dear, cap=16, tree=True)
     assert (big, small) == (9, 6)
-    assert cheap.tree_budget(4) <= 4  # never past the cap (the tokens still wanted)
+    assert ask(cheap, cap=4, tree=True) <= 4  # never past the cap (the tokens still wanted)
 
 
 def test_period_sweep_times_every_period_and_the_models_choice():
@@ -692,7 +694,7 @@ def test_draft_cost_is_timed_per_size_and_fitted_to_a_line_between():
     st.values = sequoia.best_trees([[0.6, 0.2], [0.6, 0.2], [0.6], [0.6]], 16)[0]
     st.positions.observed = 1
     per_node = cost.best_budget(st.values[:9], lambda q: 1.0, lambda n: 0.075 * n)
-    assert c.tree_budget(8, "tree") > per_node
+    assert ask(c, "tree", 8, tree=True) > per_node
     for k in (1, 2, 3):
         c.update([k], [k], verify_time=1.0, draft_time=0.7 * k, key="self")
     assert c.draft_cost(6, "self") == pytest.approx(4.2)

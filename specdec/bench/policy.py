@@ -44,6 +44,7 @@ from pathlib import Path
 
 import torch
 
+from specdec.controller.plan import Plan
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.tree import DraftTree
 
@@ -112,7 +113,7 @@ def record(model, make_drafter, ids: torch.Tensor, max_new_tokens: int, eos, key
     # timings: one generation cycling k over 0..depth (its answer is the same: greedy is lossless)
     timed = SpecDecoder(model, make_drafter(), fixed_setting(f"k={depth}"))
     cycle = itertools.cycle(range(depth + 1))
-    timed.controller.budget = lambda key=None: next(cycle)
+    timed.controller.plan = lambda key=None, cap=None, tree=False: Plan(key, min(next(cycle), cap))
     steps = timed.generate(ids, max_new_tokens=min(max_new_tokens, timed_tokens), eos_token_id=eos).steps[1:]
     verify: dict[int, list[float]] = {}
     draft: dict[int, list[float]] = {}
@@ -152,7 +153,7 @@ def replay(rec: Recording, controller=None, k: int = 0, noise: float = 0.0, seed
         key = rec.classes[pos] if pos < len(rec.classes) else None
         size = rec.sizes[pos] if pos < len(rec.sizes) else 0
         run = rec.runs[pos] if pos < len(rec.runs) else 0
-        budget = controller.budget(key) if controller is not None else k
+        budget = _take(controller, controller.plan(key)).size if controller is not None else k
         drafted = min(budget, wanted, size)
         accepted = min(drafted, run)
         vt, dt = verify_time(1 + drafted), draft_time(drafted)
@@ -162,7 +163,7 @@ def replay(rec: Recording, controller=None, k: int = 0, noise: float = 0.0, seed
         if controller is not None and drafted == 0 and rec.free and shadows:
             # the decoder's shadow draft of a free drafter's gated-off class, scored against the one
             # token the plain step commits
-            shadow = min(controller.shadow_size(wanted, key), size)
+            shadow = min(_take(controller, controller.plan_shadow(wanted, key)).size, size)
         if controller is not None:
             controller.update([drafted], [accepted], vt, dt, key)
             if drafted:
@@ -172,6 +173,12 @@ def replay(rec: Recording, controller=None, k: int = 0, noise: float = 0.0, seed
                                           draft_time(shadow), key)
         seconds, steps, pos = seconds + vt + dt, steps + 1, pos + 1 + accepted
     return seconds, steps
+
+
+def _take(controller, plan: Plan) -> Plan:
+    """The decoder's way with a controller's plan: follow it (``observe``), then draft it."""
+    controller.observe(plan)
+    return plan
 
 
 def compare(rec: Recording, make_controller, max_k: int = 10, noise: float = 0.05, seeds: int = 10) -> dict:

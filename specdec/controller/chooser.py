@@ -28,15 +28,16 @@ def ask_order(keys: list[Hashable], states: dict[Hashable, ClassState], free: Co
 
 def choose(keys: list[Hashable], states: dict[Hashable, ClassState], size: Callable[[Hashable], int],
            free: Collection[Hashable], min_samples: int, revisit_every: int,
-           pays: Callable[[ClassState], bool]) -> tuple[Hashable | None, int]:
-    """(class, ``size(class)``) of the first of ``keys`` (``states``: theirs) in ``ask_order`` whose
-    rule drafts something, or (None, 0). A class of ``rest`` that says 0 passes the step on, until one that does not pay
-    (``pays``) said 0: every class after it gains less, so it drafts nothing either. Every class
-    asked has its idle count reset; the others count one more step passed over.
+           pays: Callable[[ClassState], bool]) -> tuple[Hashable | None, int, list[Hashable]]:
+    """(class, ``size(class)``, the classes asked) for the first of ``keys`` (``states``: theirs) in
+    ``ask_order`` whose rule drafts something, or (None, 0, asked). A class of ``rest`` that says 0 passes
+    the step on, until one that does not pay (``pays``) said 0: every class after it gains less, so it
+    drafts nothing either. Changes nothing: the caller resets the idle count of every class asked and
+    counts one more step passed over for the others.
     Example: gains {"lookup": 1.4, "eagle": 1.1} -> "lookup"; lookup says 0 -> "eagle"; after
     ``revisit_every`` steps of "lookup", "eagle" once."""
     if not keys:
-        return None, 0
+        return None, 0, []
     fresh, due, rest = ask_order(keys, states, free, min_samples, revisit_every)
     asked, pick, n = [], None, 0
     for k in fresh + due + rest:
@@ -47,6 +48,4 @@ def choose(keys: list[Hashable], states: dict[Hashable, ClassState], size: Calla
             break
         if k in rest and not pays(states[k]):
             break
-    for k, st in states.items():
-        st.idle = 0 if k in asked else st.idle + 1
-    return pick, n  # n is 0 when no class drafts: the last one asked said so
+    return pick, n, asked  # n is 0 when no class drafts: the last one asked said so

@@ -2,15 +2,20 @@
 
 It composes the package's parts: the measured tables (``tables``: verify times per batch and block
 size, per draft class the acceptance per depth and rank, draft seconds per size, the measured gain),
-the pure cost functions (``cost``), the size policies (``policies``: fixed, BASS's schedule,
-cost-aware chains, Sequoia's tree budget) and the source chooser (``chooser``). Its state is what it
-measured; its decisions are the policies' answers on those tables.
+the pure cost functions (``cost``), the size policies (``policies``), the source chooser
+(``chooser``) and what a step teaches a class (``learning``). Its state is what it measured; its
+decisions are the policies' answers on those tables. Questions change nothing: each returns a
+``plan.Plan``, and the step that follows a plan tells the controller so (``observe``), which is when
+asking moves the per-answer schedules (probe spacing, passed-over counts, the priced-out count).
 
-One decoding step, as the decoder drives it:
+One decoding step, as the decoder drives it (``drafters.chooser.draft_step``, ``session.learn_step``):
 
-    k = controller.budget(key)              # a chain drafter's length (0: decode plainly)
-    n = controller.tree_budget(cap, key)    # a drafter that shapes its own tree: its node budget
-    key, n = controller.choose(keys, size, free)   # several sources: which drafts, how much
+    plan = controller.plan_batch()                      # is the batch's drafting priced out?
+    plan = controller.plan(key, cap=wanted)             # a chain drafter's length (0: decode plainly)
+    plan = controller.plan(key, cap=wanted, tree=True)  # a drafter that shapes its own tree: its node budget
+    plan = controller.choose(keys, plan_of, free)       # several sources: which drafts, how much
+    plan = controller.plan_shadow(wanted, key)          # a free class's unverified draft
+    controller.observe(plan)                            # ... each plan taken as it is made
     ...draft, verify...
     controller.update(drafted, accepted, verify_time, draft_time, key)  # times, gain, BASS's length
     controller.observe_tree(parents, accepted, key)                     # acceptance per depth, rank
@@ -32,46 +37,15 @@ Why: docs/decisions/006-draft-length.md (chains, gate, probes, BASS, batches),
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Callable, Collection, Hashable
 
-from specdec.controller import chooser, cost, policies
+from specdec.controller import chooser, cost, learning, policies
+from specdec.controller.config import DraftLengthConfig
+from specdec.controller.plan import Plan, Schedule
 from specdec.controller.tables import BatchGains, ClassState, VerifyTimes, running_mean, running_time
-from specdec.tree import subtree_depth
 
-
-@dataclass(frozen=True)
-class DraftLengthConfig:
-    """The controller's knobs, by the part that reads them: the length schedule (initial, minimum,
-    maximum, step_up, adaptive, shrink), the cost gate (cost_aware, explore_every, probe_share, decay,
-    gate_decay, min_samples), trees (tree_decay, retree_every, tree_nodes), the source chooser
-    (revisit_every, min_samples). Why these defaults: docs/decisions/006-draft-length.md."""
-
-    initial: int = 3  # first draft length (a 4-row verify)
-    minimum: int = 1  # never ask for fewer (0 would turn drafting off for good)
-    maximum: int = 10  # the longest chain the cost model may pick
-    step_up: int = 2  # BASS: +2 after a step where some sequence accepted everything
-    adaptive: bool = True  # False: always ask for `initial`
-    cost_aware: bool = True  # draft only when the expected gain beats the measured verify cost
-    explore_every: int = 8  # while gated off, probe every n steps (backs off to 8n)
-    probe_share: float = 0.02  # ...and never more often than keeps probes' extra cost under this share
-    decay: float = 0.8  # weight of the past in the running means (alpha, verify and draft times)
-    gate_decay: float = 0.95  # the measured gain's running mean: a long memory (~20 steps)
-    shrink: str = "one"  # after a step with no whole draft accepted: "one" token, or "bass" (bass_shrink)
-    tree_decay: float = 0.98  # trees: weight of the past per observed tree in the depth x rank acceptance
-    retree_every: int = 16  # trees: re-run Sequoia's program after this many observed trees
-    revisit_every: int = 64  # several sources: a candidate passed over this many steps gets a turn
-    min_samples: int = 3  # drafting steps measured before a class's gain is judged (and chosen first until then)
-    tree_nodes: int = 0  # > 0 with cost_aware off: a fixed tree budget (a sweep's fixed setting)
-    # at a batch where drafting does not pay (``priced_out``), one step in this many drafts as usual
-    # (re-measuring it); the others draft nothing
-    retime_every: int = 128
-    batch_samples: int = 8  # drafting steps measured at a batch size before their pooled gain is judged
-
-    @classmethod
-    def bass(cls, **overrides) -> "DraftLengthConfig":
-        """BASS's schedule as published: l0 = 7, +2 up to 32, ceil(l/10) shrinks, no cost gate."""
-        return replace(cls(initial=7, maximum=32, step_up=2, shrink="bass", cost_aware=False), **overrides)
+__all__ = ["DraftLengthConfig", "DraftLengthController"]
 
 
 class DraftLengthController:
@@ -83,8 +57,8 @@ class DraftLengthController:
         self.times = VerifyTimes()  # verify seconds per batch size and block size
         self.batch_size = 1
         self.draft_time: float = 0.0  # running seconds per drafted token over every class (an unseen class's price)
-        self.batch_gains = BatchGains()  # every drafting step's gain per batch size > 1 (``priced_out``)
-        self._priced_out_steps = 0  # steps ``priced_out`` said True since it last let one draft
+        self.batch_gains = BatchGains()  # every drafting step's gain per batch size > 1 (``plan_batch``)
+        self._priced_out_steps = 0  # priced-out steps taken since the last re-timing one (``plan_batch``)
 
     @property
     def step_time(self) -> dict[int, float]:
@@ -122,15 +96,24 @@ class DraftLengthController:
         self.batch_size = batch_size
 
     def state(self, key: Hashable = None) -> ClassState:
+        """Class ``key``'s state, kept from its first use (what observations write to)."""
         if key not in self.classes:
-            c = self.config
-            self.classes[key] = ClassState(c.initial, c.explore_every, c.tree_decay)
+            self.classes[key] = self._fresh()
         return self.classes[key]
+
+    def _known(self, key: Hashable = None) -> ClassState:
+        """Class ``key``'s state for a question: the kept one, or a fresh one not kept (a class never used)."""
+        st = self.classes.get(key)
+        return st if st is not None else self._fresh()
+
+    def _fresh(self) -> ClassState:
+        c = self.config
+        return ClassState(c.initial, c.explore_every, c.tree_decay)
 
     @property
     def alpha(self) -> float | None:
         """The default class's acceptance rate (a drafter without classes has only that one)."""
-        return self.state().alpha
+        return self._known().alpha
 
     @alpha.setter
     def alpha(self, value: float | None) -> None:
@@ -138,32 +121,7 @@ class DraftLengthController:
 
     @property
     def length(self) -> int:
-        return self.state().length
-
-    def priced_out(self) -> bool:
-        """Draft nothing this step, whatever the classes measured? At a batch every row pays for the
-        widest row's block, so the batch's drafting is judged as one: True while (1) the drafting steps
-        at this batch size (or the nearest one measured over ``batch_samples`` steps), whatever their
-        class, gained no more than PAYS on average (``tables.BatchGains``), or (2) no draft can pay
-        even if every node were accepted: a block of q rows a sequence yields at most q tokens a
-        sequence, and every wider block timed here has q * t(1) / t(q) <= PAYS (a compute-bound CPU
-        at a large batch). Once every ``retime_every`` such steps it says False (that step drafts as
-        usual, re-measuring). False at batch 1 (each class's own gate decides there) and without the
-        cost gate (why: docs/decisions/006-draft-length.md). Example: t = {1: 0.10, 2: 0.21} at batch 16
-        -> 2 * 0.10 / 0.21 = 0.95: priced out."""
-        t, c = self.step_time, self.config
-        if self.batch_size == 1 or not c.cost_aware or 1 not in t:
-            return False
-        wider = [q for q in t if q > 1]
-        pooled = self.batch_gains.near(self.batch_size, c.batch_samples)
-        hopeless = bool(wider) and max(q * t[1] / t[q] for q in wider) <= policies.PAYS
-        if not hopeless and (pooled is None or pooled > policies.PAYS):
-            return False
-        self._priced_out_steps += 1
-        if self._priced_out_steps >= c.retime_every:
-            self._priced_out_steps = 0
-            return False
-        return True
+        return self._known().length
 
     # ---------------------------------------------------------------------------------- prices
 
@@ -178,7 +136,7 @@ class DraftLengthController:
         return self._draft_prices(key)(n)
 
     def _draft_prices(self, key: Hashable = None) -> Callable[[int], float]:
-        return cost.draft_prices(self.state(key).draft_by_size, self.draft_time)
+        return cost.draft_prices(self._known(key).draft_by_size, self.draft_time)
 
     def _verify_prices(self, q_max: int) -> Callable[[int], float]:
         return cost.verify_prices(self.step_time, q_max)
@@ -199,7 +157,7 @@ class DraftLengthController:
     def expected_tokens(self, k: int, key: Hashable = None) -> float:
         """Tokens one step yields when drafting a chain of k: 1 + the expected accepted drafts from
         the measured acceptance per depth; k + 1 before any chain of the class was verified."""
-        st = self.state(key)
+        st = self._known(key)
         if st.positions.observed == 0:
             return float(k + 1)
         return 1.0 + cost.chain_values(st.positions.chain(k))[k]
@@ -212,7 +170,7 @@ class DraftLengthController:
 
     def best_length(self, k_max: int, key: Hashable = None) -> int:
         """The cost-aware chain length in [0, k_max] (``policies.chain_size``); k_max unmeasured."""
-        st = self.state(key)
+        st = self._known(key)
         if st.positions.observed == 0 or self.step_time.get(1) is None:
             return k_max  # not measured yet: try it
         k_max = min(k_max, self.explored())
@@ -220,67 +178,82 @@ class DraftLengthController:
 
     def _chain_length(self, key: Hashable = None) -> int:
         """``best_length`` up to ``maximum`` once the class's acceptance is measured (BASS's length
-        before), no gate: ``budget``'s and ``shadow_size``'s rule."""
-        st = self.state(key)
+        before), no gate: ``_chain_budget``'s and ``plan_shadow``'s rule."""
+        st = self._known(key)
         return self.best_length(st.length if st.positions.observed == 0 else self.config.maximum, key)
 
-    def _tree_size(self, cap: int, key: Hashable = None) -> int:
-        """Sequoia's node budget in [0, cap] (``policies.tree_values``, ``policies.best_size``), no
-        gate; before a tree of the class was seen ``cap`` at batch 1, one node per row at a batch."""
-        st = self.state(key)
+    def _tree_size(self, cap: int, key: Hashable = None) -> tuple[int, list[float] | None]:
+        """Sequoia's node budget in [0, cap] (``policies.tree_values``, ``policies.best_size``), no gate,
+        and the values it priced: the class's own, refreshed when none are kept or every
+        ``retree_every`` observed trees. Before a tree of the class was seen: ``cap`` at batch 1, one
+        node per row at a batch."""
+        st = self._known(key)
         if st.positions.observed == 0 or 1 not in self.step_time:
-            return cap if self.batch_size == 1 else 1
-        if st.values is None or st.positions.observed % self.config.retree_every == 0:
-            st.values = policies.tree_values(st.positions)
+            return (cap if self.batch_size == 1 else 1), st.values
+        values = st.values
+        if values is None or st.positions.observed % self.config.retree_every == 0:
+            values = policies.tree_values(st.positions)
         n_max = min(cap, self.explored())
-        return policies.best_size(st.values[: n_max + 1], self.step_time, self._draft_prices(key), self._share(st))
+        return policies.best_size(values[: n_max + 1], self.step_time, self._draft_prices(key), self._share(st)), values
 
     def _pays(self, st: ClassState) -> bool:
         return policies.pays(st.gain, st.gain_samples, self.config.min_samples)
 
-    def _probe(self, st: ClassState) -> bool:
-        """While drafting is off: True once every ``interval`` steps (the interval doubling to 8x
-        ``explore_every``) and no more often than ``cost.probe_spacing`` allows at the live batch,
-        the source's catch-up included. Never for a class shadowed this run (measured for free)."""
+    def _probe(self, st: ClassState) -> tuple[bool, Schedule]:
+        """While drafting is off: whether a probe is due this step, and the class's schedule after it (a
+        probe: skipped reset, the interval doubled up to 8x ``explore_every``, probing; else one more
+        step skipped). Due once every ``interval`` steps and no more often than ``cost.probe_spacing``
+        allows at the live batch, the source's catch-up included. Never for a class shadowed this run
+        (measured for free: nothing counted)."""
+        now = Schedule.of(st)
         if st.shadowed:
-            return False
-        st.skipped += 1
+            return False, now
         t1 = self.step_time.get(1)
         # what a probe pays before it drafts: at batch 1 the text of the pause (a prompt is fed once, at the
         # answer's first draft); at a batch also the prompts of rows that joined (decision 010)
         paid = st.resume if self.batch_size == 1 else st.catch_up
         spacing = cost.probe_spacing(self.probe_cost(), paid / t1 if t1 else 0.0, self.config.probe_share)
-        if st.skipped < max(st.interval, spacing):
-            return False
-        st.skipped = 0
-        st.interval = min(2 * st.interval, 8 * self.config.explore_every)  # back off (reset if it wins)
-        st.probing = True
-        return True
+        if st.skipped + 1 < max(st.interval, spacing):
+            return False, replace(now, skipped=st.skipped + 1)
+        return True, Schedule(0, min(2 * st.interval, 8 * self.config.explore_every), True)  # back off (reset if it wins)
 
-    def budget(self, key: Hashable = None) -> int:
-        """Tokens to draft next in class ``key``: the schedule's length without the cost gate; with
-        it 0 before a plain step was timed, a one-token probe for a new class at a batch, else the
-        cost-aware length (``policies.gain_floor``, ``policies.past_whole``) while the measured gain
-        pays, or a probe (``policies.probe_size``) when due."""
-        st = self.state(key)
+    def _gate(self, st: ClassState) -> tuple[bool, Schedule]:
+        """Draft at all this step (a drafter that sizes its own drafts), and the class's schedule after?
+        Without the cost gate yes; with it, not before a plain step was timed, then while the measured
+        gain pays (the probe interval back to ``explore_every``), else a probe when due."""
+        now = Schedule.of(st)
         if not self.config.cost_aware:
-            return st.length
+            return True, now
+        if self.step_time.get(1) is None:
+            return False, now
+        if self._pays(st):
+            return True, replace(now, interval=self.config.explore_every)
+        return self._probe(st)
+
+    def _chain_budget(self, key: Hashable = None) -> tuple[int, Schedule]:
+        """Tokens to draft next in class ``key`` and its schedule after: the schedule's length without
+        the cost gate; with it 0 before a plain step was timed, a one-token probe for a new class at a
+        batch, else the cost-aware length (``policies.gain_floor``, ``policies.past_whole``) while the
+        measured gain pays, or a probe (``policies.probe_size``) when due."""
+        st = self._known(key)
+        now = Schedule.of(st)
+        if not self.config.cost_aware:
+            return st.length, now
         if 1 not in self.step_time:
-            return 0  # time one plain step first: every cost is relative to it
+            return 0, now  # time one plain step first: every cost is relative to it
         if st.alpha is None and self.batch_size > 1:
-            return 1
+            return 1, now
         priced = self._chain_length(key)
         # at batch 1 a gain from fewer than min_samples steps is not judged yet, as the gate's (at a batch a
         # drafting step verifies B rows a token: the table's price stands; docs/decisions/006-draft-length.md)
         judged = self.batch_size > 1 or st.gain_samples >= self.config.min_samples
         k = policies.gain_floor(priced, st.gain, judged)
         if k > 0 and self._pays(st):
-            st.interval = self.config.explore_every
             grown = policies.past_whole(k, priced, st.whole, self.batch_size, self.config.maximum)
-            return grown if grown == k or self._whole_pays(grown, k, key) else k
-        if not self._probe(st):
-            return 0
-        return policies.probe_size(self.batch_size, st.probe_length)
+            k = grown if grown == k or self._whole_pays(grown, k, key) else k
+            return k, replace(now, interval=self.config.explore_every)
+        probe, after = self._probe(st)
+        return (policies.probe_size(self.batch_size, st.probe_length) if probe else 0), after
 
     def _whole_pays(self, n: int, k: int, key: Hashable = None) -> bool:
         """Whether an n-token chain taken whole would cost no more a token than the k-token chain the
@@ -289,51 +262,114 @@ class DraftLengthController:
         verify, draft = self._verify_prices(1 + n), self._draft_prices(key)  # n > k: the wider block
         return (verify(1 + n) + draft(n)) / (1 + n) <= (verify(1 + k) + draft(k)) / self.expected_tokens(k, key)
 
-    def gate(self, key: Hashable = None) -> bool:
-        """Draft at all this step (drafters that size their own drafts)? Without the cost gate yes;
-        with it, not before a plain step was timed, then while the measured gain pays, else a probe."""
-        st = self.state(key)
-        if not self.config.cost_aware:
-            return True
-        if self.step_time.get(1) is None:
-            return False
-        if self._pays(st):
-            st.interval = self.config.explore_every
-            return True
-        return self._probe(st)
-
-    def tree_budget(self, cap: int, key: Hashable = None) -> int:
+    def _tree_budget(self, cap: int, key: Hashable = None) -> Plan:
         """Nodes a tree drafter may propose next (0 = do not draft): the gate, then the Sequoia budget
         in [1, cap] (``cap`` until a tree was seen; ``tree_nodes`` without the cost gate)."""
-        if cap <= 0 or not self.gate(key):
-            return 0
-        st = self.state(key)
+        if cap <= 0:
+            return Plan(key, 0)
+        st = self._known(key)
+        go, after = self._gate(st)
+        if not go:
+            return self._plan(key, 0, after)
         if not self.config.cost_aware:
-            return min(cap, self.config.tree_nodes) if self.config.tree_nodes else cap
-        n = self._tree_size(cap, key)
+            return self._plan(key, min(cap, self.config.tree_nodes) if self.config.tree_nodes else cap, after)
+        n, values = self._tree_size(cap, key)
         if st.positions.observed == 0 or 1 not in self.step_time:
-            return n
-        if st.probing:
-            return policies.probe_size(self.batch_size, st.probe_length, n)
-        return max(1, n)  # the gate (measured gain) says drafting pays: at least one node
+            return self._plan(key, n, after, values)
+        if after.probing:
+            return self._plan(key, policies.probe_size(self.batch_size, st.probe_length, n), after, values)
+        return self._plan(key, max(1, n), after, values)  # the gate (measured gain) says drafting pays: a node
 
-    def choose(self, keys: list[Hashable], size: Callable[[Hashable], int],
-               free: Collection[Hashable] = ()) -> tuple[Hashable | None, int]:
-        """Which of several sources' draft classes drafts this step, and how much (``chooser.choose``;
-        ``size``: a class's length rule or tree budget; ``free``: classes measured by shadow drafts)."""
+    def _plan(self, key: Hashable, size: int, after: Schedule, values: list[float] | None = None) -> Plan:
+        """A plan of class ``key``'s draft of ``size`` nodes that moves its schedule to ``after`` and its
+        Sequoia values to ``values`` (None: kept), each only where it changes."""
+        st = self._known(key)
+        return Plan(key, size, schedules={key: after} if after != Schedule.of(st) else {},
+                    trees={key: values} if values is not None and values is not st.values else {})
+
+    # ------------------------------------------------------------------------------- questions
+
+    def plan(self, key: Hashable = None, cap: int | None = None, tree: bool = False) -> Plan:
+        """What class ``key`` drafts this step, changing nothing (``observe`` takes the plan): a chain's
+        length (``_chain_budget``; at most ``cap``, the tokens still wanted), or with ``tree`` the node
+        budget of a drafter that shapes its own tree (``_tree_budget``; ``cap`` needed)."""
+        if tree:
+            return self._tree_budget(cap, key)
+        k, after = self._chain_budget(key)
+        return self._plan(key, k if cap is None else min(k, cap), after)
+
+    def choose(self, keys: list[Hashable], plan_of: Callable[[Hashable], Plan],
+               free: Collection[Hashable] = ()) -> Plan:
+        """Which of several sources' draft classes drafts this step, and how much (``chooser.choose``),
+        changing nothing: ``plan_of`` gives a class's own plan (``plan``), ``free`` the classes measured by
+        shadow drafts. The plan carries every asked class's moves and each candidate's passed-over count."""
         c = self.config
-        states = {k: self.state(k) for k in keys}
-        return chooser.choose(keys, states, size, free, c.min_samples, c.revisit_every, self._pays)
+        states = {k: self._known(k) for k in keys}
+        plans: dict[Hashable, Plan] = {}
 
-    def shadow_size(self, cap: int, key: Hashable = None, tree: bool = False) -> int:
-        """Nodes class ``key`` would draft now if chosen (its length rule, or Sequoia's budget for a
-        tree), in [1, cap], spending no probe: the size of a shadow draft. 0 before a plain step."""
+        def size(k: Hashable) -> int:
+            plans[k] = plan_of(k)
+            return plans[k].size
+
+        pick, n, asked = chooser.choose(keys, states, size, free, c.min_samples, c.revisit_every, self._pays)
+        return Plan(pick, n, schedules={k: s for p in plans.values() for k, s in p.schedules.items()},
+                    trees={k: v for p in plans.values() for k, v in p.trees.items()},
+                    idle={k: 0 if k in asked else st.idle + 1 for k, st in states.items()})
+
+    def plan_shadow(self, cap: int, key: Hashable = None, tree: bool = False) -> Plan:
+        """Nodes class ``key`` would draft now if chosen (its length rule, or Sequoia's budget for a tree),
+        in [1, cap], spending no probe: the size of a shadow draft; 0 before a plain step. Its only move:
+        Sequoia's values when due."""
         if cap <= 0 or 1 not in self.step_time:
-            return 0
-        k = self._tree_size(cap, key) if tree else self._chain_length(key)
-        return max(1, min(k, cap))
+            return Plan(key, 0)
+        st = self._known(key)
+        k, values = self._tree_size(cap, key) if tree else (self._chain_length(key), None)
+        return self._plan(key, max(1, min(k, cap)), Schedule.of(st), values)
+
+    def priced_out(self) -> bool:
+        """Draft nothing this step, whatever the classes measured? (``_priced_out_steps_after``)"""
+        return bool(self._priced_out_steps_after())
+
+    def plan_batch(self) -> Plan:
+        """The batch's verdict before any class is asked: ``priced_out``, and the count it moves."""
+        return Plan(priced_out=self.priced_out(), priced_out_steps=self._priced_out_steps_after())
+
+    def _priced_out_steps_after(self) -> int | None:
+        """The priced-out step count after this step: None (unchanged) while drafting is not priced out,
+        else one more, or 0 on every ``retime_every``-th such step (that step drafts as usual,
+        re-measuring). At a batch every row pays for the widest row's block, so the batch's drafting is
+        judged as one: priced out while (1) the drafting steps at this batch size (or the nearest one
+        measured over ``batch_samples`` steps), whatever their class, gained no more than PAYS on average
+        (``tables.BatchGains``), or (2) no draft can pay even if every node were accepted: a block of q
+        rows a sequence yields at most q tokens a sequence, and every wider block timed here has
+        q * t(1) / t(q) <= PAYS (a compute-bound CPU at a large batch). Never at batch 1 (each class's
+        own gate decides there) nor without the cost gate (why: docs/decisions/006-draft-length.md).
+        Example: t = {1: 0.10, 2: 0.21} at batch 16 -> 2 * 0.10 / 0.21 = 0.95: priced out."""
+        t, c = self.step_time, self.config
+        if self.batch_size == 1 or not c.cost_aware or 1 not in t:
+            return None
+        wider = [q for q in t if q > 1]
+        pooled = self.batch_gains.near(self.batch_size, c.batch_samples)
+        hopeless = bool(wider) and max(q * t[1] / t[q] for q in wider) <= policies.PAYS
+        if not hopeless and (pooled is None or pooled > policies.PAYS):
+            return None
+        steps = self._priced_out_steps + 1
+        return 0 if steps >= c.retime_every else steps
 
     # ------------------------------------------------------------------------------- learning
+
+    def observe(self, plan: Plan) -> None:
+        """The step follows ``plan``: apply the moves its questions computed (probe schedules, Sequoia's
+        values, passed-over counts, the batch's priced-out count)."""
+        for key, s in plan.schedules.items():
+            st = self.state(key)
+            st.skipped, st.interval, st.probing = s.skipped, s.interval, s.probing
+        for key, values in plan.trees.items():
+            self.state(key).values = values
+        for key, idle in plan.idle.items():
+            self.state(key).idle = idle
+        if plan.priced_out_steps is not None:
+            self._priced_out_steps = plan.priced_out_steps
 
     def observe_shadow(self, parents: list[list[int]], accepted: list[list[int]], judged: list[int],
                        draft_time: float | None = None, key: Hashable = None) -> None:
@@ -357,7 +393,7 @@ class DraftLengthController:
             st.row_share = running_mean(st.row_share, share, self.config.decay)
         t1 = self.step_time.get(1)
         if t1:
-            per_row = _shadow_tokens(st, parents, accepted, judged) / len(accepted)
+            per_row = learning.shadow_tokens(st, parents, accepted, judged) / len(accepted)
             st.add_gain(cost.shadow_gain(per_row, self.cost_ratio(1 + n), self.draft_cost(n, key), t1),
                         self.config.gate_decay)
 
@@ -382,7 +418,9 @@ class DraftLengthController:
             self.times.record(1 + max(num_drafted, default=0), verify_time, grew, c.decay)
         if not any(num_drafted):
             return  # nothing was drafted (gated off, or no n-gram match): nothing learned
-        self._learn_costs(st, num_drafted, draft_time, catch_up, resume)
+        if draft_time is not None:  # every class's price per token (an unseen class's), then the class's own
+            self.draft_time = c.decay * self.draft_time + (1 - c.decay) * (draft_time / max(num_drafted))
+        learning.learn_costs(st, c, num_drafted, draft_time, catch_up, resume)
         t1 = self.step_time.get(1)
         if verify_time is not None and draft_time is not None and t1:
             gain = cost.step_gain(sum(1 + a for a in num_accepted), len(num_accepted),
@@ -393,51 +431,4 @@ class DraftLengthController:
             if probe and gain > 1.0:  # a probe that paid: the text changed, measure the gain afresh
                 st.gain, st.gain_samples = gain, 1
                 st.interval = c.explore_every
-        self._learn_schedule(st, num_drafted, num_accepted, probe)
-
-    def _learn_costs(self, st: ClassState, num_drafted: list[int], draft_time: float | None,
-                     catch_up: float, resume: float) -> None:
-        """A drafting step's draft seconds (per token over every class, per size for the class), the
-        source's catch-up (all of it, and after pauses), and at a batch the share of rows that drafted."""
-        c = self.config
-        if draft_time is not None:
-            per_token = draft_time / max(num_drafted)
-            self.draft_time = c.decay * self.draft_time + (1 - c.decay) * per_token
-            n = max(num_drafted)
-            st.draft_by_size[n] = running_time(st.draft_by_size.get(n), draft_time, c.decay)
-        st.skipped = 0
-        if catch_up > 0:
-            st.catch_up = running_mean(st.catch_up or None, catch_up, c.decay)  # 0.0: none measured yet
-        if resume > 0:
-            st.resume = running_mean(st.resume or None, resume, c.decay)
-        if len(num_drafted) > 1:
-            st.row_share = running_mean(st.row_share, sum(d > 0 for d in num_drafted) / len(num_drafted), c.decay)
-
-    def _learn_schedule(self, st: ClassState, num_drafted: list[int], num_accepted: list[int], probe: bool) -> None:
-        """alpha (accepted over judged tokens: a rejection ends the judging), whether the draft was
-        taken whole, the probe length, and BASS's length (``policies.next_length``)."""
-        c = self.config
-        hits = sum(num_accepted)
-        trials = sum(a + (1 if a < d else 0) for d, a in zip(num_drafted, num_accepted) if d)
-        st.alpha = running_mean(st.alpha, hits / max(1, trials), c.decay)
-        whole = all(a == d for d, a in zip(num_drafted, num_accepted))
-        st.whole = max(num_drafted) if whole else 0
-        if probe:
-            st.probe_length = policies.next_probe_length(st.probe_length, whole, num_accepted, c.maximum, c.step_up)
-        if c.adaptive:
-            st.length, st.shrinks = policies.next_length(st.length, st.shrinks, num_drafted, num_accepted,
-                                                         c.minimum, c.maximum, c.step_up, c.shrink == "bass")
-
-
-def _shadow_tokens(st: ClassState, parents: list[list[int]], accepted: list[list[int]], judged: list[int]) -> float:
-    """Tokens a shadow draft would have yielded over its rows: 1 + accepted per row, plus, where the
-    path ran as far as the committed text (it was cut there, not rejected), the expected rest of the
-    draft below it at the class's measured chain rates (``cost.chain_values``).
-    Example: rates [1, .5, .5], a 3-chain judged 1 deep with 1 accepted -> 2 + .5 + .25 = 2.75."""
-    tokens = 0.0
-    for par, acc, judge in zip(parents, accepted, judged):
-        tokens += 1 + len(acc)
-        deeper = subtree_depth(par, acc[-1] if acc else -1) if par and len(acc) == judge else 0
-        if deeper:
-            tokens += cost.chain_values(st.positions.chain(judge + deeper)[judge:])[deeper]
-    return tokens
+        learning.learn_schedule(st, c, num_drafted, num_accepted, probe)

@@ -35,7 +35,7 @@ class Capabilities:
     # Prompt.hidden and Commit.hidden must be filled with the target's last hidden states (EAGLE)
     reads_hidden_states: bool = False
     # the drafter shapes its own tree (EAGLE-2's scores, suffix trees): the controller only gates it
-    # and caps its nodes (tree_budget); False: the controller sets a chain length (budget)
+    # and caps its nodes (plan(tree=True)); False: the controller sets a chain length (plan)
     sizes_own_tree: bool = False
     # propose costs microseconds and changes no state, so a draft may be made and never verified
     # (shadow drafts, scored against the committed text when greedy)

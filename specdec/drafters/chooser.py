@@ -30,14 +30,9 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Hashable
 
+from specdec.controller.plan import Plan
 from specdec.drafters.base import Capabilities, Commit, Corpus, Drafter, Prompt
 from specdec.tree import DraftTree
-
-
-def draft_size(controller, key: Hashable, wanted: int, own_tree: bool) -> int:
-    """Nodes for class ``key``: the controller's chain length, capped by the tokens still wanted; or,
-    for a drafter that shapes its own tree, the controller's gate and node cap (Sequoia)."""
-    return controller.tree_budget(wanted, key) if own_tree else min(controller.budget(key), wanted)
 
 
 def _hidden_layers(sources: dict[str, Drafter]) -> tuple[int, ...]:
@@ -57,9 +52,10 @@ class Chooser(ABC):
     _current: Drafter | None = None  # this step's source: the last one sized, then the one chosen
 
     @abstractmethod
-    def choose(self, controller, wanted: int, shadow: bool) -> tuple[Hashable, int, list[Hashable]]:
-        """This step's draft class (None: nobody drafts), its size, and with ``shadow`` the classes
-        to draft unverified (free ones that draft nothing this step)."""
+    def choose(self, controller, wanted: int, shadow: bool) -> tuple[Plan, list[Hashable]]:
+        """The controller's plan of this step's draft (``Plan.key``: the class, None if nobody drafts;
+        ``Plan.size``: its nodes, at most ``wanted``), not yet taken, and with ``shadow`` the classes to
+        draft unverified (free ones that draft nothing this step)."""
 
     @abstractmethod
     def propose(self, key: Hashable, budget: int) -> DraftTree:
@@ -131,12 +127,12 @@ class OneDrafter(Chooser):
         self.drafter = drafter
         self.sources = {"drafter": drafter}
 
-    def choose(self, controller, wanted: int, shadow: bool) -> tuple[Hashable, int, list[Hashable]]:
+    def choose(self, controller, wanted: int, shadow: bool) -> tuple[Plan, list[Hashable]]:
         key = self.drafter.draft_class()
-        budget = draft_size(controller, key, wanted, self.drafter.own_tree(key))
+        plan = controller.plan(key, wanted, tree=self.drafter.own_tree(key))
         # a free drafter's gated-off class is scored unverified too (docs/decisions/009-shadow-drafts.md)
-        free = [key] if budget <= 0 and shadow and self.drafter.capabilities.free_drafts else []
-        return key, budget, free
+        free = [key] if plan.size <= 0 and shadow and self.drafter.capabilities.free_drafts else []
+        return plan, free
 
     def propose(self, key: Hashable, budget: int) -> DraftTree:
         return self.drafter.propose(budget)
@@ -202,18 +198,18 @@ class Sources(Chooser, Corpus):
                 out.append((name, cls))
         return out
 
-    def choose(self, controller, wanted: int, shadow: bool) -> tuple[Hashable, int, list[Hashable]]:
+    def choose(self, controller, wanted: int, shadow: bool) -> tuple[Plan, list[Hashable]]:
         options = self.candidates()
         free = [k for k in options if k[0] not in self.by_match
                 and self.sources[k[0]].capabilities.free_drafts] if shadow else []
-        key, budget = controller.choose(options, lambda k: self._size(controller, k, wanted), free)
-        if key is not None:
-            self._current = self.sources[key[0]]
-        return key, budget, [k for k in free if k != key]
+        plan = controller.choose(options, lambda k: self._plan(controller, k, wanted), free)
+        if plan.key is not None:
+            self._current = self.sources[plan.key[0]]
+        return plan, [k for k in free if k != plan.key]
 
-    def _size(self, controller, key: Hashable, wanted: int) -> int:
+    def _plan(self, controller, key: Hashable, wanted: int) -> Plan:
         self._current = self.sources[key[0]]  # asked: its catch-up is this step's (until one is chosen)
-        return draft_size(controller, key, wanted, self.own_tree(key))
+        return controller.plan(key, wanted, tree=self.own_tree(key))
 
     def own_tree(self, key: Hashable) -> bool:
         return self.sources[key[0]].own_tree(self._classes.get(key[0]))
@@ -272,17 +268,23 @@ def draft_step(chooser: Chooser | None, controller, batch_size: int, wanted: int
     """One step's draft through ``chooser`` (a DraftLengthController sizes it): its class, the tree
     (empty when drafting does not pay), and with ``shadow`` (greedy), the free classes' unchosen
     drafts. ``ready()`` runs first where the step may draft (a session brings its drafters up to date).
-    The decoder's step 1, shared with the replays of stored answers (``specdec.bench.replay``), so a
-    replay drafts as the decoder does."""
-    if chooser is None or wanted <= 0 or controller.priced_out():
+    Each of the controller's plans is taken (``observe``) as soon as it is made. The decoder's step 1,
+    shared with the replays of stored answers (``specdec.bench.replay``), so a replay drafts as the
+    decoder does."""
+    if chooser is None or wanted <= 0:
+        return None, DraftTree.empty(batch_size), []
+    batch = controller.plan_batch()
+    controller.observe(batch)
+    if batch.priced_out:
         return None, DraftTree.empty(batch_size), []
     if ready is not None:
         ready()
-    key, budget, free = chooser.choose(controller, wanted, shadow)
+    plan, free = chooser.choose(controller, wanted, shadow)
+    controller.observe(plan)
     shadows = shadow_drafts(chooser, controller, free, wanted)
-    if budget <= 0:  # nobody drafts (key None), or the class's rule says not now
-        return key, DraftTree.empty(batch_size), shadows
-    return key, chooser.propose(key, budget), shadows
+    if plan.size <= 0:  # nobody drafts (key None), or the class's rule says not now
+        return plan.key, DraftTree.empty(batch_size), shadows
+    return plan.key, chooser.propose(plan.key, plan.size), shadows
 
 
 def shadow_drafts(chooser: Chooser, controller, keys: list, wanted: int) -> list[Shadow]:
@@ -290,10 +292,11 @@ def shadow_drafts(chooser: Chooser, controller, keys: list, wanted: int) -> list
     are part of the step's draft time: the price of scoring them."""
     out = []
     for key in keys:
-        n = controller.shadow_size(wanted, key, tree=chooser.own_tree(key))
-        if n <= 0:
+        plan = controller.plan_shadow(wanted, key, tree=chooser.own_tree(key))
+        controller.observe(plan)
+        if plan.size <= 0:
             continue
         t0 = time.perf_counter()
-        tree = chooser.shadow(key, n)
+        tree = chooser.shadow(key, plan.size)
         out.append(Shadow(key, *tree.real_nodes(), time.perf_counter() - t0))
     return out
