@@ -28,7 +28,7 @@ from specdec.drafters.eagle import PACKAGED_HEAD, EagleConfig, load_head, make_e
 from specdec.drafters.eagle3 import PACKAGED_HEAD3, make_eagle3
 from specdec.drafters.eagle3_head import default_aux_layers
 from specdec.drafters.eagle3_io import load_eagle3
-from specdec.models import text_config
+from specdec.introspect import text_config
 from specdec.prompting import chat_ids, user_turn
 from specdec.training.distill import features
 from specdec.training.eagle import TrainConfig, evaluate

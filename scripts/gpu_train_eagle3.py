@@ -223,7 +223,8 @@ def acceptance(plan: Plan, args, new_head: Path, prompts_file: Path) -> dict:
     from specdec.drafters.eagle3 import PACKAGED_HEAD3
     from specdec.drafters.eagle3_head import default_aux_layers
     from specdec.drafters.eagle3_io import load_eagle3
-    from specdec.models import load_model, text_config
+    from specdec.introspect import text_config
+    from specdec.models import load_model
     from specdec.prompting import eos_ids
     from specdec.training.distill import features
     from specdec.training.eagle3 import Train3Config, evaluate3
@@ -231,7 +232,7 @@ def acceptance(plan: Plan, args, new_head: Path, prompts_file: Path) -> dict:
     if plan.threads:
         torch.set_num_threads(plan.threads)
     t = time.time()
-    loaded = load_model(args.model, device=plan.device)
+    loaded = load_model(args.model, device=plan.device, weights="fp32")
     target, tok = loaded.model.eval(), loaded.tokenizer
     eos = eos_ids(target, tok)
     text, prompts = held_out_prompts(plan, args, tok, prompts_file)

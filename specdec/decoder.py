@@ -31,9 +31,9 @@ from specdec.runtime import fastpath, kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Corpus, Drafter
 from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F401 (bench.replay)
+from specdec.introspect import float_dtype, sliding_window, text_config, vocab_size_of
 from specdec.kv.bmc import BMCConfig
 from specdec.kv.prefix import PrefixCache
-from specdec.models import float_dtype, sliding_window, text_config, vocab_size_of
 from specdec.processing import Constraint, Grammar, Processing, TokenLogprob, Vocabulary
 from specdec.prompting import eos_ids
 from specdec.sampling import SamplingParams

@@ -29,8 +29,8 @@ from dataclasses import dataclass
 import torch
 from transformers import AttentionInterface, DynamicCache
 
+from specdec.introspect import attention_shape, float_dtype
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.models import attention_shape, float_dtype
 from specdec.runtime import fastpath
 from specdec.quant.numerics import numerics_of
 from specdec.runtime.attention import block_scope, grouped_attention, split_attention

@@ -21,9 +21,11 @@ from pathlib import Path
 
 import torch
 
-from specdec.quant.modules import QUANTIZE_ON_LOAD
-
 from specdec.config import current as current_runtime
+# model introspection is specdec.introspect; its names stay importable from here for callers of old
+# (runtime.fastpath imports sliding_window from here)
+from specdec.introspect import attention_shape, float_dtype, sliding_window, text_config, vocab_size_of  # noqa: F401
+from specdec.quant.modules import QUANTIZE_ON_LOAD
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -36,40 +38,6 @@ class LoadedModel:
     model: torch.nn.Module  # a HF causal LM in eval mode
     tokenizer: object  # its HF tokenizer (with chat template when the source has one)
     name: str  # what was loaded, for reports
-
-
-def text_config(model):
-    """The config of a model's language part (a multimodal model's text config; else its own)."""
-    cfg = model.config
-    return cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-
-
-def vocab_size_of(model) -> int:
-    """Rows of the output layer (an nn.Linear or a quantized one): the id space a model's logits cover."""
-    out = model.get_output_embeddings()
-    return out.out_features if out is not None else model.config.vocab_size
-
-
-def float_dtype(model, default: torch.dtype = torch.float32) -> torch.dtype:
-    """The dtype of a model's first floating parameter (HF's ``model.dtype``, for any module), or ``default``."""
-    return next((p.dtype for p in model.parameters() if p.is_floating_point()), default)
-
-
-def attention_shape(model) -> tuple[int, int, int]:
-    """(layers, K/V heads, head dim) of a model's attention: what one token's K/V rows are."""
-    cfg = text_config(model)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    return cfg.num_hidden_layers, kv_heads, head_dim
-
-
-def sliding_window(cfg) -> int | None:
-    """The window of a model whose attention (in any layer) sees only its last W tokens, or None."""
-    w = getattr(cfg, "sliding_window", None)
-    if w is None or getattr(cfg, "use_sliding_window", True) is False:
-        return None
-    types = getattr(cfg, "layer_types", None)
-    return int(w) if types is None or "sliding_attention" in types else None
 
 
 class ModelLoadError(ValueError):

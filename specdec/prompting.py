@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from specdec.models import text_config
+from specdec.introspect import text_config
 
 Messages = list[dict]  # [{"role": "user" | "assistant", "content": str}, ...]
 

@@ -33,7 +33,7 @@ from specdec.drafters.quant_self import quant_self_drafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter, stored_answers_fit
 from specdec.drafters.vocab import packaged_vocabulary
-from specdec.models import float_dtype, text_config
+from specdec.introspect import float_dtype, text_config
 
 DrafterFactory = Callable[[object], "Drafter | Chooser | None"]
 ENTRY_POINTS = "specdec.drafters"  # the entry-point group plugins name their drafters in

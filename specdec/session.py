@@ -37,8 +37,8 @@ from specdec.controller import DraftLengthController, period
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.chooser import Shadow, draft_step
 from specdec.forward import forward_block, prefill, prefill_aligned
+from specdec.introspect import attention_shape
 from specdec.kv.bmc import BMCCache
-from specdec.models import attention_shape
 from specdec.processing import Processing, RowProcessor, TokenLogprob
 from specdec.runtime import kernels
 from specdec.sampling import SamplingParams, target_probs

@@ -44,7 +44,8 @@ def measure_specdec(gguf: str, prompt: list[int], tokens: int, threads: int, num
     from transformers.models.llama import modeling_llama  # noqa: F401
 
     from specdec import SpecDecoder
-    from specdec.models import attention_shape, load_model
+    from specdec.introspect import attention_shape
+    from specdec.models import load_model
     from specdec.runtime.memory import malloc_trim
 
     torch.set_num_threads(threads)

@@ -131,7 +131,7 @@ def _run(args, ranks: Ranks) -> int:
 
     console = Console(stderr=True, quiet=args.quiet or not ranks.lead)  # rank 0 speaks for the run
     t0 = time.time()
-    loaded = load_model(args.model, device=str(ranks.device))
+    loaded = load_model(args.model, device=str(ranks.device), weights="fp32")
     target = loaded.model.eval()
     console.print(f"target {loaded.name} loaded in {time.time() - t0:.1f} s" +
                   (f" on each of {ranks.world} ranks ({ranks.device.type})" if ranks.world > 1 else ""))
@@ -160,7 +160,7 @@ def _run(args, ranks: Ranks) -> int:
 def _aux_layers(args, target) -> tuple[int, ...]:
     """The target layers an EAGLE-3 head reads (its default ones), () for EAGLE's head."""
     from specdec.drafters.eagle3_head import default_aux_layers
-    from specdec.models import text_config
+    from specdec.introspect import text_config
 
     return default_aux_layers(text_config(target).num_hidden_layers) if args.arch == "eagle3" else ()
 

@@ -33,8 +33,8 @@ from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 # the head and its files live in their own module; their names stay importable from here
 from specdec.drafters.eagle_head import (HEAD_FILE, HEAD_FORMAT, HEAD_JSON, EagleHead, EagleHeadConfig,  # noqa: F401
                                          causal_bias, export_eagle, import_eagle, load_head, save_head)
+from specdec.introspect import text_config
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.models import text_config
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
 

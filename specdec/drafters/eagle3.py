@@ -23,7 +23,7 @@ from specdec.config import current as current_runtime
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, lean_head
 from specdec.drafters.eagle3_head import Eagle3Head
 from specdec.drafters.eagle3_io import load_eagle3
-from specdec.models import text_config, vocab_size_of
+from specdec.introspect import text_config, vocab_size_of
 
 
 def check_head_fits(head: Eagle3Head, target) -> None:

@@ -32,7 +32,7 @@ from torch import nn
 
 from specdec.drafters.eagle_head import _decoder, _TargetParts, rows_at
 from specdec.forward import cache_arg
-from specdec.models import text_config, vocab_size_of
+from specdec.introspect import text_config, vocab_size_of
 from specdec.quant.modules import QuantLinear
 from specdec.runtime import fastpath, state
 from specdec.runtime.attention import grouped_attention

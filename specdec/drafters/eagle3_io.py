@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig, default_aux_layers
-from specdec.models import text_config, vocab_size_of
+from specdec.introspect import text_config, vocab_size_of
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
 ARCHITECTURES = {"vllm": "Eagle3LlamaForCausalLM", "sglang": "LlamaForCausalLMEagle3",

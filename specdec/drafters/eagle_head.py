@@ -44,7 +44,7 @@ from torch import nn
 
 from specdec.runtime import kernels
 from specdec.forward import cache_arg
-from specdec.models import text_config, vocab_size_of
+from specdec.introspect import text_config, vocab_size_of
 from specdec.quant.modules import weight_rows
 
 HEAD_FORMAT = 1  # bump when eagle_head.json / the tensor names change

@@ -9,8 +9,8 @@ import torch
 
 from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHistory
 from specdec.forward import forward_block
+from specdec.introspect import vocab_size_of
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.models import vocab_size_of
 from specdec.runtime import kernels
 from specdec.sampling import SamplingParams, draw, target_probs
 from specdec.tree import DraftTree

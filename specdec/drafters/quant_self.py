@@ -34,7 +34,7 @@ from specdec.drafters.self_spec import SelfSpecDrafter
 from specdec.drafters.vocab import DraftVocabulary, packaged_vocabulary
 from specdec.kv.bmc import BMCCache
 from specdec.kv.compressed import CompressedCacheConfig
-from specdec.models import float_dtype
+from specdec.introspect import float_dtype
 from specdec.quant.formats import block_format
 from specdec.quant.modules import QuantLinear, quantize_blocks
 

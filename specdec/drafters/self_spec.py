@@ -39,8 +39,8 @@ from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt
 from specdec.drafters.model import pick_token
 from specdec.drafters.vocab import DraftVocabulary, VocabHead
 from specdec.forward import cache_arg, forward_block
+from specdec.introspect import attention_shape, float_dtype
 from specdec.kv.bmc import BMCCache
-from specdec.models import attention_shape, float_dtype
 from specdec.runtime import qlinear
 from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,

@@ -21,7 +21,7 @@ import torch.nn as nn
 from safetensors import safe_open
 
 from specdec.drafters.eagle3 import PACKAGED_HEAD3
-from specdec.models import text_config
+from specdec.introspect import text_config
 from specdec.quant.modules import QuantLinear
 
 

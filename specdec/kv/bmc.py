@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdec.models import text_config
+from specdec.introspect import text_config
 
 
 @dataclass(frozen=True)

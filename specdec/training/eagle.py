@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from specdec.drafters.eagle import EagleHead, EagleHeadConfig, causal_bias, load_head, save_head
-from specdec.models import text_config
+from specdec.introspect import text_config
 from specdec.training.eagle_data import Conversation, load_data
 
 STATE_FORMAT = 1

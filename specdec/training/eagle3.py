@@ -41,7 +41,7 @@ from transformers import DynamicCache
 from specdec.drafters.eagle3_head import Eagle3Head, Eagle3HeadConfig, default_aux_layers
 from specdec.drafters.eagle3_io import load_eagle3, save_eagle3
 from specdec.drafters.eagle_head import causal_bias
-from specdec.models import text_config
+from specdec.introspect import text_config
 from specdec.training.eagle import (TrainResult, batch_indices, load_checkpoint, lr_at, save_checkpoint,
                                     split_held_out, top_tokens)
 from specdec.training.distributed import SOLO, Ranks

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 
 from specdec.forward import hidden_of
+from specdec.introspect import text_config
 from specdec.jsonl import read_jsonl
-from specdec.models import text_config
 from specdec.prompting import encode_prompt, eos_ids
 
 PROMPTS_FILE = Path(__file__).resolve().parents[1] / "data" / "eagle_prompts.txt"
