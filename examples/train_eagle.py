@@ -27,7 +27,7 @@ p.add_argument("--answer-tokens", type=int, default=64, help="tokens of each tra
 p.add_argument("--max-new-tokens", type=int, default=64, help="of the answer drafted with the trained head")
 args = p.parse_args()
 
-m = load_model("default")
+m = load_model("default", weights="fp32")  # training reads the target's fp32 output layer
 prompts = read_prompts() if args.full else read_prompts()[:args.prompts]
 data = DataConfig(max_new_tokens=256 if args.full else args.answer_tokens)
 generate_data(m.model, encode_prompts(m.tokenizer, prompts), args.out / "data", data)

@@ -21,7 +21,7 @@ def add_arguments(ap) -> None:
 def load(args):
     """(target in eval mode, tokenizer, EOS ids, the questions chosen) for ``args``."""
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model)
+    loaded = load_model(args.model, weights="fp32")
     target, tok = loaded.model.eval(), loaded.tokenizer
     return target, tok, eos_ids(target, tok), select_questions(load_questions(args.questions), None,
                                                                args.per_category)

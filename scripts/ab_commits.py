@@ -103,7 +103,7 @@ def main() -> None:
     except ImportError:
         pass
 
-    hf = new_models.load_model("default")
+    hf = new_models.load_model("default", weights="fp32")
     tok = hf.tokenizer
     eos = hf.model.generation_config.eos_token_id
     old_m = old_models.load_model("default", weights=args.weights).model

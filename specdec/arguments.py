@@ -15,6 +15,7 @@ import math
 
 import torch
 
+from specdec.models import Weights
 from specdec.sampling import SamplingParams
 
 # a command's --dtype: the target's weights as loaded (a GGUF's dequantized layers, a HF checkpoint's)
@@ -87,15 +88,22 @@ def name_list(text: str) -> list[str]:
 # ---------------------------------------------------------------- sampling (chat, generate)
 
 def add_weights_argument(p) -> None:
-    """``--weights``: how the target's weights are held (``weights_for`` resolves the default, "auto")."""
-    from specdec.models import WEIGHTS
-
-    p.add_argument("--weights", default="auto", choices=("auto", *WEIGHTS),
+    """``--weights``: how the target's weights are held (``models.Weights``; its default, "auto", resolved by
+    ``Weights.resolve`` as ``load_model`` resolves it)."""
+    p.add_argument("--weights", type=weights_choice, default=Weights.AUTO, choices=list(Weights),
                    help="auto (default): a GGUF's (the default model's) quantized blocks kept packed, a HF "
                         "directory's weights as they are; fp32: a GGUF dequantized; packed: a GGUF's blocks (the "
                         "same outputs as fp32 up to summation order, a fraction of the memory and time); "
                         "q8_0/q4_0/q4_1/q4_k: quantize on load (another target)")
     add_numerics_argument(p)
+
+
+def weights_choice(text: str) -> Weights:
+    """``--weights``' type: ``Weights.parse`` (one line naming the choices on a bad value)."""
+    try:
+        return Weights.parse(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be one of {', '.join(w.value for w in Weights)}, got {text!r}") from None
 
 
 def add_numerics_argument(p) -> None:
@@ -106,14 +114,10 @@ def add_numerics_argument(p) -> None:
                         "plain decoding); Q4_0/Q4_1/Q8_0 weights")
 
 
-def weights_for(model: str, weights: str) -> str:
-    """``load_model``'s ``weights`` for a command's ``--model`` and ``--weights``: "auto" is "packed" for a GGUF
-    (``models.names_gguf``: the file as people run it) and "fp32" for anything else."""
-    from specdec.models import names_gguf
-
-    if weights != "auto":
-        return weights
-    return "packed" if names_gguf(model) else "fp32"
+def weights_for(model: str, weights: Weights | str) -> Weights:
+    """``load_model``'s ``weights`` for a command's ``--model`` and ``--weights`` (``Weights.resolve``: "auto"
+    is "packed" for a GGUF, "fp32" for anything else)."""
+    return Weights.parse(weights).resolve(model)
 
 
 def add_sampling_arguments(p) -> None:

@@ -17,6 +17,7 @@ import shutil
 import tempfile
 import time
 from dataclasses import dataclass
+from enum import Enum
 from pathlib import Path
 
 import torch
@@ -25,7 +26,6 @@ from specdec.config import current as current_runtime
 # model introspection is specdec.introspect; its names stay importable from here for callers of old
 # (runtime.fastpath imports sliding_window from here)
 from specdec.introspect import attention_shape, float_dtype, sliding_window, text_config, vocab_size_of  # noqa: F401
-from specdec.quant.modules import QUANTIZE_ON_LOAD
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -62,40 +62,77 @@ def default_gguf_path() -> Path:
     return path
 
 
-# load_model's ``weights``: fp32, a GGUF's blocks kept packed, or a format to quantize to on load
-WEIGHTS = ("fp32", "packed", *(name.lower() for name in QUANTIZE_ON_LOAD))
-
-
 def names_gguf(spec: str) -> bool:
     """Whether ``spec`` names a GGUF for ``load_model``: the default model, or a path ending in .gguf."""
     return spec == DEFAULT_MODEL or Path(spec).expanduser().suffix == ".gguf"
 
 
+class Weights(str, Enum):
+    """How ``load_model`` holds a model's weights; the commands' ``--weights`` (``arguments``) too. One
+    default for both, ``AUTO``, and one rule for it (``resolve``)."""
+
+    AUTO = "auto"  # PACKED for a GGUF (the file as people run it), FP32 for anything else
+    FP32 = "fp32"  # a GGUF dequantized once into a cached fp32 model; a HF directory's weights as they are
+    PACKED = "packed"  # a GGUF's quantized layers kept in the file's blocks (``specdec.quant``)
+    Q8_0 = "q8_0"  # any model's linear layers quantized on load (QUANTIZE_ON_LOAD): a new target
+    Q4_0 = "q4_0"
+    Q4_1 = "q4_1"
+    Q4_K = "q4_k"
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "Weights | str") -> "Weights":
+        """``value`` as a Weights (a member, or its name as the commands spell it); a ValueError names the
+        choices. Example: "packed" -> Weights.PACKED."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"weights={value!r}: expected one of {', '.join(w.value for w in cls)}") from None
+
+    def resolve(self, spec: str) -> "Weights":
+        """The weights for model ``spec`` (``load_model``'s): AUTO is PACKED for a GGUF (``names_gguf``) and
+        FP32 for anything else; any other choice is itself. Example: AUTO for "default" -> PACKED."""
+        if self is not Weights.AUTO:
+            return self
+        return Weights.PACKED if names_gguf(spec) else Weights.FP32
+
+    @property
+    def quantize_to(self) -> str | None:
+        """The block format to quantize to on load ("Q8_0", ...), None for AUTO, FP32 and PACKED."""
+        return None if self in (Weights.AUTO, Weights.FP32, Weights.PACKED) else self.value.upper()
+
+
+WEIGHTS = tuple(w.value for w in Weights if w is not Weights.AUTO)  # the choices a model is loaded in
+
+
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
-               trust_remote_code: bool = False, weights: str = "fp32", numerics: str = "exact") -> LoadedModel:
+               trust_remote_code: bool = False, weights: Weights | str = Weights.AUTO,
+               numerics: str = "exact") -> LoadedModel:
     """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory (local
     files only: the CLI also sets HF_HUB_OFFLINE=1 for the process).
 
-    weights: "fp32" (a GGUF dequantized once into a cached fp32 model), "packed" (a GGUF's quantized
+    weights (``Weights``, or its name): "auto" (the default: "packed" for a GGUF, "fp32" for anything
+    else), "fp32" (a GGUF dequantized once into a cached fp32 model), "packed" (a GGUF's quantized
     layers kept in the file's blocks, ``specdec.quant``, and no fp32 copy of them ever built: the same
     outputs as fp32 up to summation order, a fraction of the memory; few-row forwards by the block
-    kernel), or "q8_0" / "q4_0" /
-    "q4_1" / "q4_k" (any model's linear layers quantized on load: a new target whose outputs are its own;
-    a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's 256-weight blocks, stays fp32).
+    kernel), or "q8_0" / "q4_0" / "q4_1" / "q4_k" (any model's linear layers quantized on load: a new
+    target whose outputs are its own; a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's
+    256-weight blocks, stays fp32).
 
     numerics: "exact" (the blocks' fp32 values, fp32 products) or "int8" (a quantized target's
     batch-invariant integer arithmetic: ``specdec.quant.numerics``; Q4_0 / Q4_1 / Q8_0 layers only)."""
     from specdec.quant.numerics import NUMERICS, set_numerics
 
-    if weights not in WEIGHTS:
-        raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
+    weights = Weights.parse(weights).resolve(spec)
     if numerics not in NUMERICS:
         raise ValueError(f"numerics={numerics!r}: expected one of {', '.join(NUMERICS)}")
-    if numerics != "exact" and weights == "fp32":
+    if numerics != "exact" and weights is Weights.FP32:
         raise ValueError(f"numerics={numerics!r} is for quantized weights: load with weights='packed' (a GGUF) or a "
                          f"format to quantize to ({', '.join(repr(w) for w in WEIGHTS[2:])})")
     gguf = None
-    load = _load_gguf_packed if weights == "packed" else _load_gguf_cached
+    load = _load_gguf_packed if weights is Weights.PACKED else _load_gguf_cached
     if spec == DEFAULT_MODEL:
         gguf = default_gguf_path()
         loaded = load(gguf, dtype, "SmolLM2-135M-Instruct")
@@ -105,17 +142,17 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
             gguf = path
             loaded = load(path, dtype, path.stem)
         elif path.is_dir():
-            if weights == "packed":
+            if weights is Weights.PACKED:
                 raise ModelLoadError(f"weights='packed' keeps a GGUF file's blocks, and {spec!r} is not a GGUF "
                                      f"file (quantize on load instead: weights={', '.join(repr(w) for w in WEIGHTS[2:])})")
             loaded = _load_hf_dir(path, dtype, trust_remote_code, path.name)
         else:
             raise ModelLoadError(f"no model at {spec!r}: expected 'default', a .gguf file, or a "
                                  "directory with config.json and *.safetensors")
-    if weights not in ("fp32", "packed"):
+    if weights.quantize_to is not None:
         from specdec.quant import quantize_model
 
-        quantize_model(loaded.model, weights.upper())
+        quantize_model(loaded.model, weights.quantize_to)
     if numerics != "exact":
         try:
             set_numerics(loaded.model, numerics)

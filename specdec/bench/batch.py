@@ -169,7 +169,7 @@ def run(args) -> int:
     drafters = list(args.drafters)
     # --packed-drafters / --int8-drafters: the batches run on that target (HF generate on it too), with those
     # drafters; a second target in one batch rotation is not built (say so rather than drop them)
-    load_kwargs: dict = {"dtype": MODEL_DTYPES[args.dtype]}
+    load_kwargs: dict = {"dtype": MODEL_DTYPES[args.dtype], "weights": "fp32"}
     if args.packed_drafters and args.int8_drafters:
         raise ValueError("--batch-size takes --packed-drafters or --int8-drafters, not both (one target per batch run)")
     if args.packed_drafters or args.int8_drafters:
@@ -191,7 +191,7 @@ def run(args) -> int:
     out = Path(args.out + "-batch").with_suffix(".jsonl")
     records = bench_batches(loaded.model, loaded.tokenizer, texts, sizes, drafters, args.max_new_tokens,
                             args.repeats, out, say=lambda s: None)
-    target = "" if len(load_kwargs) == 1 else f" ({load_kwargs['weights']}, {load_kwargs['numerics']} numerics)"
+    target = "" if "numerics" not in load_kwargs else f" ({load_kwargs['weights']}, {load_kwargs['numerics']} numerics)"
     table = Table(title=f"{loaded.name}{target}: batched throughput, {args.max_new_tokens} new tokens, greedy, "
                         f"{torch.get_num_threads()} threads (medians of {args.repeats})")
     for col in ("B", "method", "tokens/s", "speedup", "first done s", "last done s", "mean done s", "tau",

@@ -259,7 +259,7 @@ def run(args) -> int:
     console = Console()
     questions = load_questions(args.questions) if args.questions else load_questions()
     questions = select_questions(questions, categories=args.categories or None, limit_per_category=args.per_category)
-    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype])
+    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype], weights="fp32")
     model, tok = loaded.model, loaded.tokenizer
     kernels.prepare()  # the kernel build and route self-check happen before any timed run
     eos = eos_ids(model) or None

@@ -352,7 +352,7 @@ def run(args) -> int:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # transformers' per-tensor loading bar: noise here
-    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype])
+    loaded = load_model(args.model, dtype=MODEL_DTYPES[args.dtype], weights="fp32")
     if loaded.tokenizer is None:
         raise ValueError(f"{args.model} has no tokenizer; Spec-Bench needs one with a chat template")
     config = SpecBenchConfig(out_dir=Path(args.out), drafters=tuple(args.drafter or ("prompt-lookup",)),
