@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from pathlib import Path
 
 import uvicorn
 
@@ -12,8 +13,12 @@ from specdec import SpecDecoder
 from specdec.config import RuntimeConfig
 from specdec.controller.draft_length import DraftLengthConfig
 from specdec.decoder import SpecDecoderConfig
+from specdec.drafters.corpus import vocab_fingerprint
 from specdec.drafters.model import ModelDrafter
+from specdec.drafters.suffix import SuffixDrafter
 from specdec.serve.app import ServeConfig, Service, create_app
+from specdec.serve.cache import CACHE_FILE, CacheConfig, ServedCache
+from specdec.serve.engine import EngineConfig
 
 from conftest import tiny_llama
 from tiny_chat import VOCAB, tiny_tokenizer
@@ -40,16 +45,34 @@ def self_drafter(seed: int = 0) -> ModelDrafter:
     return ModelDrafter(tiny_model(seed))
 
 
+REPLICA_CONFIG = ServeConfig(model_name="tiny", default_max_tokens=24, engine=EngineConfig(max_batch=4))
+
+
+def replica_app(cache_dir: str, rank: int):
+    """A Ray replica's app (tests/test_serve_ray.py; ``specdec.serve.replicas`` calls it with the replica's
+    rank): the tiny target with a suffix drafter whose served text is saved every half second to the
+    rank's file in ``cache_dir``, the folder the replicas share."""
+    drafter = SuffixDrafter()
+    tokenizer = tiny_tokenizer()
+    path = Path(cache_dir) / f"replica-{rank}" / CACHE_FILE
+    cache = ServedCache([drafter], vocab_fingerprint(tokenizer), CacheConfig(path, save_every=0.5))
+    cache.load()
+    return create_app(Service(tiny_decoder(drafter, cost_aware=False), tokenizer, REPLICA_CONFIG, cache))
+
+
 class LiveServer:
     """uvicorn in a thread on a free port; ``stop()`` runs the app's shutdown (engine, cache)."""
 
-    def __init__(self, decoder: SpecDecoder, config: ServeConfig = ServeConfig(model_name="tiny"), cache=None):
+    def __init__(self, decoder: SpecDecoder | None, config: ServeConfig = ServeConfig(model_name="tiny"), cache=None,
+                 app=None):
+        """``app``: an app made elsewhere (``specdec.cli.serve.build_app``) in place of one over ``decoder``."""
         self.tokenizer = tiny_tokenizer()
-        self.service = Service(decoder, self.tokenizer, config, cache)
+        self.service = app.state.service if app is not None else Service(decoder, self.tokenizer, config, cache)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
-        self.server = uvicorn.Server(uvicorn.Config(create_app(self.service), host="127.0.0.1", port=self.port,
+        app = app if app is not None else create_app(self.service)
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port,
                                                     log_level="warning", timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run, daemon=True)
         self.thread.start()

@@ -2,11 +2,14 @@
 one continuously batched decode loop; the suffix drafter's memory of served text persists across
 restarts (``--no-suffix-cache`` opts out); prompt rows are reused across requests (``--prefix-cache-mb``,
 ``specdec.kv.prefix``). ``--api-key`` / ``--api-key-file``, ``--max-body-bytes``,
-``--request-timeout`` and ``--max-connections`` make it fit to face other people (no TLS: see README)."""
+``--request-timeout`` and ``--max-connections`` make it fit to face other people (no TLS: see README).
+``--replicas N`` runs N such engines as Ray Serve replicas behind one endpoint (``specdec.serve.replicas``;
+``pip install 'specdec[ray]'``), on a local Ray or a cluster's (``--ray-address``)."""
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from pathlib import Path
 
 from specdec.arguments import add_weights_argument, non_negative_float, non_negative_int, positive_int, weights_for
@@ -54,6 +57,15 @@ def add_arguments(p) -> None:
     p.add_argument("--max-connections", type=non_negative_int, default=0,
                    help="open connections at most (uvicorn's limit_concurrency; beyond it: 503); "
                         "0: --max-batch + --max-queue + 32")
+    p.add_argument("--replicas", type=positive_int, default=None,
+                   help="run this many engines as Ray Serve replicas behind one endpoint (needs specdec[ray]); a "
+                        "conversation goes to the replica holding its prefix, Ray restarts a replica that dies, "
+                        "each replica's suffix cache is a file in --cache-dir (a folder they all reach)")
+    p.add_argument("--replica-cpus", type=positive_int, default=1,
+                   help="with --replicas: CPUs Ray reserves for each replica, and its torch threads")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: the Ray cluster to run on ('auto': the one started on this machine "
+                        "with 'ray start'; 'ray://HOST:10001' or HOST:6379: another's); default: a new local Ray")
 
 
 # ~11k tokens of the default model (46 KB a token): a 1,500-token system prompt and eight conversations
@@ -98,12 +110,10 @@ def uvicorn_options(args) -> dict:
             "timeout_graceful_shutdown": args.shutdown_timeout, "limit_concurrency": connections}
 
 
-def run(args) -> int:
-    try:
-        import uvicorn
-    except ModuleNotFoundError:
-        raise ValueError("specdec serve needs its HTTP stack: pip install 'specdec[serve]'") from None
-
+def build_app(args, replica: int | None = None):
+    """The server's ASGI app from the command line: the model loaded, the decoder warmed up, the suffix
+    cache loaded. ``replica``: this app is Ray replica ``replica``'s (``--replicas``); its suffix cache is
+    the file ``replica-<rank>/suffix-cache.json`` of the shared folder."""
     from specdec.decoder import SpecDecoder, SpecDecoderConfig
     from specdec.drafters.corpus import vocab_fingerprint
     from specdec.models import load_model
@@ -111,9 +121,8 @@ def run(args) -> int:
     from specdec.serve.app import Service, create_app
     from specdec.serve.cache import CACHE_FILE, CacheConfig, ServedCache, suffix_drafters
 
-    config, options = serve_config(args), uvicorn_options(args)  # bad options fail before the model loads
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     log = logging.getLogger("specdec.serve")
+    config = serve_config(args)
     loaded = load_model(args.model, weights=weights_for(args.model, args.weights), numerics=args.numerics)
     decoder = SpecDecoder(loaded.model, make_drafter(args.drafter, loaded.model), SpecDecoderConfig(runtime=args.runtime),
                           prefix_cache=prefix_cache(args))
@@ -124,6 +133,8 @@ def run(args) -> int:
     kernels.prepare()
     decoder.warm_up()
     folder = Path(args.cache_dir) if args.cache_dir else Path(args.runtime.cache_dir) / "serve"
+    if replica is not None:
+        folder = folder / f"replica-{replica}"
     cache = None
     if not args.no_suffix_cache:
         path = folder / CACHE_FILE
@@ -131,15 +142,59 @@ def run(args) -> int:
                             CacheConfig(path, args.cache_max_tokens, float(args.save_every)))
         if cache.active:
             log.info("suffix cache %s: %d answers loaded", path, cache.load())
-    app = create_app(Service(decoder, loaded.tokenizer, config, cache))
-    log.info("serving %s (drafter %s) on http://%s:%d/v1%s", config.model_name, args.drafter, args.host, args.port,
-             "" if config.api_key is None else " (API key required)")
+    return create_app(Service(decoder, loaded.tokenizer, config, cache))
+
+
+def run(args) -> int:
+    try:
+        import uvicorn
+    except ModuleNotFoundError:
+        raise ValueError("specdec serve needs its HTTP stack: pip install 'specdec[serve]'") from None
+
+    config, options = serve_config(args), uvicorn_options(args)  # bad options fail before the model loads
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("specdec.serve")
     if config.api_key is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         log.warning("no --api-key: anyone who reaches %s:%d can use this server", args.host, args.port)
+    if args.replicas is not None or args.ray_address is not None:
+        return run_replicas(args, config)
+    app = build_app(args)
+    log.info("serving %s (drafter %s) on http://%s:%d/v1%s", config.model_name, args.drafter, args.host, args.port,
+             "" if config.api_key is None else " (API key required)")
     # uvicorn handles SIGTERM / SIGINT: stop accepting, let open requests finish (up to the timeout),
     # then the app's lifespan stops the engine and saves the cache
     try:
         uvicorn.run(app, **options)
     except KeyboardInterrupt:  # uvicorn re-raises SIGINT once it has shut down gracefully
         pass
+    return 0
+
+
+def replica_options(args, config):
+    """--replicas' settings (specdec.serve.replicas.ReplicaOptions): Ray hands a replica at most its batch
+    and queue; the router checks the key and the body size as a replica would."""
+    from specdec.serve.replicas import ReplicaOptions
+
+    return ReplicaOptions(args.replicas or 1, float(args.replica_cpus), args.max_batch + args.max_queue,
+                          config.api_key, config.max_body_bytes, args.runtime)
+
+
+def run_replicas(args, config) -> int:
+    """``--replicas N``: N engines on Ray Serve behind one endpoint (specdec.serve.replicas)."""
+    try:
+        from ray import serve  # noqa: F401 -- only to say what is missing
+    except ModuleNotFoundError:
+        raise ValueError("specdec serve --replicas needs Ray Serve: pip install 'specdec[ray]'") from None
+    from specdec.serve.replicas import build_application, run as run_on_ray
+
+    log = logging.getLogger("specdec.serve")
+    options = replica_options(args, config)
+    # each replica loads the model in its own process (build_app, with its rank): on a cluster the same
+    # files must be on every machine, and --cache-dir a folder they all reach
+    application = build_application(partial(build_app, args), options)
+    log.info("starting %d replicas of %s (drafter %s) on Ray Serve at http://%s:%d/v1%s", options.replicas,
+             config.model_name, args.drafter, args.host, args.port,
+             "" if config.api_key is None else " (API key required)")
+    run_on_ray(application, args.host, args.port, args.ray_address,
+               num_cpus=None if args.ray_address else options.replicas * args.replica_cpus)
     return 0

@@ -236,27 +236,40 @@ def chars_per_token(tokenizer) -> int | None:
         return None
 
 
+class KeyCheck:
+    """``Authorization: Bearer <key>`` on every route but ``OPEN_PATHS``, else 401 in OpenAI's error shape.
+    The key is compared by its SHA-256 in constant time (``hmac.compare_digest``): neither its bytes nor
+    its length show in the timing. Used by this app's middleware and by the Ray router (``replicas``)."""
+
+    def __init__(self, key: str) -> None:
+        self.digest = hashlib.sha256(key.encode()).digest()
+
+    def refusal(self, scope) -> ApiError | None:
+        """The 401 for this HTTP request's scope, or None when it may pass."""
+        if scope["path"] in OPEN_PATHS or scope["path"].startswith("/static/"):
+            return None
+        given = Headers(scope=scope).get("authorization")
+        scheme, _, token = (given or "").partition(" ")
+        # header values arrive as latin-1 text: back to the bytes the client sent
+        digest = hashlib.sha256(token.strip().encode("latin-1", "replace")).digest()
+        if hmac.compare_digest(digest, self.digest) and scheme.lower() == "bearer":
+            return None
+        message = ("no API key given: send the header 'Authorization: Bearer <key>'" if given is None
+                   else "the API key is not valid")
+        return ApiError(401, message, None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+
 class _RequireKey:
-    """Pure ASGI middleware: every route but ``OPEN_PATHS`` wants ``Authorization: Bearer <key>``,
-    else 401 in OpenAI's error shape, before the body is read. The key is compared by its SHA-256 in
-    constant time (``hmac.compare_digest``): neither its bytes nor its length show in the timing."""
+    """Pure ASGI middleware: ``KeyCheck`` before the body is read."""
 
     def __init__(self, app, key: str, counter: Counter) -> None:
-        self.app, self.digest, self.counter = app, hashlib.sha256(key.encode()).digest(), counter
+        self.app, self.check, self.counter = app, KeyCheck(key), counter
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"] not in OPEN_PATHS and not scope["path"].startswith("/static/"):
-            given = Headers(scope=scope).get("authorization")
-            scheme, _, token = (given or "").partition(" ")
-            # header values arrive as latin-1 text: back to the bytes the client sent
-            digest = hashlib.sha256(token.strip().encode("latin-1", "replace")).digest()
-            if not (hmac.compare_digest(digest, self.digest) and scheme.lower() == "bearer"):
-                self.counter.labels("unauthorized", "401").inc()
-                message = ("no API key given: send the header 'Authorization: Bearer <key>'" if given is None
-                           else "the API key is not valid")
-                error = ApiError(401, message, None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-                await _error(error)(scope, receive, send)
-                return
+        if scope["type"] == "http" and (error := self.check.refusal(scope)) is not None:
+            self.counter.labels("unauthorized", "401").inc()
+            await _error(error)(scope, receive, send)
+            return
         await self.app(scope, receive, send)
 
 
@@ -365,7 +378,7 @@ def _too_large(size: str, limit: int) -> ApiError:
                     None, "request_too_large")
 
 
-async def _read(request: HttpRequest, limit: int) -> bytes:
+async def read_body(request: HttpRequest, limit: int) -> bytes:
     """The body's bytes, at most ``limit``: a larger Content-Length is refused before a byte is read, a
     chunked body as soon as it passes the limit (the rest is never kept: uvicorn discards it)."""
     length = request.headers.get("content-length", "")
@@ -383,7 +396,7 @@ async def _body(request: HttpRequest, limit: int, deadline: _Deadline):
     """The request's JSON body: read within the deadline (408 otherwise: a client that sends slowly holds
     no more than its time), parsed on a worker thread (a large body takes a while)."""
     try:
-        raw = await asyncio.wait_for(_read(request, limit), deadline.left())
+        raw = await asyncio.wait_for(read_body(request, limit), deadline.left())
     except asyncio.TimeoutError:
         raise ApiError(408, f"the request body did not arrive within this server's limit of {deadline.seconds:g} s "
                             "(--request-timeout)", None, "request_timeout") from None
