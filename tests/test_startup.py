@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from specdec import models
+from specdec import model_cache, models
 from specdec.config import RuntimeConfig
 from specdec.quant.formats import FORMATS
 from specdec.quant.gguf_index import open_index
@@ -184,22 +184,22 @@ def test_cached_weights_are_hashed_once_per_change(tmp_path, monkeypatch):
     w = tmp_path / "model.safetensors"
     w.write_bytes(b"x" * 4096)
     (tmp_path / "manifest.json").write_text(json.dumps(
-        {"format": models.CACHE_FORMAT, "size": 4096, "sha256": models._sha256(w)}))
+        {"format": model_cache.CACHE_FORMAT, "size": 4096, "sha256": model_cache.sha256(w)}))
     hashed = []
-    real = models._sha256
-    monkeypatch.setattr(models, "_sha256", lambda f: hashed.append(f) or real(f))
-    assert models._cache_is_valid(tmp_path) and models._cache_is_valid(tmp_path)
-    assert len(hashed) == 2 and not (tmp_path / models.VERIFIED).exists()  # just written: hashed each time
+    real = model_cache.sha256
+    monkeypatch.setattr(model_cache, "sha256", lambda f: hashed.append(f) or real(f))
+    assert model_cache.is_valid(tmp_path) and model_cache.is_valid(tmp_path)
+    assert len(hashed) == 2 and not (tmp_path / model_cache.VERIFIED).exists()  # just written: hashed each time
     old = time.time() - 10
     os.utime(w, (old, old))  # settled (ctime moves too, to now: recorded only once it is old enough)
-    monkeypatch.setattr(models, "SETTLED_S", -1.0)
-    assert models._cache_is_valid(tmp_path) and len(hashed) == 3 and (tmp_path / models.VERIFIED).exists()
-    assert models._cache_is_valid(tmp_path) and len(hashed) == 3  # the stat as recorded: not hashed again
+    monkeypatch.setattr(model_cache, "SETTLED_S", -1.0)
+    assert model_cache.is_valid(tmp_path) and len(hashed) == 3 and (tmp_path / model_cache.VERIFIED).exists()
+    assert model_cache.is_valid(tmp_path) and len(hashed) == 3  # the stat as recorded: not hashed again
     w.write_bytes(b"x" * 4095 + b"y")  # same size, one byte changed
-    assert not models._cache_is_valid(tmp_path) and len(hashed) == 4
-    (tmp_path / models.VERIFIED).write_text("{torn")
+    assert not model_cache.is_valid(tmp_path) and len(hashed) == 4
+    (tmp_path / model_cache.VERIFIED).write_text("{torn")
     w.write_bytes(b"x" * 4096)
-    assert models._cache_is_valid(tmp_path) and len(hashed) == 5
+    assert model_cache.is_valid(tmp_path) and len(hashed) == 5
 
 
 def test_the_process_entry_skips_the_teardown_after_a_quick_command_only(monkeypatch):
