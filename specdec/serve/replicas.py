@@ -219,28 +219,40 @@ class Engine:
         torch.set_num_threads(threads)  # what Ray reserved for it; torch would take every core
         rank = serve.get_replica_context().rank
         self.rank = int(getattr(rank, "rank", rank))  # ReplicaRank (Ray >= 2.5x) or an int
-        self.runtime = runtime
-        with use(runtime):  # the engine thread started by the lifespan takes this context
-            self.app = make_app(self.rank)
-            self.lifespan = _Lifespan(self.app)
-            await self.lifespan.startup()
+        with use(runtime):
+            app = make_app(self.rank)
+        self.app = _under(runtime, app)
+        self.service = app.state.service  # the single server's (engine, counters)
+        self.lifespan = _Lifespan(self.app)
+        await self.lifespan.startup()
         log.info("replica %d serving (%d threads)", self.rank, threads)
 
     async def http(self, request: Forwarded) -> AsyncIterator[Head | bytes]:
-        with use(self.runtime):
-            async for item in call_app(self.app, request):
-                if isinstance(item, dict):  # which replica answered: for logs, clients and tests
-                    item["headers"].append((b"x-specdec-replica", str(self.rank).encode()))
-                yield item
+        async for item in call_app(self.app, request):
+            if isinstance(item, dict):  # which replica answered: for logs, clients and tests
+                item["headers"].append((b"x-specdec-replica", str(self.rank).encode()))
+            yield item
 
     def check_health(self) -> None:
         """Ray calls this every ``health_check_period_s``; raising makes Ray replace the replica."""
-        engine = self.app.state.service.engine
-        if engine.stopping:
+        if self.service.engine.stopping:
             raise RuntimeError(f"replica {self.rank}: the decode loop has stopped")
 
     async def __del__(self) -> None:  # Ray's graceful stop: in-flight answers finish, the suffix cache is saved
-        await self.lifespan.shutdown()
+        if hasattr(self, "lifespan"):  # (not when __init__ failed)
+            await self.lifespan.shutdown()
+
+
+def _under(runtime: RuntimeConfig, app):
+    """``app`` run inside a ``use(runtime)`` block per call, as the CLI runs the single server: each call
+    is one task (``call_app``'s, the lifespan's), so the block opens and closes in one context, and the
+    engine thread the lifespan starts takes it with it."""
+
+    async def scoped(scope, receive, send) -> None:
+        with use(runtime):
+            await app(scope, receive, send)
+
+    return scoped
 
 
 class Router:
