@@ -23,6 +23,7 @@ from specdec.quant import FORMATS, quantize_model
 from specdec.quant.formats import dequantize, random_blocks
 from specdec.quant.numerics import INT8_FORMATS, numerics_of, set_numerics
 from specdec.registry import drafter_names, make_drafter
+from specdec.runtime.qlinear import INTERLEAVED, interleave
 from specdec.tree import ancestor_mask
 from test_quant_kernel import VARIANTS, _int8_model, _ops
 
@@ -33,19 +34,41 @@ NEG = torch.finfo(torch.float32).min
 @pytest.mark.parametrize("name", INT8_FORMATS)
 def test_the_kernel_is_its_arithmetic_for_any_rows(variant, name):
     """quant_linear_i8 equals the float64 model of its integer arithmetic to fp32 rounding, for 1-70 rows
-    (row tiles and their remainders) and features not a multiple of its tile, within the approximation
-    bound of the exact reference."""
+    (row tiles and their remainders) and features not a multiple of its tiles, over the file's layout and
+    the interleaved one (groups of 16 and the features past them), within the approximation bound of the
+    exact reference."""
     ops = _ops(variant)
     fmt = FORMATS[name]
     g = torch.Generator().manual_seed(3)
-    for rows, N, K in ((1, 9, 64), (5, 130, 96), (70, 33, 576)):
+    for rows, N, K in ((1, 9, 64), (5, 130, 96), (9, 16, 32), (70, 33, 576)):
         w = random_blocks(fmt, N, K, g)
         x = torch.randn(rows, K, generator=g)
-        y = ops.quant_linear_i8(x, [w], [fmt.ggml_type]).double()
         want = _int8_model(x, w, name)
-        assert ((y - want).abs() <= 1e-6 * _terms_bound(x, w, name) + 1e-30).all(), (variant, name, rows, N, K)
         ref = F.linear(x, dequantize(w, fmt)).double()
-        assert (y - ref).norm() <= 0.05 * ref.norm()
+        for blocks, code in ((w, fmt.ggml_type), (interleave(w, fmt), fmt.ggml_type | INTERLEAVED)):
+            y = ops.quant_linear_i8(x, [blocks], [code]).double()
+            assert ((y - want).abs() <= 1e-6 * _terms_bound(x, w, name) + 1e-30).all(), (variant, name, rows, N, K)
+            assert (y - ref).norm() <= 0.05 * ref.norm()
+
+
+@pytest.mark.parametrize("name", INT8_FORMATS)
+def test_interleave_rearranges_the_bytes_of_whole_groups(name):
+    """The interleaved copy has the blocks' shape and, per group of 16 features, the same bytes (Q8_0's
+    codes offset by 128), rearranged; the features past the last group untouched; Q4_K refused."""
+    fmt = FORMATS[name]
+    w = random_blocks(fmt, 37, 96, torch.Generator().manual_seed(4))
+    wi = interleave(w, fmt)
+    assert wi.shape == w.shape and wi.dtype == torch.uint8
+    assert torch.equal(wi[32:], w[32:])
+    for g in range(2):
+        got, had = wi[16 * g:16 * g + 16].flatten(), w[16 * g:16 * g + 16].flatten()
+        if name == "Q8_0":  # the codes biased: compare the scales' bytes and the codes apart
+            blocks = had.reshape(-1, 34)
+            had = torch.cat([blocks[:, :2].flatten(), (blocks[:, 2:] ^ 128).flatten()])
+        assert torch.equal(got.sort().values, had.sort().values)
+    assert not torch.equal(wi[:16], w[:16])
+    with pytest.raises(ValueError, match="Q4_K"):
+        interleave(random_blocks(FORMATS["Q4_K"], 16, 256, torch.Generator().manual_seed(4)), FORMATS["Q4_K"])
 
 
 def _terms_bound(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
@@ -94,8 +117,14 @@ def test_the_kernel_is_batch_invariant(name):
         torch.set_num_threads(threads)
     parts = ops.quant_linear_i8(x, [w, w2], [fmt.ggml_type] * 2)
     assert torch.equal(parts[:, :37], alone)
-    for other in builds[1:]:
+    wi, code = interleave(w, fmt), fmt.ggml_type | INTERLEAVED
+    for other in builds:  # each build, each layout, every block size: the same bits
         assert torch.equal(other.quant_linear_i8(x, [w], [fmt.ggml_type]), alone)
+        for size in (1, 3, 8, 9, 64):
+            got = torch.cat([other.quant_linear_i8(x[i:i + size], [wi], [code]) for i in range(0, 64, size)])
+            assert torch.equal(got, alone), size
+        mixed = other.quant_linear_i8(x, [wi, w2], [code, fmt.ggml_type])
+        assert torch.equal(mixed[:, :37], alone) and torch.equal(mixed[:, 37:], parts[:, 37:])
 
 
 def test_row_attention_is_each_rows_own_and_matches_sdpa(ops):
@@ -190,14 +219,16 @@ def test_a_broken_invariance_is_caught(monkeypatch):
     from specdec.runtime import qlinear
 
     real = qlinear._int8
+    model = _int8_llama(1)
+    files = {id(m.int8_blocks()): m.blocks for m in model.modules() if hasattr(m, "int8_blocks")}
 
     def by_rows(x, blocks, fmts, bias):
         if x.numel() // x.shape[-1] == 1:
             return real(x, blocks, fmts, bias)
-        return F.linear(x, torch.cat([dequantize(b, f) for b, f in zip(blocks, fmts)]), bias)
+        return F.linear(x, torch.cat([dequantize(files[id(b)], f) for b, f in zip(blocks, fmts)]), bias)
 
     monkeypatch.setattr(qlinear, "_int8", by_rows)
-    assert not any(_block_rows_vs_plain(_int8_llama(1)))
+    assert not any(_block_rows_vs_plain(model))
 
 
 NEW = 16

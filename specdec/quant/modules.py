@@ -59,8 +59,20 @@ class QuantLinear(nn.Module):
         """The weight the blocks define: float32 [out_features, in_features]."""
         return dequantize(self.blocks, self.fmt)
 
+    def int8_blocks(self) -> torch.Tensor:
+        """The blocks in the int8 kernel's interleaved layout (``qlinear.interleave``): made on first use in
+        int8 numerics, again only if ``blocks`` is replaced (a move to another device)."""
+        made = self.__dict__.get("_int8_blocks")
+        if made is None or made[0] is not self.blocks:
+            made = self.__dict__["_int8_blocks"] = (self.blocks, qlinear.interleave(self.blocks, self.fmt))
+        return made[1]
+
+    def kernel_blocks(self) -> torch.Tensor:
+        """The blocks the kernel of this layer's numerics takes: the file's, or int8's interleaved copy."""
+        return self.int8_blocks() if self.numerics == "int8" else self.blocks
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [..., in_features] -> [..., out_features]
-        y = qlinear.linear(x, self.blocks, self.fmt, self.bias, self.numerics)  # the kernel or the GEMM (qlinear's routes)
+        y = qlinear.linear(x, self.kernel_blocks(), self.fmt, self.bias, self.numerics)  # the kernel or the GEMM (qlinear's routes)
         return self.reference(x) if y is None else y
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:

@@ -74,7 +74,7 @@ class _Stacked(nn.Module):
         self.bias = _joined_bias(parts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., C] -> [..., sum of out_features]
-        y = qlinear.linear_parts(x, [m.blocks for m in self.parts], [m.fmt for m in self.parts], self.bias,
+        y = qlinear.linear_parts(x, [m.kernel_blocks() for m in self.parts], [m.fmt for m in self.parts], self.bias,
                                  self.parts[0].numerics)  # set_numerics sets every layer of a model alike
         return torch.cat([m(x) for m in self.parts], dim=-1) if y is None else y
 
@@ -251,6 +251,7 @@ class FastPath:
         parts = [_parts(w) for layer in self.layers for w in (layer.qkv, layer.o, layer.gate_up, layer.down)]
         quantized = any(p is not None for p in parts)
         self._quant = _quant_layout(parts) if quantized else None  # (blocks, [count, types...] per linear)
+        self._quant_parts = parts if self._quant is not None else []
         self.one_call = config.one_call and (not quantized or self._quant is not None)
         self._weights = [] if not self.one_call or quantized else [
             w for layer in self.layers for w in (layer.qkv, layer.o.weight, layer.gate_up, layer.down.weight)]
@@ -371,7 +372,7 @@ class FastPath:
         if rows:  # the int8 kernel and the row attention take every block: no routes to ask
             if self._quant is None:
                 return None
-            blocks, layout, _ = self._quant
+            blocks, layout = self._int8_layout()
             _, h, inputs = ops.layers(x, h, [], blocks, [], self._norms, self._eps, keys, values, starts, cos, sin,
                                       mask, hq, hkv, self._scale, [0, B * Q, 0], [True] * len(groups), split, layout,
                                       keep, False, True)
@@ -394,6 +395,17 @@ class FastPath:
                                   starts, cos, sin, mask, hq, hkv, self._scale, plan, kernel, split, layout, keep,
                                   approx)
         return h, inputs
+
+    def _int8_layout(self) -> tuple[list[torch.Tensor], list[int]]:
+        """``_quant``'s blocks and layout for int8 numerics: each part's interleaved copy, its format code
+        flagged (``qlinear.interleave``); made once, again if a layer's copy is remade."""
+        blocks = [m.int8_blocks() for p in self._quant_parts for m in p]
+        made = self.__dict__.get("_int8_made")
+        if made is None or len(made[0]) != len(blocks) or any(a is not b for a, b in zip(made[0], blocks)):
+            layout = [x for p in self._quant_parts for x in (len(p), *(m.fmt.ggml_type | qlinear.INTERLEAVED
+                                                                       for m in p))]
+            made = self.__dict__["_int8_made"] = (blocks, layout)
+        return made
 
     def _packed(self) -> list[torch.Tensor]:
         """``_weights`` packed for the kernel variant in use (made once per variant: ``stale`` rebuilds

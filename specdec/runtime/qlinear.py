@@ -156,7 +156,7 @@ def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFo
     whose dequantization disagreed): the caller's reference. With numerics "int8" (``quant.numerics``)
     every row count takes the int8 kernel, whose arithmetic defines that target: no other route, and
     an error where it cannot run."""
-    if numerics == "int8":
+    if numerics == "int8":  # ``blocks`` then ``interleave``d
         return _int8(x, blocks, fmts, bias)
     rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
     if (rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu"
@@ -181,9 +181,35 @@ def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFo
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
+INTERLEAVED = 0x100  # a format code's flag to quant_linear_i8: the part's blocks are ``interleave``d
+
+
+def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
+    """``blocks`` (uint8 [N, row_bytes] of Q4_0 / Q4_1 / Q8_0) in the int8 kernel's interleaved layout, the
+    same shape and bytes rearranged: features in groups of 16, each block of a group as the 16 scales, Q4_1's
+    16 mins, then vectors of 64 bytes holding 4 codes of each feature (Q8_0's codes plus 128); the features
+    past the last whole group as they were (``csrc/int8_linear.cpp``'s comment says why)."""
+    if fmt.name not in APPROX_FORMATS:
+        raise ValueError(f"the int8 kernel multiplies {', '.join(APPROX_FORMATS)} blocks, not {fmt.name}")
+    N, row = blocks.shape
+    size = fmt.block_bytes
+    nb, G = row // size, N // 16
+    head = blocks[:G * 16].reshape(G, 16, nb, size).permute(0, 2, 1, 3)  # [G, nb, 16 features, block bytes]
+    scales = 4 if fmt.name == "Q4_1" else 2  # d (and m): f16 each
+    fields = [head[..., f:f + 2].reshape(G, nb, 32) for f in range(0, scales, 2)]  # 16 d, then 16 m
+    codes = head[..., scales:]
+    if fmt.name == "Q8_0":
+        codes = codes ^ 128
+    chunks = codes.shape[-1] // 4  # 4-byte chunks a feature's codes (Q4: of nibble bytes)
+    codes = codes.reshape(G, nb, 16, chunks, 4).permute(0, 1, 3, 2, 4).reshape(G, nb, chunks * 64)
+    grouped = torch.cat([*fields, codes], dim=-1).reshape(G * 16, row)
+    return torch.cat([grouped, blocks[G * 16:]]) if N % 16 else grouped
+
+
 def _int8(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],
           bias: torch.Tensor | None) -> torch.Tensor:
-    """``linear_parts`` in int8 numerics: the int8 kernel for any number of rows (its rows are batch-invariant)."""
+    """``linear_parts`` in int8 numerics: the int8 kernel for any number of rows (its rows are batch-invariant),
+    over ``blocks`` already ``interleave``d (``QuantLinear.int8_blocks``)."""
     if x.device.type != "cpu" or any(b.device.type != "cpu" for b in blocks):
         raise RuntimeError("numerics='int8' runs on the CPU kernels only (this target is on "
                            f"{x.device.type}); load it with numerics='exact'")
@@ -192,7 +218,7 @@ def _int8(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],
         raise RuntimeError("numerics='int8' needs specdec's CPU kernels, which are not built here (a C++ compiler "
                            "and ninja; see the README); load the target with numerics='exact'")
     x2 = x.reshape(-1, x.shape[-1]).to(torch.float32)
-    y = ops.quant_linear_i8(x2, blocks, [f.ggml_type for f in fmts])
+    y = ops.quant_linear_i8(x2, blocks, [f.ggml_type | INTERLEAVED for f in fmts])
     if bias is not None:
         y = y + bias
     return y.view(*x.shape[:-1], y.shape[-1]).to(x.dtype)

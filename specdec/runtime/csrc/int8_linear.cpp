@@ -3,17 +3,29 @@
 // loaded with numerics="int8" runs every row through it (decode, verify, batches, prefill), and the
 // self-speculative drafters' approximate forwards over an exact target take it too (qlinear.approximate).
 //
-// Batch invariance, by construction (docs/decisions/019-int8-numerics.md): the value of y[r, n] is the
-// same whatever the number of rows M, the row's place among them, the thread count and the build:
-//   - each row is rounded alone (round_rows: per block of 32, dx = max|x| / 127, xq = nearbyint(x / dx));
-//   - per (row, feature) one accumulator receives, block by block in file order, the block's exact int32
-//     dot product (lane j holds the products of weights 4j..4j+3; vpdpbusd and AVX2's vpmaddubsw +
-//     vpmaddwd give the same integers) converted to float and multiplied by d * dx with one explicit FMA,
-//     and an offset term (Q4_1's m * sx, Q4_0's -8 d * sx) with one explicit std::fma; then one fixed
-//     horizontal sum. Tiles of rows and of features only decide which accumulators share a loaded block;
-//     threads split the output features, never the sum over K.
-// Per block of a feature, with sx = dx * sum(xq): Q4_1 (w = d q + m): d dx dot(q, xq) + m sx; Q4_0
-// (w = d (q - 8)): d dx dot(q, xq) - 8 d sx; Q8_0 (w = d q, q signed): d dx dot(|q|, sign(xq, q)).
+// The arithmetic, per (row r, feature n), blocks b in file order (docs/decisions/019-int8-numerics.md):
+//   - each row is rounded alone (round_rows: per block of 32, dx = max|x| / 127, xq = nearbyint(x / dx),
+//     sx = dx * sum(xq));
+//   - dot = the block's exact int32 dot product of codes and xq (Q4: codes 0..15; Q8_0: signed codes);
+//   - acc = fma(float(dot), d * dx, acc), with d * dx one fp32 product;
+//   - off = fma(m, sx, off) with Q4_1's m, Q4_0's m = -8 d (exact); Q8_0 has none;
+//   - y = acc + off.
+// Every path computes exactly these operations, so a row's outputs are the same bits whatever the number
+// of rows M, the row's place among them, the thread count (threads split output features, never the sum
+// over K), the layout of the blocks and the build (AVX-512 VNNI, AVX-VNNI or AVX2's vpmaddubsw +
+// vpmaddwd: the same integers). Tests: tests/test_int8_numerics.py.
+//
+// Two layouts of the same bytes (a part's format code says which):
+//   - the file's: one feature's blocks after another (GGML's rows);
+//   - interleaved (code | kInterleaved; qlinear.interleave builds it for a target in int8 numerics):
+//     features in groups of 16, a group's blocks in file order, each block of the group stored as the 16
+//     scales (f16), Q4_1's 16 mins (f16), then the codes as vectors of 64 bytes: vector j holds 4 codes
+//     of each of the 16 features (Q4: bytes 4j..4j+3 of each feature's 16 nibble bytes, whose low nibbles
+//     are weights 4j..4j+3 and high ones 16+4j..; Q8_0: codes 4j..4j+3 plus 128, as unsigned bytes).
+//     Features past the last whole group keep the file's layout at their own offsets. One 512-bit
+//     vpdpbusd against a broadcast of 4 of the row's codes then adds 4 products for each of 16 features:
+//     the block's 16 dot products come out per lane, with no horizontal sum, and the float work of a
+//     block is one convert, one product and two FMAs for the 16 (the reason for the layout).
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -29,19 +41,10 @@
 
 namespace {
 
-#if defined(__AVX2__)
-using specdec_vec::hsum8;
-#endif
-
-constexpr int64_t kGrain = 16;     // output features per parallel work item, at least
 constexpr int64_t kRowBlock = 64;  // rows whose rounded activations stay in L2 while a thread's features pass
-constexpr int kRows = 4;           // rows sharing each decoded weight block (a tile)
-#if defined(__AVX512VL__)
-constexpr int kFeatures = 4;       // features a tile: 16 accumulators, 32 vector registers
-#else
-constexpr int kFeatures = 2;       // AVX2: 8 accumulators of 16 registers
-#endif
 constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML types
+constexpr int kInterleaved = 0x100;             // format flag: the part's blocks are interleaved
+constexpr int kGroup = 16;                      // features per interleaved group
 
 constexpr int64_t block_bytes(int type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34; }
 
@@ -49,28 +52,10 @@ constexpr int64_t block_bytes(int type) { return type == kQ4_0 ? 18 : type == kQ
 
 using specdec_vec::f16;
 
-// sum over groups of 4 of u8 x s8 products into the int32 lanes of acc (no saturation: |products| of a
-// pair < 2^15 for these codes)
-inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-  return _mm256_dpbusd_epi32(acc, u, s);
-#elif defined(__AVXVNNI__)
-  return _mm256_dpbusd_avx_epi32(acc, u, s);
-#else
-  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
-#endif
-}
-
-// a Q4 block's 16 bytes of nibbles -> its 32 codes in weight order (low nibbles are weights 0-15)
-inline __m256i nibbles(const uint8_t* q) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
-}
-
-struct Rounded {  // every row of x rounded: codes [M, K], dx [M, K / 32], sx = dx * sum(codes) [M, K / 32]
+struct Rounded {  // every row of x rounded: codes [M, K]; per [M, K / 32]: dx, sx = dx * sum(xq), -128 * sum(xq)
   std::vector<int8_t> q;
   std::vector<float> d, s;
+  std::vector<int32_t> neg;
 };
 
 void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
@@ -78,6 +63,7 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
   r.q.resize(M * K);
   r.d.resize(M * nb);
   r.s.resize(M * nb);
+  r.neg.resize(M * nb);
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < nb; ++b) {
@@ -94,102 +80,298 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
         }
         r.d[m * nb + b] = d;
         r.s[m * nb + b] = d * static_cast<float>(sum);
+        r.neg[m * nb + b] = -128 * sum;
       }
   });
 }
 
-// y[r, f] for R rows x G features: rows ``r0..r0+R`` of ``x``, features at w, w + rb, ... (rb bytes apart)
+inline int32_t word(const int8_t* p) {  // 4 codes as one int32 (the broadcast operand)
+  int32_t w;
+  std::memcpy(&w, p, 4);
+  return w;
+}
+
+// sum over groups of 4 of u8 x s8 products into the int32 lanes of acc (no saturation: for Q4 codes
+// |a pair's products| < 2^15; Q8_0 takes dot_q8 on AVX2)
+inline __m256i dot_u8s8(__m256i acc, __m256i u, __m256i s) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+  return _mm256_dpbusd_epi32(acc, u, s);
+#elif defined(__AVXVNNI__)
+  return _mm256_dpbusd_avx_epi32(acc, u, s);
+#else
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1)));
+#endif
+}
+
+// Q8_0 codes stored plus 128 (u, unsigned) times s: dot(u - 128, s) added to acc, as exact integers
+inline __m256i dot_q8(__m256i acc, __m256i u, __m256i s) {
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+  // acc starts at -128 * sum(s) for the block (the caller's), so the biased products come out exact
+  return dot_u8s8(acc, u, s);
+#else
+  const __m256i q = _mm256_xor_si256(u, _mm256_set1_epi8(static_cast<char>(0x80)));  // the signed codes
+  return _mm256_add_epi32(
+      acc, _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(q, q), _mm256_sign_epi8(s, q)),
+                             _mm256_set1_epi16(1)));
+#endif
+}
+constexpr bool kQ8Biased =
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+    true;
+#else
+    false;
+#endif
+
+// a Q4 block's 16 bytes of nibbles -> its 32 codes in weight order (low nibbles are weights 0-15)
+inline __m256i nibbles(const uint8_t* q) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), m), _mm_and_si128(b, m));
+}
+
+// ---- the file's layout: G features a tile, their 8-lane dot vectors reduced together ----
+
+// the block dots of 4 features (8 int32 lanes each) -> their 4 sums, in order
+inline __m128i sum4(__m256i a, __m256i b, __m256i c, __m256i d) {
+  const __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(a, b), _mm256_hadd_epi32(c, d));
+  return _mm_add_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
+inline int32_t sum1(__m256i a) {
+  const __m128i s = _mm_add_epi32(_mm256_castsi256_si128(a), _mm256_extracti128_si256(a, 1));
+  const __m128i t = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+  return _mm_cvtsi128_si32(_mm_add_epi32(t, _mm_shuffle_epi32(t, 0xB1)));
+}
+
+// y[r, f] for R rows x G (4 or 1) features in the file's layout: rows r0..r0+R of x, features at w, w + rb, ...
 template <int Type, int R, int G>
 inline void tile(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, int64_t K, int64_t r0, float* y,
                  int64_t N) {
+  static_assert(G == 4 || G == 1, "tiles of 4 features or 1");
   constexpr int64_t kBytes = block_bytes(Type);
-  __m256 acc[R][G];
-  float off[R][G];
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) acc[r][g] = _mm256_setzero_ps(), off[r][g] = 0.f;
+  __m128 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm_setzero_ps(), off[r] = _mm_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i c[G];
-    float d[G], m[G];
+    alignas(16) float d[4] = {0.f, 0.f, 0.f, 0.f}, m[4] = {0.f, 0.f, 0.f, 0.f};
     for (int g = 0; g < G; ++g) {
       const uint8_t* blk = w + g * rb + b * kBytes;
       d[g] = f16(blk);
-      m[g] = Type == kQ4_1 ? f16(blk + 2) : 0.f;
+      m[g] = Type == kQ4_1 ? f16(blk + 2) : Type == kQ4_0 ? -8.f * d[g] : 0.f;
       if constexpr (Type == kQ8_0)
-        c[g] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2));
+        c[g] = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 2)),
+                                _mm256_set1_epi8(static_cast<char>(0x80)));
       else
         c[g] = nibbles(blk + (Type == kQ4_1 ? 4 : 2));
     }
+    const __m128 dv = _mm_load_ps(d), mv = _mm_load_ps(m);
     for (int r = 0; r < R; ++r) {
       const int64_t row = r0 + r;
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + row * K + b * 32));
-      const float dx = x.d[row * nb + b], sx = x.s[row * nb + b];
+      const __m256i start = _mm256_set1_epi32(Type == kQ8_0 && kQ8Biased ? x.neg[row * nb + b] : 0);
+      __m256i dot[G];
       for (int g = 0; g < G; ++g) {
-        __m256i dot;
-        if constexpr (Type == kQ8_0)
-          dot = dot_u8s8(_mm256_setzero_si256(), _mm256_sign_epi8(c[g], c[g]), _mm256_sign_epi8(xv, c[g]));
-        else
-          dot = dot_u8s8(_mm256_setzero_si256(), c[g], xv);
-        const float scale = d[g] * dx;
-        acc[r][g] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_set1_ps(scale), acc[r][g]);
-        if constexpr (Type == kQ4_1) off[r][g] = std::fma(m[g], sx, off[r][g]);
-        if constexpr (Type == kQ4_0) off[r][g] = std::fma(-8.f * d[g], sx, off[r][g]);
+        // the bias -128 * sum(xq) in one lane only: the lanes' sum is the block's dot
+        const __m256i s0 = Type == kQ8_0 && kQ8Biased ? _mm256_blend_epi32(_mm256_setzero_si256(), start, 1)
+                                                      : _mm256_setzero_si256();
+        dot[g] = Type == kQ8_0 ? dot_q8(s0, c[g], xv) : dot_u8s8(s0, c[g], xv);
+      }
+      const float dx = x.d[row * nb + b], sx = x.s[row * nb + b];
+      if constexpr (G == 4) {
+        const __m128 f = _mm_cvtepi32_ps(sum4(dot[0], dot[1], dot[2], dot[3]));
+        acc[r] = _mm_fmadd_ps(f, _mm_mul_ps(dv, _mm_set1_ps(dx)), acc[r]);
+        if constexpr (Type != kQ8_0) off[r] = _mm_fmadd_ps(mv, _mm_set1_ps(sx), off[r]);
+      } else {
+        const float f = static_cast<float>(sum1(dot[0]));
+        acc[r][0] = std::fma(f, d[0] * dx, acc[r][0]);
+        if constexpr (Type != kQ8_0) off[r][0] = std::fma(m[0], sx, off[r][0]);
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int g = 0; g < G; ++g) {
-      const float s = hsum8(acc[r][g]);
-      y[(r0 + r) * N + g] = s + off[r][g];
-    }
+  for (int r = 0; r < R; ++r) {
+    alignas(16) float out[4];
+    _mm_store_ps(out, _mm_add_ps(acc[r], off[r]));
+    for (int g = 0; g < G; ++g) y[(r0 + r) * N + g] = out[g];
+  }
 }
 
 template <int Type, int G>
 inline void rows_tile(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, int64_t K, int64_t a, int64_t b,
                       float* y, int64_t N) {
   int64_t r = a;
-  for (; r + kRows <= b; r += kRows) tile<Type, kRows, G>(w, rb, nb, x, K, r, y, N);
-  switch (b - r) {
-    case 3: tile<Type, 3, G>(w, rb, nb, x, K, r, y, N); break;
-    case 2: tile<Type, 2, G>(w, rb, nb, x, K, r, y, N); break;
-    case 1: tile<Type, 1, G>(w, rb, nb, x, K, r, y, N); break;
-    default: break;
-  }
+  for (; r + 2 <= b; r += 2) tile<Type, 2, G>(w, rb, nb, x, K, r, y, N);
+  if (r < b) tile<Type, 1, G>(w, rb, nb, x, K, r, y, N);
 }
 
-// features [a, b) of one weight (y: its first output column, row stride N) for every row
+// features [a, b) of one weight in the file's layout (y: its first output column, row stride N), every row
 template <int Type>
 void feature_range(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, int64_t M, int64_t K, float* y,
                    int64_t N, int64_t a, int64_t b) {
   for (int64_t m0 = 0; m0 < M; m0 += kRowBlock) {
     const int64_t m1 = std::min(M, m0 + kRowBlock);
     int64_t n = a;
-    for (; n + kFeatures <= b; n += kFeatures) {
-      if (n + 2 * kFeatures <= b)  // the next group's blocks, while this one is multiplied
-        for (int64_t i = 0; i < kFeatures * rb; i += 64) __builtin_prefetch(w + (n + kFeatures) * rb + i, 0, 2);
-      rows_tile<Type, kFeatures>(w + n * rb, rb, nb, x, K, m0, m1, y + n, N);
+    for (; n + 4 <= b; n += 4) {
+      if (n + 8 <= b)  // the next tile's blocks, while this one is multiplied
+        for (int64_t i = 0; i < 4 * rb; i += 64) __builtin_prefetch(w + (n + 4) * rb + i, 0, 2);
+      rows_tile<Type, 4>(w + n * rb, rb, nb, x, K, m0, m1, y + n, N);
     }
     for (; n < b; ++n) rows_tile<Type, 1>(w + n * rb, rb, nb, x, K, m0, m1, y + n, N);
   }
 }
 
+// ---- the interleaved layout: a group of 16 features, R rows ----
+
+constexpr int64_t scale_bytes(int type) { return type == kQ4_1 ? 64 : 32; }  // the group's f16 d (and m)
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+template <int Type, int R>
+inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int64_t r0, float* y,
+                       int64_t N) {
+  constexpr int64_t kStride = kGroup * block_bytes(Type);
+  __m512 acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F);
+  for (int64_t b = 0; b < nb; ++b) {
+    const uint8_t* p = grp + b * kStride;
+    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+    __m512 m = _mm512_setzero_ps();
+    if constexpr (Type == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
+    if constexpr (Type == kQ4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+    const uint8_t* cp = p + scale_bytes(Type);
+    __m512i c[8];
+    if constexpr (Type == kQ8_0) {
+      for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(cp + 64 * j);
+    } else {
+      for (int j = 0; j < 4; ++j) {
+        const __m512i v = _mm512_loadu_si512(cp + 64 * j);
+        c[j] = _mm512_and_si512(v, low);
+        c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const int64_t row = r0 + r;
+      const int8_t* xr = x.q.data() + row * K + b * 32;
+      __m512i s0 = Type == kQ8_0 ? _mm512_set1_epi32(x.neg[row * nb + b]) : _mm512_setzero_si512();
+      __m512i s1 = _mm512_setzero_si512();
+      for (int j = 0; j < 8; j += 2) {
+        s0 = _mm512_dpbusd_epi32(s0, c[j], _mm512_set1_epi32(word(xr + 4 * j)));
+        s1 = _mm512_dpbusd_epi32(s1, c[j + 1], _mm512_set1_epi32(word(xr + 4 * j + 4)));
+      }
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(x.d[row * nb + b])), acc[r]);
+      if constexpr (Type != kQ8_0) off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[row * nb + b]), off[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N, _mm512_add_ps(acc[r], off[r]));
+}
+
+constexpr int kGroupRows = 8;
+
+#else  // AVX2 (or AVX-512 without VNNI): the group as two halves of 8 features, 256-bit
+
+template <int Type, int R>
+inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int64_t r0, float* y,
+                       int64_t N) {
+  constexpr int64_t kStride = kGroup * block_bytes(Type);
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int h = 0; h < 2; ++h) {
+    __m256 acc[R], off[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), off[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = grp + b * kStride;
+      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
+      __m256 m = _mm256_setzero_ps();
+      if constexpr (Type == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
+      if constexpr (Type == kQ4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+      const uint8_t* cp = p + scale_bytes(Type) + 32 * h;
+      alignas(32) uint8_t codes[8][32];  // the half's codes, decoded once for the tile's rows
+      if constexpr (Type == kQ8_0) {
+        for (int j = 0; j < 8; ++j) std::memcpy(codes[j], cp + 64 * j, 32);
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]), _mm256_and_si256(v, low));
+          _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j + 4]), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int64_t row = r0 + r;
+        const int8_t* xr = x.q.data() + row * K + b * 32;
+        __m256i s0 = Type == kQ8_0 && kQ8Biased ? _mm256_set1_epi32(x.neg[row * nb + b]) : _mm256_setzero_si256();
+        __m256i s1 = _mm256_setzero_si256();
+        for (int j = 0; j < 8; j += 2) {
+          const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j]));
+          const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j + 1]));
+          const __m256i x0 = _mm256_set1_epi32(word(xr + 4 * j)), x1 = _mm256_set1_epi32(word(xr + 4 * j + 4));
+          s0 = Type == kQ8_0 ? dot_q8(s0, c0, x0) : dot_u8s8(s0, c0, x0);
+          s1 = Type == kQ8_0 ? dot_q8(s1, c1, x1) : dot_u8s8(s1, c1, x1);
+        }
+        const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+        acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(x.d[row * nb + b])), acc[r]);
+        if constexpr (Type != kQ8_0) off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[row * nb + b]), off[r]);
+      }
+    }
+    for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + 8 * h, _mm256_add_ps(acc[r], off[r]));
+  }
+}
+
+constexpr int kGroupRows = 4;
+
+#endif
+
+// one interleaved group (16 features; y: its first output column) for rows [a, b)
+template <int Type>
+void group_rows(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int64_t a, int64_t b, float* y,
+                int64_t N) {
+  int64_t r = a;
+  for (; r + kGroupRows <= b; r += kGroupRows) group_tile<Type, kGroupRows>(grp, nb, x, K, r, y, N);
+  switch (b - r) {
+    case 7: group_tile<Type, 7>(grp, nb, x, K, r, y, N); break;
+    case 6: group_tile<Type, 6>(grp, nb, x, K, r, y, N); break;
+    case 5: group_tile<Type, 5>(grp, nb, x, K, r, y, N); break;
+    case 4: group_tile<Type, 4>(grp, nb, x, K, r, y, N); break;
+    case 3: group_tile<Type, 3>(grp, nb, x, K, r, y, N); break;
+    case 2: group_tile<Type, 2>(grp, nb, x, K, r, y, N); break;
+    case 1: group_tile<Type, 1>(grp, nb, x, K, r, y, N); break;
+    default: break;
+  }
+}
+
+// features [16 u, 16 u + count) of one weight (a unit: an interleaved group, or file-layout features)
+template <int Type>
+void unit(const uint8_t* w, int64_t rb, int64_t nb, bool interleaved, const Rounded& x, int64_t M, int64_t K,
+          float* y, int64_t N, int64_t first, int64_t count) {
+  if (!interleaved || count < kGroup) {
+    feature_range<Type>(w, rb, nb, x, M, K, y, N, first, first + count);
+    return;
+  }
+  const uint8_t* grp = w + first * rb;  // a group's 16 rows of bytes, interleaved in place
+  for (int64_t m0 = 0; m0 < M; m0 += kRowBlock)
+    group_rows<Type>(grp, nb, x, K, m0, std::min(M, m0 + kRowBlock), y + first, N);
+}
+
 #endif  // __AVX2__
 
 // x [M, K] (float32) through the weights ``blocks`` (uint8 [N_p, row_bytes_p] of GGML types ``fmts``: Q4_0,
-// Q4_1, Q8_0) -> [M, sum of N_p] float32, their outputs side by side, in int8 numerics (the file's comment)
+// Q4_1, Q8_0, each optionally | kInterleaved) -> [M, sum of N_p] float32, their outputs side by side, in
+// int8 numerics (the file's comment)
 at::Tensor quant_linear_i8(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef fmts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
               "quant_linear_i8: x float32 [M, K], K a multiple of 32");
   TORCH_CHECK(blocks.size() == fmts.size() && !blocks.empty(), "quant_linear_i8: one format per part");
 #if defined(__AVX2__)
   const int64_t M = x.size(0), K = x.size(1), nb = K / 32;
-  std::vector<int64_t> start{0};
+  std::vector<int64_t> start{0}, units{0};  // per part: its first output feature, its first unit of 16
   for (size_t p = 0; p < blocks.size(); ++p) {
-    const int64_t t = fmts[p];
-    TORCH_CHECK(t == kQ4_0 || t == kQ4_1 || t == kQ8_0, "quant_linear_i8: GGML type ", t, " is not Q4_0, Q4_1 or Q8_0");
+    const int64_t t = fmts[p] & ~kInterleaved;
+    TORCH_CHECK((fmts[p] & ~(kInterleaved | 0xFF)) == 0 && (t == kQ4_0 || t == kQ4_1 || t == kQ8_0),
+                "quant_linear_i8: format ", fmts[p], " is not Q4_0, Q4_1 or Q8_0 (optionally interleaved)");
     TORCH_CHECK(blocks[p].scalar_type() == at::kByte && blocks[p].dim() == 2 && blocks[p].is_contiguous()
                 && blocks[p].size(1) == nb * block_bytes(t), "quant_linear_i8: part ", p, " is not uint8 [N, ",
                 nb * block_bytes(t), "]");
     start.push_back(start.back() + blocks[p].size(0));
+    units.push_back(units.back() + (blocks[p].size(0) + kGroup - 1) / kGroup);
   }
   const int64_t N = start.back();
   at::Tensor y = at::empty({M, N}, x.options());
@@ -198,17 +380,19 @@ at::Tensor quant_linear_i8(const at::Tensor& x, at::TensorList blocks, at::IntAr
   Rounded rx;
   round_rows(xc.data_ptr<float>(), M, K, rx);
   float* yp = y.data_ptr<float>();
-  at::parallel_for(0, N, kGrain, [&](int64_t n0, int64_t n1) {
-    for (size_t p = 0; p < blocks.size(); ++p) {
-      const int64_t a = std::max(n0, start[p]) - start[p], b = std::min(n1, start[p + 1]) - start[p];
-      if (a >= b) continue;
+  at::parallel_for(0, units.back(), 1, [&](int64_t u0, int64_t u1) {
+    size_t p = 0;
+    for (int64_t u = u0; u < u1; ++u) {
+      while (u >= units[p + 1]) ++p;
+      const int64_t first = (u - units[p]) * kGroup, count = std::min<int64_t>(kGroup, blocks[p].size(0) - first);
       const uint8_t* w = blocks[p].data_ptr<uint8_t>();
       const int64_t rb = blocks[p].size(1);
+      const bool inter = (fmts[p] & kInterleaved) != 0;
       float* yq = yp + start[p];
-      switch (fmts[p]) {
-        case kQ4_0: feature_range<kQ4_0>(w + 0, rb, nb, rx, M, K, yq, N, a, b); break;
-        case kQ4_1: feature_range<kQ4_1>(w + 0, rb, nb, rx, M, K, yq, N, a, b); break;
-        default: feature_range<kQ8_0>(w + 0, rb, nb, rx, M, K, yq, N, a, b); break;
+      switch (fmts[p] & ~kInterleaved) {
+        case kQ4_0: unit<kQ4_0>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
+        case kQ4_1: unit<kQ4_1>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
+        default: unit<kQ8_0>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
       }
     }
   });

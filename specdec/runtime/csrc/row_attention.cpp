@@ -10,6 +10,9 @@
 //      score's lane is its rank among the visible keys); their sum in 8 lanes by rank, one fixed reduce;
 //   3. the values accumulated in rank order (one FMA per key and 8 floats of D), divided by the sum.
 // Threads split (sequence, head, row) items, never a row's keys.
+// Floating-point expressions are computed as written (no FMA contraction): the AVX2 and native builds, and the
+// kernel's instances per head size, then round alike.
+#pragma GCC optimize("fp-contract=off")
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -60,21 +63,78 @@ struct Scratch {
   std::vector<float> q, acc;   // [D] the scaled query, the weighted values
 };
 
-void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias, int64_t L,
-             int64_t D, float scale, float* out, Scratch& w) {
-  for (int64_t d = 0; d < D; ++d) w.q[d] = q[d];
+// the weighted values of a row's n visible keys (rank r: key j[r], weight p[r]) in rank order, D / 8 lanes of
+// 8 floats each accumulating one FMA per key: with D known at compile time the lanes stay in registers
+template <int D>
+inline void weigh_values(const float* p, const int64_t* j, int64_t n, const float* v, int64_t vs, float l, float* out) {
+  __m256 acc[D / 8];
+  for (int d = 0; d < D / 8; ++d) acc[d] = _mm256_setzero_ps();
+  for (int64_t r = 0; r < n; ++r) {
+    const __m256 w = _mm256_set1_ps(p[r]);
+    const float* vr = v + j[r] * vs;
+    for (int d = 0; d < D / 8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * d), acc[d]);
+  }
+  const __m256 lv = _mm256_set1_ps(l);
+  for (int d = 0; d < D / 8; ++d) _mm256_storeu_ps(out + 8 * d, _mm256_div_ps(acc[d], lv));
+}
+
+// any D (a multiple of 8): the same operations, the lanes in scratch memory
+inline void weigh_values_any(const float* p, const int64_t* j, int64_t n, const float* v, int64_t vs, int64_t D,
+                             float l, float* acc, float* out) {
+  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_setzero_ps());
+  for (int64_t r = 0; r < n; ++r) {
+    const __m256 w = _mm256_set1_ps(p[r]);
+    const float* vr = v + j[r] * vs;
+    for (int64_t d = 0; d < D; d += 8)
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(acc + d)));
+  }
+  for (int64_t d = 0; d < D; ++d) out[d] = acc[d] / l;
+}
+
+// the dot products of the query with keys, in 8 lanes (lane i sums d = i, i + 8, ... in order) and one fixed
+// horizontal sum; with D known at compile time the query stays in registers
+template <int D>
+inline float dot_q(const __m256* q, const float* k) {
+  __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
+  for (int d = 1; d < D / 8; ++d) acc = _mm256_fmadd_ps(q[d], _mm256_loadu_ps(k + 8 * d), acc);
+  return hsum8(acc);
+}
+
+inline float dot_any(const float* a, const float* b, int64_t D) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
+  for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+  return hsum8(acc);
+}
+
+// 1. the visible keys' scores (compacted: rank order) -> their count
+template <int D>
+inline int64_t scores(const float* q, const float* k, int64_t ks, const float* bias, int64_t L, float scale,
+                      Scratch& w) {
+  __m256 qv[D > 0 ? D / 8 : 1];
+  if constexpr (D > 0)
+    for (int d = 0; d < D / 8; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
   int64_t n = 0;
-  for (int64_t j = 0; j < L; ++j) {  // 1. the visible keys' scores
+  for (int64_t j = 0; j < L; ++j) {
     const float b = bias == nullptr ? 0.f : bias[j];
     if (!(b > kMasked)) continue;  // masked (NaN included: never attended)
-    const float raw = dot(w.q.data(), k + j * ks, D);
-    const float scaled = raw * scale;
-    w.s[n] = scaled + b;
+    float raw;
+    if constexpr (D > 0)
+      raw = dot_q<D>(qv, k + j * ks);
+    else
+      raw = dot_any(q, k + j * ks, w.q.size());
+    w.s[n] = raw * scale + b;  // two roundings: the product, then the sum
     w.j[n] = j;
     ++n;
   }
+  return n;
+}
+
+template <int D>
+void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias, int64_t L,
+             int64_t Dr, float scale, float* out, Scratch& w) {
+  const int64_t n = scores<D>(q, k, ks, bias, L, scale, w);
   if (n == 0) {  // nothing visible (a padding row): zeros, as a fully masked softmax row would be unused
-    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
+    for (int64_t d = 0; d < Dr; ++d) out[d] = 0.f;
     return;
   }
   float m = w.s[0];  // 2. softmax over them
@@ -88,15 +148,21 @@ void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t
   for (int64_t t = 0; i + t < n; ++t) tail[t] = w.s[i + t];
   lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(tail));
   const float l = hsum8(lanes);
-  for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(w.acc.data() + d, _mm256_setzero_ps());
-  for (int64_t r = 0; r < n; ++r) {  // 3. the values, in rank order
-    const __m256 p = _mm256_set1_ps(w.s[r]);
-    const float* vr = v + w.j[r] * vs;
-    for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(w.acc.data() + d,
-                       _mm256_fmadd_ps(p, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(w.acc.data() + d)));
+  if constexpr (D > 0)  // 3. the values, in rank order
+    weigh_values<D>(w.s.data(), w.j.data(), n, v, vs, l, out);
+  else
+    weigh_values_any(w.s.data(), w.j.data(), n, v, vs, Dr, l, w.acc.data(), out);
+}
+
+using RowFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
+                       float, float*, Scratch&);
+
+RowFn row_fn(int64_t D) {
+  switch (D) {
+    case 64: return &one_row<64>;
+    case 128: return &one_row<128>;
+    default: return &one_row<0>;
   }
-  for (int64_t d = 0; d < D; ++d) out[d] = w.acc[d] / l;
 }
 
 #endif  // __AVX2__
@@ -141,6 +207,7 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
     w.j.resize(L);
     w.q.resize(D);
     w.acc.resize(D);
+    const RowFn one_row = row_fn(D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
       const float* brow = bp == nullptr ? nullptr : bp + b * bb + (r % Q) * bq;
