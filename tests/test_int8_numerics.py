@@ -10,6 +10,7 @@ drafts accepted, and samples its distribution.
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import bigram_llama, sampled_pairs, tiny_llama
 from specdec import SpecDecoder
@@ -25,7 +26,7 @@ from specdec.quant.numerics import INT8_FORMATS, numerics_of, set_numerics
 from specdec.registry import drafter_names, make_drafter
 from specdec.runtime.qlinear import INTERLEAVED, interleave
 from specdec.tree import ancestor_mask
-from test_quant_kernel import VARIANTS, _int8_model, _ops
+from test_quant_kernel import VARIANTS, _int8_model, _int8_parts, _ops, _rounded
 
 NEG = torch.finfo(torch.float32).min
 
@@ -41,6 +42,7 @@ def test_the_kernel_is_its_arithmetic_for_any_rows(variant, name):
     fmt = FORMATS[name]
     g = torch.Generator().manual_seed(3)
     for rows, N, K in ((1, 9, 64), (5, 130, 96), (9, 16, 32), (70, 33, 576)):
+        K = K if fmt.block_weights == 32 else 256 * (1 + K // 256)  # Q4_K: whole 256-weight blocks
         w = random_blocks(fmt, N, K, g)
         x = torch.randn(rows, K, generator=g)
         want = _int8_model(x, w, name)
@@ -56,42 +58,36 @@ def test_interleave_rearranges_the_bytes_of_whole_groups(name):
     """The interleaved copy has the blocks' shape and, per group of 16 features, the same bytes (Q8_0's
     codes offset by 128), rearranged; the features past the last group untouched; Q4_K refused."""
     fmt = FORMATS[name]
-    w = random_blocks(fmt, 37, 96, torch.Generator().manual_seed(4))
+    K = 96 if fmt.block_weights == 32 else 512
+    w = random_blocks(fmt, 37, K, torch.Generator().manual_seed(4))
     wi = interleave(w, fmt)
-    assert wi.shape == w.shape and wi.dtype == torch.uint8
-    assert torch.equal(wi[32:], w[32:])
-    for g in range(2):
-        got, had = wi[16 * g:16 * g + 16].flatten(), w[16 * g:16 * g + 16].flatten()
-        if name == "Q8_0":  # the codes biased: compare the scales' bytes and the codes apart
-            blocks = had.reshape(-1, 34)
-            had = torch.cat([blocks[:, :2].flatten(), (blocks[:, 2:] ^ 128).flatten()])
-        assert torch.equal(got.sort().values, had.sort().values)
+    if name == "Q4_K":  # the scales unpacked to bytes: 4 bytes more per 256 weights; the tail's rows padded
+        assert wi.shape == (37, 2 * 148) and torch.equal(wi[32:, :288], w[32:]) and not wi[32:, 288:].any()
+        for g in range(2):  # the codes: the same bytes, rearranged
+            codes = wi[16 * g:16 * g + 16].reshape(2, 16 * 148)[:, 320:]
+            had = w[16 * g:16 * g + 16].reshape(16, 2, 144)[..., 16:]
+            assert torch.equal(codes.flatten().sort().values, had.flatten().sort().values)
+    else:
+        assert wi.shape == w.shape and wi.dtype == torch.uint8
+        assert torch.equal(wi[32:], w[32:])
+        for g in range(2):
+            got, had = wi[16 * g:16 * g + 16].flatten(), w[16 * g:16 * g + 16].flatten()
+            if name == "Q8_0":  # the codes biased: compare the scales' bytes and the codes apart
+                blocks = had.reshape(-1, 34)
+                had = torch.cat([blocks[:, :2].flatten(), (blocks[:, 2:] ^ 128).flatten()])
+            assert torch.equal(got.sort().values, had.sort().values)
     assert not torch.equal(wi[:16], w[:16])
-    with pytest.raises(ValueError, match="Q4_K"):
-        interleave(random_blocks(FORMATS["Q4_K"], 16, 256, torch.Generator().manual_seed(4)), FORMATS["Q4_K"])
+    with pytest.raises(ValueError, match="Q5_K"):
+        interleave(random_blocks(FORMATS["Q5_K"], 16, 256, torch.Generator().manual_seed(4)), FORMATS["Q5_K"])
 
 
 def _terms_bound(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
-    """[M, N]: the sum over blocks of |d dx dot| + |offset|, the magnitudes the kernel's fp32 sums add up
+    """[M, N]: the sum over blocks of |D dx dot| + |M sx|, the magnitudes the kernel's fp32 sums add up
     (its rounding error is a small multiple of eps times this)."""
-    K = x.shape[1]
-    xb = x.double().reshape(x.shape[0], K // 32, 32)
-    dx = xb.abs().amax(-1) / 127
-    xq = torch.where(dx[..., None] > 0, torch.round(xb / dx[..., None].clamp(min=1e-300)), torch.zeros_like(xb))
-    size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
-    b = w.reshape(w.shape[0], K // 32, size)
-    d = b[..., 0:2].contiguous().view(torch.float16).double()[..., 0].abs()
-    if name == "Q8_0":
-        q = b[..., 2:34].contiguous().view(torch.int8).double()
-    else:
-        nib = b[..., size - 16:].long()
-        q = torch.cat([nib & 15, nib >> 4], -1).double()
+    xq, dx = _rounded(x)
+    q, D, M = _int8_parts(w, name, x.shape[1])
     dots = torch.einsum("nbk,xbk->xnb", q, xq).abs()
-    bound = torch.einsum("xnb,nb,xb->xn", dots, d, dx)
-    if name != "Q8_0":
-        m = 8 * d if name == "Q4_0" else b[..., 2:4].contiguous().view(torch.float16).double()[..., 0].abs()
-        bound = bound + torch.einsum("nb,xb->xn", m, (dx * xq.sum(-1)).abs())
-    return bound
+    return torch.einsum("xnb,nb,xb->xn", dots, D.abs(), dx) + torch.einsum("nb,xb->xn", M.abs(), (dx * xq.sum(-1)).abs())
 
 
 @pytest.mark.parametrize("name", INT8_FORMATS)
@@ -100,8 +96,9 @@ def test_the_kernel_is_batch_invariant(name):
     1 and 2 threads, and in both builds (the same integers and the same float operations)."""
     fmt = FORMATS[name]
     g = torch.Generator().manual_seed(5)
-    w, w2 = random_blocks(fmt, 37, 192, g), random_blocks(fmt, 11, 192, g)
-    x = torch.randn(64, 192, generator=g)
+    K = 192 if fmt.block_weights == 32 else 512
+    w, w2 = random_blocks(fmt, 37, K, g), random_blocks(fmt, 11, K, g)
+    x = torch.randn(64, K, generator=g)
     builds = [_ops(v) for v in VARIANTS]
     ops = builds[0]
     alone = torch.cat([ops.quant_linear_i8(x[i:i + 1], [w], [fmt.ggml_type]) for i in range(64)])
@@ -211,6 +208,25 @@ def _block_rows_vs_plain(model) -> list[bool]:
 def test_rows_of_chains_trees_and_ragged_batches_equal_plain_decoding_bit_for_bit():
     """Every row of a verify block (chain, tree with siblings, ragged batch) is plain decoding's row."""
     assert all(_block_rows_vs_plain(_int8_llama(1)))
+
+
+@pytest.mark.filterwarnings("ignore:.*fits the budget")
+def test_a_q4_k_target_is_batch_invariant_and_speculates_exactly():
+    """A Q4_K target (256-weight blocks: hidden sizes of 256) in int8 numerics: verify rows bit-equal to
+    plain decoding's, and drafters token-identical to its plain decoding with drafts accepted."""
+    torch.manual_seed(6)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    quantize_model(model, "Q4_K")
+    set_numerics(model, "int8")
+    assert all(_block_rows_vs_plain(model))
+    prompts = _prompts()
+    plain = SpecDecoder(model, None).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+    for drafter in (PromptLookupDrafter(), StreamingDrafter(model, budget=16, sink=2)):
+        out = SpecDecoder(model, drafter).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+        assert [out.generated(b).tolist() for b in range(2)] == [plain.generated(b).tolist() for b in range(2)]
+        assert sum(out.accepted_per_sequence) > 0
 
 
 def test_a_broken_invariance_is_caught(monkeypatch):

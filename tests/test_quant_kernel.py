@@ -14,7 +14,7 @@ from specdec.config import RuntimeConfig, use
 from specdec.controller.draft_length import DraftLengthConfig
 from specdec.drafters import ModelDrafter
 from specdec.quant import FORMATS, QuantLinear
-from specdec.quant.formats import dequantize, random_blocks
+from specdec.quant.formats import _k_scales, dequantize, random_blocks
 from specdec.runtime import fastpath, kernels, qlinear, state
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS
 from conftest import perturbed, sampled_pairs
@@ -427,30 +427,42 @@ def test_quant_self_never_prefills_or_catches_up_and_is_exact(monkeypatch):
 APPROX = ["Q4_0", "Q4_1", "Q8_0"]
 
 
-def _int8_model(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
-    """csrc/int8_linear.cpp's arithmetic in float64 from the blocks' bytes: x rounded per 32 values
-    (dx = max|x| / 127), then per block d dx dot(q, xq) (+ m sx for Q4_1, - 8 d sx for Q4_0)."""
-    K = x.shape[1]
-    xb = x.double().reshape(x.shape[0], K // 32, 32)
-    dx = xb.abs().amax(-1) / 127  # [M, nb]
-    xq = torch.where(dx[..., None] > 0, torch.round(xb / dx[..., None].clamp(min=1e-300)), torch.zeros_like(xb))
-    sx = dx * xq.sum(-1)
+def _int8_parts(w: torch.Tensor, name: str, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The int8 arithmetic's terms per 32 weights, in float64: (codes [N, K / 32, 32], scale D and offset
+    coefficient M [N, K / 32]) with w = D q + M (Q4_0: M = -8 d; Q4_K: D = d sc, M = -dmin mn per sub-block)."""
+    N = w.shape[0]
+    if name == "Q4_K":
+        b = w.reshape(N, K // 256, 144)
+        d, dmin = (b[..., f:f + 2].contiguous().view(torch.float16).double() for f in (0, 2))  # [N, nb, 1]
+        sc, mn = (t.double().reshape(N, K // 256, 8) for t in _k_scales(b[..., 4:16].reshape(-1, 12)))
+        nib = b[..., 16:].reshape(N, K // 256, 4, 32).long()
+        q = torch.stack([nib & 15, nib >> 4], 3).reshape(N, K // 32, 32).double()
+        return q, (d * sc).reshape(N, -1), (-(dmin * mn)).reshape(N, -1)
     size = {"Q4_0": 18, "Q4_1": 20, "Q8_0": 34}[name]
-    b = w.reshape(w.shape[0], K // 32, size)
+    b = w.reshape(N, K // 32, size)
     d = b[..., 0:2].contiguous().view(torch.float16).double()[..., 0]  # [N, nb]
     if name == "Q8_0":
-        q = b[..., 2:34].contiguous().view(torch.int8).double()
-        offset = torch.zeros(x.shape[0], w.shape[0], dtype=torch.float64)
-    else:
-        nib = b[..., size - 16:].long()
-        q = torch.cat([nib & 15, nib >> 4], -1).double()  # weights 0-15 low nibbles, 16-31 high
-        if name == "Q4_1":
-            m = b[..., 2:4].contiguous().view(torch.float16).double()[..., 0]
-            offset = torch.einsum("nb,xb->xn", m, sx)
-        else:
-            offset = -8 * torch.einsum("nb,xb->xn", d, sx)
+        return b[..., 2:34].contiguous().view(torch.int8).double(), d, torch.zeros_like(d)
+    nib = b[..., size - 16:].long()
+    q = torch.cat([nib & 15, nib >> 4], -1).double()  # weights 0-15 low nibbles, 16-31 high
+    m = b[..., 2:4].contiguous().view(torch.float16).double()[..., 0] if name == "Q4_1" else -8 * d
+    return q, d, m
+
+
+def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] rounded per 32 values as the kernel does: (xq [M, K / 32, 32], dx [M, K / 32]), float64."""
+    xb = x.double().reshape(x.shape[0], x.shape[1] // 32, 32)
+    dx = xb.abs().amax(-1) / 127
+    return torch.where(dx[..., None] > 0, torch.round(xb / dx[..., None].clamp(min=1e-300)), torch.zeros_like(xb)), dx
+
+
+def _int8_model(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
+    """csrc/int8_linear.cpp's arithmetic in float64 from the blocks' bytes: x rounded per 32 values
+    (dx = max|x| / 127), then per 32 weights D dx dot(q, xq) + M sx (``_int8_parts``; sx = dx sum(xq))."""
+    xq, dx = _rounded(x)
+    q, D, M = _int8_parts(w, name, x.shape[1])
     dots = torch.einsum("nbk,xbk->xnb", q, xq)
-    return torch.einsum("xnb,nb,xb->xn", dots, d, dx) + offset
+    return torch.einsum("xnb,nb,xb->xn", dots, D, dx) + torch.einsum("nb,xb->xn", M, dx * xq.sum(-1))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -476,8 +488,8 @@ def test_the_int8_draft_kernel_is_its_integer_arithmetic_and_near_the_reference(
             assert (y - ref).norm() <= qlinear.APPROX_ERROR * ref.norm()
             both = ops.quant_linear_i8(x, [w, w2], [fmt.ggml_type, fmt.ggml_type])
             assert torch.equal(both, torch.cat([y, ops.quant_linear_i8(x, [w2], [fmt.ggml_type])], 1))
-    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1 or Q8_0"):
-        ops.quant_linear_i8(torch.randn(1, 256), [random_blocks(FORMATS["Q4_K"], 2, 256, g)], [FORMATS["Q4_K"].ggml_type])
+    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1, Q8_0 or"):
+        ops.quant_linear_i8(torch.randn(1, 256), [random_blocks(FORMATS["Q5_K"], 2, 256, g)], [FORMATS["Q5_K"].ggml_type])
 
 
 def test_a_layer_takes_the_int8_route_only_inside_approximate_and_for_few_rows(ops, monkeypatch):

@@ -2,9 +2,9 @@
 
 - ``exact`` (the default): the blocks decoded to the reference's fp32 values, fp32 products; the same
   outputs as the dequantized model up to summation order (``QuantLinear.reference`` defines it).
-- ``int8``: every linear layer rounds its input per row to 8-bit blocks of 32 and multiplies the blocks'
-  codes by them as integers, fp32 scales (``runtime/csrc/int8_linear.cpp``), and attention runs one
-  query row at a time over the keys that row sees (``runtime/csrc/row_attention.cpp``). A target in int8
+- ``int8``: every linear layer (Q4_0, Q4_1, Q8_0, Q4_K) rounds its input per row to 8-bit blocks of 32
+  and multiplies the blocks' codes by them as integers, fp32 scales (``runtime/csrc/int8_linear.cpp``),
+  and attention runs one query row at a time over the keys that row sees (``runtime/csrc/row_attention.cpp``). A target in int8
   numerics is its own reference: both ops are batch-invariant (a row's outputs are bit-equal computed
   alone, at any place in a block of any size, in a ragged batch, with any thread count), the norms,
   rotary and elementwise ops are per row, so a verify's rows are bit-equal to plain decoding's and
@@ -13,7 +13,7 @@
   (SDPA's causal path for the attention: every decoding of a prompt shares it).
   Why and what it is worth: docs/decisions/019-int8-numerics.md.
 
-    set_numerics(model, "int8")     # a packed GGUF or a model quantized on load (Q4_0 / Q4_1 / Q8_0)
+    set_numerics(model, "int8")     # a packed GGUF or a model quantized on load (Q4_0 / Q4_1 / Q8_0 / Q4_K)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch.nn as nn
 
 from specdec.quant.modules import QuantLinear
-from specdec.runtime.qlinear import APPROX_FORMATS as INT8_FORMATS  # what csrc/int8_linear.cpp multiplies
+from specdec.runtime.qlinear import INT8_FORMATS  # what csrc/int8_linear.cpp multiplies
 
 NUMERICS = ("exact", "int8")
 _ATTR = "specdec_numerics"  # the model's attribute, read by the forward (``numerics_of``)
@@ -45,7 +45,7 @@ def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
         for name, mod in model.named_modules():
             if isinstance(mod, nn.Linear):
                 raise ValueError(f"numerics='int8' needs every linear layer quantized; {name} holds fp32 weights "
-                                 f"(load a GGUF packed, or quantize on load: weights='q8_0', 'q4_0' or 'q4_1')")
+                                 f"(load a GGUF packed, or quantize on load: weights='q8_0', 'q4_0', 'q4_1' or 'q4_k')")
             if isinstance(mod, QuantLinear) and mod.fmt.name not in INT8_FORMATS:
                 raise ValueError(f"numerics='int8' multiplies {', '.join(INT8_FORMATS)} blocks; {name} is "
                                  f"{mod.fmt.name} (use numerics='exact' for this model)")

@@ -62,7 +62,8 @@ class QuantRoutes:
 
 # (kernel variant, format name) -> its routes, once checked in this process
 CALIBRATED: dict[tuple[str | None, str], QuantRoutes] = {}
-APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what csrc/int8_linear.cpp multiplies as integers
+APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what drafts' int8 route takes over an exact target's blocks
+INT8_FORMATS = (*APPROX_FORMATS, "Q4_K")  # what csrc/int8_linear.cpp multiplies: a target in int8 numerics
 APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
 APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
 APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
@@ -184,17 +185,24 @@ def linear_parts(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFo
 INTERLEAVED = 0x100  # a format code's flag to quant_linear_i8: the part's blocks are ``interleave``d
 
 
+Q4K_INTERLEAVED_BYTES = 148  # an interleaved Q4_K copy's bytes per feature and 256 weights (the file's: 144)
+
+
 def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
-    """``blocks`` (uint8 [N, row_bytes] of Q4_0 / Q4_1 / Q8_0) in the int8 kernel's interleaved layout, the
-    same shape and bytes rearranged: features in groups of 16, each block of a group as the 16 scales, Q4_1's
-    16 mins, then vectors of 64 bytes holding 4 codes of each feature (Q8_0's codes plus 128); the features
-    past the last whole group as they were (``csrc/int8_linear.cpp``'s comment says why)."""
-    if fmt.name not in APPROX_FORMATS:
-        raise ValueError(f"the int8 kernel multiplies {', '.join(APPROX_FORMATS)} blocks, not {fmt.name}")
+    """``blocks`` (uint8 [N, row_bytes] of INT8_FORMATS) in the int8 kernel's interleaved layout: features in
+    groups of 16, each block of a group as the 16 scales (f16), Q4_1's 16 mins, then vectors of 64 bytes
+    holding 4 codes of each feature (Q8_0's codes plus 128); Q4_K's 256-weight blocks as the 16 d, the 16
+    dmin, the 8 sub-blocks' scales and mins as bytes (16 a sub-block), then the codes, 4 pairs of sub-blocks
+    of 8 vectors each, [N, K / 256 * Q4K_INTERLEAVED_BYTES]; the features past the last whole group as they
+    were (Q4_K's rows then padded with zeros to that size). ``csrc/int8_linear.cpp``'s comment says why."""
+    if fmt.name not in INT8_FORMATS:
+        raise ValueError(f"the int8 kernel multiplies {', '.join(INT8_FORMATS)} blocks, not {fmt.name}")
     N, row = blocks.shape
     size = fmt.block_bytes
     nb, G = row // size, N // 16
     head = blocks[:G * 16].reshape(G, 16, nb, size).permute(0, 2, 1, 3)  # [G, nb, 16 features, block bytes]
+    if fmt.name == "Q4_K":
+        return _interleave_q4_k(blocks, head, G, nb)
     scales = 4 if fmt.name == "Q4_1" else 2  # d (and m): f16 each
     fields = [head[..., f:f + 2].reshape(G, nb, 32) for f in range(0, scales, 2)]  # 16 d, then 16 m
     codes = head[..., scales:]
@@ -204,6 +212,23 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     codes = codes.reshape(G, nb, 16, chunks, 4).permute(0, 1, 3, 2, 4).reshape(G, nb, chunks * 64)
     grouped = torch.cat([*fields, codes], dim=-1).reshape(G * 16, row)
     return torch.cat([grouped, blocks[G * 16:]]) if N % 16 else grouped
+
+
+def _interleave_q4_k(blocks: torch.Tensor, head: torch.Tensor, G: int, nb: int) -> torch.Tensor:
+    s = head[..., 4:16].to(torch.int16)  # [G, nb, 16, 12]: 6-bit scales and mins (formats._k_scales)
+    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+    per_sub = [t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn)]  # [sub-block][feature]
+    codes = head[..., 16:].reshape(G, nb, 16, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 2048)
+    row = nb * Q4K_INTERLEAVED_BYTES
+    grouped = torch.cat([head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32), *per_sub, codes],
+                        dim=-1).reshape(G * 16, row)
+    tail = blocks[G * 16:]
+    if tail.shape[0] == 0:
+        return grouped
+    padded = torch.zeros(tail.shape[0], row, dtype=torch.uint8)  # the file's row, then zeros to the row size
+    padded[:, :tail.shape[1]] = tail
+    return torch.cat([grouped, padded])
 
 
 def _int8(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],

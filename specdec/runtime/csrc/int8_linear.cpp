@@ -1,31 +1,36 @@
-// y = x @ W^T in int8 numerics: x rounded per row to 8-bit blocks of 32, W's Q8_0 / Q4_0 / Q4_1 codes
+// y = x @ W^T in int8 numerics: x rounded per row to 8-bit blocks of 32, W's Q8_0 / Q4_0 / Q4_1 / Q4_K codes
 // multiplied by them as integers (llama.cpp's arithmetic), fp32 scales. The one int8 kernel: a target
 // loaded with numerics="int8" runs every row through it (decode, verify, batches, prefill), and the
 // self-speculative drafters' approximate forwards over an exact target take it too (qlinear.approximate).
 //
-// The arithmetic, per (row r, feature n), blocks b in file order (docs/decisions/019-int8-numerics.md):
+// The arithmetic, per (row r, feature n), blocks b of 32 weights in file order (docs/decisions/019-int8-numerics.md):
 //   - each row is rounded alone (round_rows: per block of 32, dx = max|x| / 127, xq = nearbyint(x / dx),
 //     sx = dx * sum(xq));
 //   - dot = the block's exact int32 dot product of codes and xq (Q4: codes 0..15; Q8_0: signed codes);
-//   - acc = fma(float(dot), d * dx, acc), with d * dx one fp32 product;
-//   - off = fma(m, sx, off) with Q4_1's m, Q4_0's m = -8 d (exact); Q8_0 has none;
-//   - y = acc + off.
+//   - acc = fma(float(dot), D * dx, acc), with D * dx one fp32 product;
+//   - off = fma(M, sx, off);
+//   - y = acc + off;
+// where w = D q + M: Q4_1's D = d, M = m; Q4_0's D = d, M = -8 d; Q8_0's D = d (no M); Q4_K's per sub-block
+// of 32, D = d * sc, M = 0 - dmin * mn (exact fp32 products of an f16 and a 6-bit integer).
 // Every path computes exactly these operations, so a row's outputs are the same bits whatever the number
 // of rows M, the row's place among them, the thread count (threads split output features, never the sum
 // over K), the layout of the blocks and the build (AVX-512 VNNI, AVX-VNNI or AVX2's vpmaddubsw +
 // vpmaddwd: the same integers). Tests: tests/test_int8_numerics.py.
 //
-// Two layouts of the same bytes (a part's format code says which):
+// Two layouts (a part's format code says which):
 //   - the file's: one feature's blocks after another (GGML's rows);
 //   - interleaved (code | kInterleaved; qlinear.interleave builds it for a target in int8 numerics):
 //     features in groups of 16, a group's blocks in file order, each block of the group stored as the 16
 //     scales (f16), Q4_1's 16 mins (f16), then the codes as vectors of 64 bytes: vector j holds 4 codes
 //     of each of the 16 features (Q4: bytes 4j..4j+3 of each feature's 16 nibble bytes, whose low nibbles
 //     are weights 4j..4j+3 and high ones 16+4j..; Q8_0: codes 4j..4j+3 plus 128, as unsigned bytes).
+//     Q4_K's 256-weight block: 16 d, 16 dmin (f16), its 8 sub-blocks' scales then mins as bytes (16 per
+//     sub-block), then per pair of sub-blocks 8 such vectors (low nibbles: the pair's first sub-block).
 //     Features past the last whole group keep the file's layout at their own offsets. One 512-bit
 //     vpdpbusd against a broadcast of 4 of the row's codes then adds 4 products for each of 16 features:
 //     the block's 16 dot products come out per lane, with no horizontal sum, and the float work of a
 //     block is one convert, one product and two FMAs for the 16 (the reason for the layout).
+#pragma GCC optimize("fp-contract=off")
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
@@ -42,11 +47,17 @@
 namespace {
 
 constexpr int64_t kRowBlock = 64;  // rows whose rounded activations stay in L2 while a thread's features pass
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8;  // GGML types
-constexpr int kInterleaved = 0x100;             // format flag: the part's blocks are interleaved
-constexpr int kGroup = 16;                      // features per interleaved group
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12;  // GGML types
+constexpr int kInterleaved = 0x100;                         // format flag: the part's blocks are interleaved
+constexpr int kGroup = 16;                                  // features per interleaved group
+constexpr int64_t kQ4KRowBytes = 148;  // an interleaved Q4_K copy's bytes per feature and 256 weights (file: 144)
 
 constexpr int64_t block_bytes(int type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34; }
+
+// a part's bytes per output feature for K inputs, in the file's layout or the interleaved one
+constexpr int64_t row_bytes(int type, bool interleaved, int64_t K) {
+  return type == kQ4_K ? K / 256 * (interleaved ? kQ4KRowBytes : 144) : K / 32 * block_bytes(type);
+}
 
 #if defined(__AVX2__)
 
@@ -222,101 +233,163 @@ void feature_range(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, i
 // ---- the interleaved layout: a group of 16 features, R rows ----
 
 constexpr int64_t scale_bytes(int type) { return type == kQ4_1 ? 64 : 32; }  // the group's f16 d (and m)
+constexpr int64_t kQ4KGroupBytes = 16 * kQ4KRowBytes;  // a group's 256-weight block: d, dmin, sc, mn, codes
+constexpr int64_t kQ4KCodes = 320;                     // offset of its codes (4 pairs of sub-blocks x 512)
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+
+constexpr int kGroupRows = 8;
+
+// one 32-weight block b of a group for R rows: codes c (16 features x 32, as 8 vectors of 4 codes each),
+// scales d and offsets m per feature (the file's comment: one convert, one product, two FMAs per row)
+template <int Type, int R>
+inline void rows_step(__m512 (&acc)[R], __m512 (&off)[R], const __m512i (&c)[8], __m512 d, __m512 m,
+                      const Rounded& x, int64_t K, int64_t nb, int64_t r0, int64_t b) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const int8_t* xr = x.q.data() + row * K + b * 32;
+    __m512i s0 = Type == kQ8_0 ? _mm512_set1_epi32(x.neg[row * nb + b]) : _mm512_setzero_si512();
+    __m512i s1 = _mm512_setzero_si512();
+    for (int j = 0; j < 8; j += 2) {
+      s0 = _mm512_dpbusd_epi32(s0, c[j], _mm512_set1_epi32(word(xr + 4 * j)));
+      s1 = _mm512_dpbusd_epi32(s1, c[j + 1], _mm512_set1_epi32(word(xr + 4 * j + 4)));
+    }
+    const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+    acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(x.d[row * nb + b])), acc[r]);
+    if constexpr (Type != kQ8_0) off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[row * nb + b]), off[r]);
+  }
+}
+
+inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+inline __m512 bytes16(const uint8_t* p) {  // 16 unsigned bytes as floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 
 template <int Type, int R>
 inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int64_t r0, float* y,
                        int64_t N) {
-  constexpr int64_t kStride = kGroup * block_bytes(Type);
   __m512 acc[R], off[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
-  for (int64_t b = 0; b < nb; ++b) {
-    const uint8_t* p = grp + b * kStride;
-    const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-    __m512 m = _mm512_setzero_ps();
-    if constexpr (Type == kQ4_1) m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32)));
-    if constexpr (Type == kQ4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
-    const uint8_t* cp = p + scale_bytes(Type);
-    __m512i c[8];
-    if constexpr (Type == kQ8_0) {
-      for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(cp + 64 * j);
-    } else {
-      for (int j = 0; j < 4; ++j) {
-        const __m512i v = _mm512_loadu_si512(cp + 64 * j);
-        c[j] = _mm512_and_si512(v, low);
-        c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+  __m512i c[8];
+  if constexpr (Type == kQ4_K) {
+    for (int64_t B = 0; B < nb / 8; ++B) {
+      const uint8_t* p = grp + B * kQ4KGroupBytes;
+      const __m512 d = half16(p), dmin = half16(p + 32);
+      for (int s = 0; s < 8; ++s) {  // sub-block s: the low nibbles of pair s / 2, or its high ones
+        const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2);
+        for (int j = 0; j < 8; ++j) {
+          const __m512i v = _mm512_loadu_si512(cp + 64 * j);
+          c[j] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+        }
+        const __m512 D = _mm512_mul_ps(d, bytes16(p + 64 + 16 * s));
+        const __m512 M = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, bytes16(p + 192 + 16 * s)));
+        rows_step<Type, R>(acc, off, c, D, M, x, K, nb, r0, B * 8 + s);
       }
     }
-    for (int r = 0; r < R; ++r) {
-      const int64_t row = r0 + r;
-      const int8_t* xr = x.q.data() + row * K + b * 32;
-      __m512i s0 = Type == kQ8_0 ? _mm512_set1_epi32(x.neg[row * nb + b]) : _mm512_setzero_si512();
-      __m512i s1 = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j += 2) {
-        s0 = _mm512_dpbusd_epi32(s0, c[j], _mm512_set1_epi32(word(xr + 4 * j)));
-        s1 = _mm512_dpbusd_epi32(s1, c[j + 1], _mm512_set1_epi32(word(xr + 4 * j + 4)));
+  } else {
+    constexpr int64_t kStride = kGroup * block_bytes(Type);
+    for (int64_t b = 0; b < nb; ++b) {
+      const uint8_t* p = grp + b * kStride;
+      const __m512 d = half16(p);
+      __m512 m = _mm512_setzero_ps();
+      if constexpr (Type == kQ4_1) m = half16(p + 32);
+      if constexpr (Type == kQ4_0) m = _mm512_mul_ps(d, _mm512_set1_ps(-8.f));
+      const uint8_t* cp = p + scale_bytes(Type);
+      if constexpr (Type == kQ8_0) {
+        for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(cp + 64 * j);
+      } else {
+        for (int j = 0; j < 4; ++j) {
+          const __m512i v = _mm512_loadu_si512(cp + 64 * j);
+          c[j] = _mm512_and_si512(v, low);
+          c[j + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+        }
       }
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(x.d[row * nb + b])), acc[r]);
-      if constexpr (Type != kQ8_0) off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[row * nb + b]), off[r]);
+      rows_step<Type, R>(acc, off, c, d, m, x, K, nb, r0, b);
     }
   }
   for (int r = 0; r < R; ++r) _mm512_storeu_ps(y + (r0 + r) * N, _mm512_add_ps(acc[r], off[r]));
 }
 
-constexpr int kGroupRows = 8;
-
 #else  // AVX2 (or AVX-512 without VNNI): the group as two halves of 8 features, 256-bit
+
+constexpr int kGroupRows = 4;
+
+// one 32-weight block b of a half group for R rows: codes (8 features x 32, as 8 vectors of 4 codes each)
+template <int Type, int R>
+inline void rows_step(__m256 (&acc)[R], __m256 (&off)[R], const uint8_t (&codes)[8][32], __m256 d, __m256 m,
+                      const Rounded& x, int64_t K, int64_t nb, int64_t r0, int64_t b) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const int8_t* xr = x.q.data() + row * K + b * 32;
+    __m256i s0 = Type == kQ8_0 && kQ8Biased ? _mm256_set1_epi32(x.neg[row * nb + b]) : _mm256_setzero_si256();
+    __m256i s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 8; j += 2) {
+      const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j]));
+      const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j + 1]));
+      const __m256i x0 = _mm256_set1_epi32(word(xr + 4 * j)), x1 = _mm256_set1_epi32(word(xr + 4 * j + 4));
+      s0 = Type == kQ8_0 ? dot_q8(s0, c0, x0) : dot_u8s8(s0, c0, x0);
+      s1 = Type == kQ8_0 ? dot_q8(s1, c1, x1) : dot_u8s8(s1, c1, x1);
+    }
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+    acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(x.d[row * nb + b])), acc[r]);
+    if constexpr (Type != kQ8_0) off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[row * nb + b]), off[r]);
+  }
+}
+
+inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline __m256 bytes8(const uint8_t* p) {  // 8 unsigned bytes as floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
 
 template <int Type, int R>
 inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int64_t r0, float* y,
                        int64_t N) {
-  constexpr int64_t kStride = kGroup * block_bytes(Type);
   const __m256i low = _mm256_set1_epi8(0x0F);
+  alignas(32) uint8_t codes[8][32];  // a half group's codes of one block, decoded once for the tile's rows
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R], off[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), off[r] = _mm256_setzero_ps();
-    for (int64_t b = 0; b < nb; ++b) {
-      const uint8_t* p = grp + b * kStride;
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16 * h)));
-      __m256 m = _mm256_setzero_ps();
-      if constexpr (Type == kQ4_1) m = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 32 + 16 * h)));
-      if constexpr (Type == kQ4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
-      const uint8_t* cp = p + scale_bytes(Type) + 32 * h;
-      alignas(32) uint8_t codes[8][32];  // the half's codes, decoded once for the tile's rows
-      if constexpr (Type == kQ8_0) {
-        for (int j = 0; j < 8; ++j) std::memcpy(codes[j], cp + 64 * j, 32);
-      } else {
-        for (int j = 0; j < 4; ++j) {
-          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]), _mm256_and_si256(v, low));
-          _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j + 4]), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+    if constexpr (Type == kQ4_K) {
+      for (int64_t B = 0; B < nb / 8; ++B) {
+        const uint8_t* p = grp + B * kQ4KGroupBytes;
+        const __m256 d = half8(p + 16 * h), dmin = half8(p + 32 + 16 * h);
+        for (int s = 0; s < 8; ++s) {
+          const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2) + 32 * h;
+          for (int j = 0; j < 8; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]),
+                               _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low));
+          }
+          const __m256 D = _mm256_mul_ps(d, bytes8(p + 64 + 16 * s + 8 * h));
+          const __m256 M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, bytes8(p + 192 + 16 * s + 8 * h)));
+          rows_step<Type, R>(acc, off, codes, D, M, x, K, nb, r0, B * 8 + s);
         }
       }
-      for (int r = 0; r < R; ++r) {
-        const int64_t row = r0 + r;
-        const int8_t* xr = x.q.data() + row * K + b * 32;
-        __m256i s0 = Type == kQ8_0 && kQ8Biased ? _mm256_set1_epi32(x.neg[row * nb + b]) : _mm256_setzero_si256();
-        __m256i s1 = _mm256_setzero_si256();
-        for (int j = 0; j < 8; j += 2) {
-          const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j]));
-          const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j + 1]));
-          const __m256i x0 = _mm256_set1_epi32(word(xr + 4 * j)), x1 = _mm256_set1_epi32(word(xr + 4 * j + 4));
-          s0 = Type == kQ8_0 ? dot_q8(s0, c0, x0) : dot_u8s8(s0, c0, x0);
-          s1 = Type == kQ8_0 ? dot_q8(s1, c1, x1) : dot_u8s8(s1, c1, x1);
+    } else {
+      constexpr int64_t kStride = kGroup * block_bytes(Type);
+      for (int64_t b = 0; b < nb; ++b) {
+        const uint8_t* p = grp + b * kStride;
+        const __m256 d = half8(p + 16 * h);
+        __m256 m = _mm256_setzero_ps();
+        if constexpr (Type == kQ4_1) m = half8(p + 32 + 16 * h);
+        if constexpr (Type == kQ4_0) m = _mm256_mul_ps(d, _mm256_set1_ps(-8.f));
+        const uint8_t* cp = p + scale_bytes(Type) + 32 * h;
+        if constexpr (Type == kQ8_0) {
+          for (int j = 0; j < 8; ++j) std::memcpy(codes[j], cp + 64 * j, 32);
+        } else {
+          for (int j = 0; j < 4; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]), _mm256_and_si256(v, low));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j + 4]), _mm256_and_si256(_mm256_srli_epi16(v, 4), low));
+          }
         }
-        const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
-        acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(d, _mm256_set1_ps(x.d[row * nb + b])), acc[r]);
-        if constexpr (Type != kQ8_0) off[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(x.s[row * nb + b]), off[r]);
+        rows_step<Type, R>(acc, off, codes, d, m, x, K, nb, r0, b);
       }
     }
     for (int r = 0; r < R; ++r) _mm256_storeu_ps(y + (r0 + r) * N + 8 * h, _mm256_add_ps(acc[r], off[r]));
   }
 }
-
-constexpr int kGroupRows = 4;
 
 #endif
 
@@ -338,12 +411,44 @@ void group_rows(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int
   }
 }
 
+// Q4_K features [a, b) in the file's layout (past an interleaved copy's last group, rows rb bytes apart): the
+// same operations per (row, feature) as the group kernel, one sub-block of 32 at a time
+void q4k_features(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, int64_t M, int64_t K, float* y,
+                  int64_t N, int64_t a, int64_t b) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  for (int64_t n = a; n < b; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f, off = 0.f;
+      for (int64_t B = 0; B < nb / 8; ++B) {
+        const uint8_t* blk = w + n * rb + B * 144;
+        const uint8_t* sp = blk + 4;  // 12 bytes: 8 scales and 8 mins of 6 bits (quant/formats.py's _k_scales)
+        const float d = f16(blk), dmin = f16(blk + 2);
+        for (int s = 0; s < 8; ++s) {
+          const int sc = s < 4 ? sp[s] & 63 : (sp[s + 4] & 15) | ((sp[s - 4] >> 6) << 4);
+          const int mn = s < 4 ? sp[s + 4] & 63 : (sp[s + 4] >> 4) | ((sp[s] >> 6) << 4);
+          const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (s / 2)));
+          const __m256i codes = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+          const int64_t sb = B * 8 + s;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + m * K + sb * 32));
+          const float f = static_cast<float>(sum1(dot_u8s8(_mm256_setzero_si256(), codes, xv)));
+          const float D = d * static_cast<float>(sc), Mv = 0.f - dmin * static_cast<float>(mn);
+          acc = std::fma(f, D * x.d[m * nb + sb], acc);
+          off = std::fma(Mv, x.s[m * nb + sb], off);
+        }
+      }
+      y[m * N + n] = acc + off;
+    }
+}
+
 // features [16 u, 16 u + count) of one weight (a unit: an interleaved group, or file-layout features)
 template <int Type>
 void unit(const uint8_t* w, int64_t rb, int64_t nb, bool interleaved, const Rounded& x, int64_t M, int64_t K,
           float* y, int64_t N, int64_t first, int64_t count) {
   if (!interleaved || count < kGroup) {
-    feature_range<Type>(w, rb, nb, x, M, K, y, N, first, first + count);
+    if constexpr (Type == kQ4_K)
+      q4k_features(w, rb, nb, x, M, K, y, N, first, first + count);
+    else
+      feature_range<Type>(w, rb, nb, x, M, K, y, N, first, first + count);
     return;
   }
   const uint8_t* grp = w + first * rb;  // a group's 16 rows of bytes, interleaved in place
@@ -365,11 +470,14 @@ at::Tensor quant_linear_i8(const at::Tensor& x, at::TensorList blocks, at::IntAr
   std::vector<int64_t> start{0}, units{0};  // per part: its first output feature, its first unit of 16
   for (size_t p = 0; p < blocks.size(); ++p) {
     const int64_t t = fmts[p] & ~kInterleaved;
-    TORCH_CHECK((fmts[p] & ~(kInterleaved | 0xFF)) == 0 && (t == kQ4_0 || t == kQ4_1 || t == kQ8_0),
-                "quant_linear_i8: format ", fmts[p], " is not Q4_0, Q4_1 or Q8_0 (optionally interleaved)");
+    const bool inter = (fmts[p] & kInterleaved) != 0;
+    TORCH_CHECK((fmts[p] & ~(kInterleaved | 0xFF)) == 0 && (t == kQ4_0 || t == kQ4_1 || t == kQ8_0 ||
+                                                          (t == kQ4_K && K % 256 == 0)),
+                "quant_linear_i8: format ", fmts[p], " is not Q4_0, Q4_1, Q8_0 or (K a multiple of 256) Q4_K, ",
+                "optionally interleaved");
     TORCH_CHECK(blocks[p].scalar_type() == at::kByte && blocks[p].dim() == 2 && blocks[p].is_contiguous()
-                && blocks[p].size(1) == nb * block_bytes(t), "quant_linear_i8: part ", p, " is not uint8 [N, ",
-                nb * block_bytes(t), "]");
+                && blocks[p].size(1) == row_bytes(t, inter, K), "quant_linear_i8: part ", p, " is not uint8 [N, ",
+                row_bytes(t, inter, K), "]");
     start.push_back(start.back() + blocks[p].size(0));
     units.push_back(units.back() + (blocks[p].size(0) + kGroup - 1) / kGroup);
   }
@@ -392,6 +500,7 @@ at::Tensor quant_linear_i8(const at::Tensor& x, at::TensorList blocks, at::IntAr
       switch (fmts[p] & ~kInterleaved) {
         case kQ4_0: unit<kQ4_0>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
         case kQ4_1: unit<kQ4_1>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
+        case kQ4_K: unit<kQ4_K>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
         default: unit<kQ8_0>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
       }
     }
