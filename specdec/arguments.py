@@ -87,7 +87,7 @@ def name_list(text: str) -> list[str]:
 
 # ---------------------------------------------------------------- sampling (chat, generate)
 
-def add_weights_argument(p) -> None:
+def add_weights_argument(p, numerics: str = "auto") -> None:
     """``--weights``: how the target's weights are held (``models.Weights``; its default, "auto", resolved by
     ``Weights.resolve`` as ``load_model`` resolves it)."""
     p.add_argument("--weights", type=weights_choice, default=Weights.AUTO, choices=list(Weights),
@@ -95,7 +95,7 @@ def add_weights_argument(p) -> None:
                         "directory's weights as they are; fp32: a GGUF dequantized; packed: a GGUF's blocks (the "
                         "same outputs as fp32 up to summation order, a fraction of the memory and time); "
                         "q8_0/q4_0/q4_1/q4_k: quantize on load (another target)")
-    add_numerics_argument(p)
+    add_numerics_argument(p, default=numerics)
 
 
 def weights_choice(text: str) -> Weights:
@@ -106,12 +106,17 @@ def weights_choice(text: str) -> Weights:
         raise argparse.ArgumentTypeError(f"must be one of {', '.join(w.value for w in Weights)}, got {text!r}") from None
 
 
-def add_numerics_argument(p) -> None:
-    """``--numerics``: the arithmetic of a quantized target (``specdec.quant.numerics``)."""
-    p.add_argument("--numerics", default="exact", choices=("exact", "int8"),
-                   help="exact (default): the blocks' fp32 values, fp32 products; int8: activations rounded to "
-                        "8 bits, integer products, batch-invariant (speculation exact against this target's own "
-                        "plain decoding); Q4_0/Q4_1/Q8_0 weights")
+def add_numerics_argument(p, default: str = "exact") -> None:
+    """``--numerics``: the arithmetic of a quantized target (``specdec.quant.numerics``); the commands that
+    answer (generate, chat, serve) default to auto, the benchmarks to exact."""
+    choices = ("auto", "exact", "int8") if default == "auto" else ("exact", "int8")
+    p.add_argument("--numerics", default=default, choices=choices,
+                   help=("auto (default): int8 where every linear layer is Q4_0/Q4_1/Q8_0/Q4_K blocks (the default "
+                         "model), else exact; " if default == "auto" else "exact (default): ") +
+                        ("exact: " if default == "auto" else "") +
+                        "the blocks' fp32 values, fp32 products, token-identical to HF; int8: activations rounded "
+                        "to 8 bits, integer products, faster, batch-invariant (speculation exact against this "
+                        "target's own plain decoding, not HF's); Q4_0/Q4_1/Q8_0/Q4_K weights")
 
 
 def weights_for(model: str, weights: Weights | str) -> Weights:

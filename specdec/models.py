@@ -110,14 +110,15 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     target whose outputs are its own; a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's
     256-weight blocks, stays fp32).
 
-    numerics: "exact" (the blocks' fp32 values, fp32 products) or "int8" (a quantized target's
-    batch-invariant integer arithmetic: ``specdec.quant.numerics``; Q4_0 / Q4_1 / Q8_0 layers only)."""
-    from specdec.quant.numerics import NUMERICS, set_numerics
+    numerics: "exact" (the blocks' fp32 values, fp32 products), "int8" (a quantized target's
+    batch-invariant integer arithmetic: ``specdec.quant.numerics``; Q4_0 / Q4_1 / Q8_0 / Q4_K layers only)
+    or "auto" (the commands' default: int8 where every linear layer can take it, else exact)."""
+    from specdec.quant.numerics import AUTO, NUMERICS, resolve, set_numerics
 
     weights = Weights.parse(weights).resolve(spec)
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics={numerics!r}: expected one of {', '.join(NUMERICS)}")
-    if numerics != "exact" and weights is Weights.FP32:
+    if numerics not in (*NUMERICS, AUTO):
+        raise ValueError(f"numerics={numerics!r}: expected one of {', '.join((*NUMERICS, AUTO))}")
+    if numerics not in ("exact", AUTO) and weights is Weights.FP32:
         raise ValueError(f"numerics={numerics!r} is for quantized weights: load with weights='packed' (a GGUF) or a "
                          f"format to quantize to ({', '.join(repr(w) for w in WEIGHTS[2:])})")
     gguf = None
@@ -142,6 +143,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
         from specdec.quant import quantize_model
 
         quantize_model(loaded.model, weights.quantize_to)
+    numerics = "exact" if weights is Weights.FP32 else resolve(loaded.model, numerics)
     if numerics != "exact":
         try:
             set_numerics(loaded.model, numerics)

@@ -44,7 +44,7 @@ from transformers import LogitsProcessor, LogitsProcessorList
 
 from specdec.bench.books import BOOKS, INSTRUCTIONS, LongPrompt, build_prompts, read_books
 from specdec.bench.runner import AnswerFile, group, rotated, warm_up
-from specdec.arguments import int_list, name_list, positive_int
+from specdec.arguments import add_numerics_argument, int_list, name_list, positive_int
 from specdec.config import RuntimeConfig, use
 from specdec.config import current as current_runtime
 from specdec.controller import cost
@@ -198,17 +198,17 @@ def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
 
 
 def _peak_rss_child(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out,
-                    runtime: RuntimeConfig, weights: str = "fp32") -> None:
+                    runtime: RuntimeConfig, weights: str = "fp32", numerics: str = "exact") -> None:
     with use(runtime):  # a spawned process: the parent's runtime, handed over
-        _peak_rss(spec, model_spec, ids, max_new_tokens, out, runtime.bench_threads, weights)
+        _peak_rss(spec, model_spec, ids, max_new_tokens, out, runtime.bench_threads, weights, numerics)
 
 
 def _peak_rss(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens: int, out, threads: int,
-              weights: str = "fp32") -> None:
+              weights: str = "fp32", numerics: str = "exact") -> None:
     torch.set_num_threads(threads)
     from specdec.models import load_model
 
-    loaded = load_model(model_spec, weights=weights)
+    loaded = load_model(model_spec, weights=weights, numerics=numerics)
     x = torch.tensor([ids])
     with warnings.catch_warnings():  # warm-up: one-off allocations are not the method's
         warnings.simplefilter("ignore")  # (its short prompt fits every budget)
@@ -225,14 +225,15 @@ def _peak_rss(spec: MethodSpec, model_spec: str, ids: list[int], max_new_tokens:
     out.put((kib("VmHWM:") - base) / 1024)
 
 
-def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_tokens: int, weights: str = "fp32") -> float:
+def peak_rss_mb(spec: MethodSpec, model_spec: str, ids: torch.Tensor, max_new_tokens: int, weights: str = "fp32",
+                numerics: str = "exact") -> float:
     """Peak RSS (MB) one generation adds above the loaded model, measured in a fresh process."""
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     p = ctx.Process(target=_peak_rss_child, args=(spec, model_spec, ids[0].tolist(), max_new_tokens, q,
-                                                      current_runtime(), weights))
+                                                      current_runtime(), weights, numerics))
     p.start()
     while True:  # a child that dies (out of memory, an error) must not hang the bench
         try:
@@ -266,6 +267,7 @@ def add_arguments(p) -> None:
     p.add_argument("--memory", action="store_true", help="peak RSS per method (a child process each)")
     p.add_argument("--weights", choices=WEIGHTS, default="fp32",
                    help="the target's weights, as for `specdec generate` (packed: a GGUF's blocks kept packed)")
+    add_numerics_argument(p)  # int8: "identical" is then against HF's other arithmetic (quant.numerics)
     p.add_argument("--out", default="results/longctx", help="appends OUT.jsonl; writes OUT.json (summary)")
 
 
@@ -316,7 +318,7 @@ def run(args) -> int:
         raise ValueError("--memory measures one sequence: run it without --batch-size")
     books = read_books(Path(args.questions) if args.questions else BOOKS)[: args.books]
     console = Console(width=max(150, Console().width))  # 12 columns: never squeeze them to 80 in a pipe
-    loaded = load_model(args.model, weights=args.weights)
+    loaded = load_model(args.model, weights=args.weights, numerics=args.numerics)
     model, tok = loaded.model, loaded.tokenizer
     window = context_window(model)
     if window is not None and max(args.lengths) + args.max_new_tokens + 64 > window:
@@ -335,7 +337,8 @@ def run(args) -> int:
     if args.memory:
         longest = max(prompts, key=lambda p: p.tokens)
         for m in methods:
-            memory[m.name] = peak_rss_mb(m, args.model, longest.input_ids, args.max_new_tokens, args.weights)
+            memory[m.name] = peak_rss_mb(m, args.model, longest.input_ids, args.max_new_tokens, args.weights,
+                                         args.numerics)
     summary = summarize(records, memory)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     console.print(table(summary, loaded.name, args.max_new_tokens, args.batch_size, Table))

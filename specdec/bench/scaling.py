@@ -166,7 +166,7 @@ def add_arguments(p) -> None:
     p.add_argument("--shapes", type=name_list, default="0.5b,1.5b", help="named shapes (specdec.quant.write.SHAPES)")
     p.add_argument("--quants", type=name_list, default="q4_0,q4_k", help="q8_0, q4_0, q4_1, q4_k")
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens decoded (EOS ignored)")
-    p.add_argument("--numerics", default="exact", help="comma-separated: exact, int8 (int8: Q4_0/Q4_1/Q8_0 files)")
+    p.add_argument("--numerics", default="exact", help="comma-separated: exact, int8 (int8: Q4_0/Q4_1/Q8_0/Q4_K files)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="random prompt ids before them")
     p.add_argument("--seed", type=int, default=0, help="the weights' seed (and the prompt's)")
     p.add_argument("--peer-python", default=None,

@@ -48,7 +48,7 @@ TASKS = {
 
 def add_arguments(p) -> None:
     p.add_argument("--model", default="default")
-    add_weights_argument(p)
+    add_weights_argument(p, numerics="exact")
     p.add_argument("--drafter", default="auto", choices=sorted(DRAFTERS))
     p.add_argument("--questions", default=None, help="a Spec-Bench question.jsonl (default: the shipped set)")
     p.add_argument("--per-task", type=positive_int, default=10, help="questions per task")

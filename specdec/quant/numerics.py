@@ -27,6 +27,7 @@ from specdec.quant.modules import QuantLinear
 from specdec.runtime.qlinear import INT8_FORMATS  # what csrc/int8_linear.cpp multiplies
 
 NUMERICS = ("exact", "int8")
+AUTO = "auto"  # the commands' default: int8 where the target can take it (``resolve``), else exact
 _ATTR = "specdec_numerics"  # the model's attribute, read by the forward (``numerics_of``)
 
 
@@ -35,20 +36,36 @@ def numerics_of(model) -> str:
     return getattr(model, _ATTR, "exact")
 
 
+def int8_problem(model: nn.Module) -> str | None:
+    """Why ``model`` cannot compute in int8 numerics (its first linear layer that is fp32 or in a format
+    outside INT8_FORMATS), or None where it can."""
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear):
+            return (f"numerics='int8' needs every linear layer quantized; {name} holds fp32 weights (load a GGUF "
+                    f"packed, or quantize on load: weights='q8_0', 'q4_0', 'q4_1' or 'q4_k')")
+        if isinstance(mod, QuantLinear) and mod.fmt.name not in INT8_FORMATS:
+            return (f"numerics='int8' multiplies {', '.join(INT8_FORMATS)} blocks; {name} is {mod.fmt.name} (use "
+                    f"numerics='exact' for this model)")
+    return None
+
+
+def resolve(model: nn.Module, numerics: str) -> str:
+    """``numerics`` for ``model``, "auto" resolved: int8 where every linear layer is in INT8_FORMATS (a GGUF
+    kept packed, or quantized on load), else exact (docs/decisions/019-int8-numerics.md: int8 is the
+    faster one and its perplexity within 0.4% of exact's; exact is the one token-identical to HF)."""
+    if numerics != AUTO:
+        return numerics
+    return "int8" if int8_problem(model) is None else "exact"
+
+
 def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
     """Make ``model`` compute in ``numerics`` (in place). int8 needs every linear layer of the model in
     blocks of INT8_FORMATS (a ValueError names the first that is not: an fp32 layer, or another format),
     and specdec's CPU kernels (checked at the first forward)."""
     if numerics not in NUMERICS:
         raise ValueError(f"numerics={numerics!r}: expected one of {', '.join(NUMERICS)}")
-    if numerics == "int8":
-        for name, mod in model.named_modules():
-            if isinstance(mod, nn.Linear):
-                raise ValueError(f"numerics='int8' needs every linear layer quantized; {name} holds fp32 weights "
-                                 f"(load a GGUF packed, or quantize on load: weights='q8_0', 'q4_0', 'q4_1' or 'q4_k')")
-            if isinstance(mod, QuantLinear) and mod.fmt.name not in INT8_FORMATS:
-                raise ValueError(f"numerics='int8' multiplies {', '.join(INT8_FORMATS)} blocks; {name} is "
-                                 f"{mod.fmt.name} (use numerics='exact' for this model)")
+    if numerics == "int8" and (problem := int8_problem(model)) is not None:
+        raise ValueError(problem)
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
             mod.numerics = numerics
