@@ -162,6 +162,25 @@ def test_a_model_takes_int8_only_with_every_linear_in_its_formats():
     assert numerics_of(set_numerics(model, "exact")) == "exact"
 
 
+def test_auto_numerics_is_int8_only_where_every_linear_can_take_it():
+    """The commands' default (quant.numerics.resolve): int8 for a model whose linears are all int8 formats,
+    exact for fp32 layers or a format the kernel does not multiply (here Q5_K)."""
+    from specdec.quant.numerics import resolve
+
+    model = tiny_llama(0).float()
+    assert resolve(model, "auto") == "exact"
+    quantize_model(model, "Q4_1")
+    assert resolve(model, "auto") == "int8" and resolve(model, "exact") == "exact"
+    torch.manual_seed(1)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    other = quantize_model(LlamaForCausalLM(cfg).float().eval(), "Q4_K")
+    assert resolve(other, "auto") == "int8"
+    layer = other.model.layers[0].mlp.down_proj
+    layer.fmt = FORMATS["Q5_K"]  # what the resolve reads: the layer's format
+    assert resolve(other, "auto") == "exact"
+
+
 def test_load_model_refuses_int8_on_fp32_weights():
     with pytest.raises(ValueError, match="is for quantized weights"):
         load_model("default", weights="fp32", numerics="int8")
