@@ -188,6 +188,9 @@ INTERLEAVED = 0x100  # a format code's flag to quant_linear_i8: the part's block
 Q4K_INTERLEAVED_BYTES = 148  # an interleaved Q4_K copy's bytes per feature and 256 weights (the file's: 144)
 
 
+INTERLEAVE_FEATURES = 1024  # features rearranged at a time: the temporaries stay a few MB whatever the weight
+
+
 def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     """``blocks`` (uint8 [N, row_bytes] of INT8_FORMATS) in the int8 kernel's interleaved layout: features in
     groups of 16, each block of a group as the 16 scales (f16), Q4_1's 16 mins, then vectors of 64 bytes
@@ -198,11 +201,28 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     if fmt.name not in INT8_FORMATS:
         raise ValueError(f"the int8 kernel multiplies {', '.join(INT8_FORMATS)} blocks, not {fmt.name}")
     N, row = blocks.shape
-    size = fmt.block_bytes
-    nb, G = row // size, N // 16
-    head = blocks[:G * 16].reshape(G, 16, nb, size).permute(0, 2, 1, 3)  # [G, nb, 16 features, block bytes]
+    nb = row // fmt.block_bytes
+    out = torch.zeros(N, nb * Q4K_INTERLEAVED_BYTES if fmt.name == "Q4_K" else row, dtype=torch.uint8)
+    whole = N // 16 * 16
+    for a in range(0, whole, INTERLEAVE_FEATURES):
+        part = blocks[a:min(whole, a + INTERLEAVE_FEATURES)]
+        out[a:a + part.shape[0]] = _groups(part, fmt, nb)
+    out[whole:, :row] = blocks[whole:]
+    return out
+
+
+def _groups(blocks: torch.Tensor, fmt: BlockFormat, nb: int) -> torch.Tensor:
+    """``interleave`` of whole groups: blocks [16 G, row_bytes] -> the rows of their interleaved copy."""
+    G, size = blocks.shape[0] // 16, fmt.block_bytes
+    head = blocks.reshape(G, 16, nb, size).permute(0, 2, 1, 3)  # [G, nb, 16 features, block bytes]
     if fmt.name == "Q4_K":
-        return _interleave_q4_k(blocks, head, G, nb)
+        s = head[..., 4:16].to(torch.int16)  # [G, nb, 16, 12]: 6-bit scales and mins (formats._k_scales)
+        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+        mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        fields = [head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32),  # 16 d, 16 dmin
+                  *(t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn))]  # [sub][feature]
+        codes = head[..., 16:].reshape(G, nb, 16, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 2048)
+        return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * Q4K_INTERLEAVED_BYTES)
     scales = 4 if fmt.name == "Q4_1" else 2  # d (and m): f16 each
     fields = [head[..., f:f + 2].reshape(G, nb, 32) for f in range(0, scales, 2)]  # 16 d, then 16 m
     codes = head[..., scales:]
@@ -210,25 +230,7 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
         codes = codes ^ 128
     chunks = codes.shape[-1] // 4  # 4-byte chunks a feature's codes (Q4: of nibble bytes)
     codes = codes.reshape(G, nb, 16, chunks, 4).permute(0, 1, 3, 2, 4).reshape(G, nb, chunks * 64)
-    grouped = torch.cat([*fields, codes], dim=-1).reshape(G * 16, row)
-    return torch.cat([grouped, blocks[G * 16:]]) if N % 16 else grouped
-
-
-def _interleave_q4_k(blocks: torch.Tensor, head: torch.Tensor, G: int, nb: int) -> torch.Tensor:
-    s = head[..., 4:16].to(torch.int16)  # [G, nb, 16, 12]: 6-bit scales and mins (formats._k_scales)
-    sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-    mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-    per_sub = [t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn)]  # [sub-block][feature]
-    codes = head[..., 16:].reshape(G, nb, 16, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 2048)
-    row = nb * Q4K_INTERLEAVED_BYTES
-    grouped = torch.cat([head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32), *per_sub, codes],
-                        dim=-1).reshape(G * 16, row)
-    tail = blocks[G * 16:]
-    if tail.shape[0] == 0:
-        return grouped
-    padded = torch.zeros(tail.shape[0], row, dtype=torch.uint8)  # the file's row, then zeros to the row size
-    padded[:, :tail.shape[1]] = tail
-    return torch.cat([grouped, padded])
+    return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * size)
 
 
 def _int8(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],
