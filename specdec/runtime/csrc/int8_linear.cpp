@@ -249,12 +249,8 @@ inline void rows_step(__m512 (&acc)[R], __m512 (&off)[R], const __m512i (&c)[8],
     const int64_t row = r0 + r;
     const int8_t* xr = x.q.data() + row * K + b * 32;
     __m512i s0 = Type == kQ8_0 ? _mm512_set1_epi32(x.neg[row * nb + b]) : _mm512_setzero_si512();
-    __m512i s1 = _mm512_setzero_si512();
-    for (int j = 0; j < 8; j += 2) {
-      s0 = _mm512_dpbusd_epi32(s0, c[j], _mm512_set1_epi32(word(xr + 4 * j)));
-      s1 = _mm512_dpbusd_epi32(s1, c[j + 1], _mm512_set1_epi32(word(xr + 4 * j + 4)));
-    }
-    const __m512 f = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+    for (int j = 0; j < 8; ++j) s0 = _mm512_dpbusd_epi32(s0, c[j], _mm512_set1_epi32(word(xr + 4 * j)));
+    const __m512 f = _mm512_cvtepi32_ps(s0);
     acc[r] = _mm512_fmadd_ps(f, _mm512_mul_ps(d, _mm512_set1_ps(x.d[row * nb + b])), acc[r]);
     if constexpr (Type != kQ8_0) off[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(x.s[row * nb + b]), off[r]);
   }
