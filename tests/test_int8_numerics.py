@@ -90,6 +90,17 @@ def _terms_bound(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     return torch.einsum("xnb,nb,xb->xn", dots, D.abs(), dx) + torch.einsum("nb,xb->xn", M.abs(), (dx * xq.sum(-1)).abs())
 
 
+def test_a_layers_interleaved_copy_follows_its_blocks():
+    """The copy is made once, and made again when the blocks change in place (not a stale copy)."""
+    model = _int8_llama(2)
+    layer = model.model.layers[0].mlp.up_proj
+    first = layer.int8_blocks()
+    assert layer.int8_blocks() is first and torch.equal(first, interleave(layer.blocks, layer.fmt))
+    other = random_blocks(layer.fmt, *layer.blocks.shape[:1], layer.in_features, torch.Generator().manual_seed(8))
+    layer.blocks.copy_(other)
+    assert torch.equal(layer.int8_blocks(), interleave(other, layer.fmt))
+
+
 @pytest.mark.parametrize("name", INT8_FORMATS)
 def test_the_kernel_is_batch_invariant(name):
     """A row's outputs are bit-equal alone, in blocks of 2-64 rows at every place, split over parts, with

@@ -61,11 +61,12 @@ class QuantLinear(nn.Module):
 
     def int8_blocks(self) -> torch.Tensor:
         """The blocks in the int8 kernel's interleaved layout (``qlinear.interleave``): made on first use in
-        int8 numerics, again only if ``blocks`` is replaced (a move to another device)."""
+        int8 numerics, again only if ``blocks`` is replaced (a move to another device) or changed in place."""
         made = self.__dict__.get("_int8_blocks")
-        if made is None or made[0] is not self.blocks:
-            made = self.__dict__["_int8_blocks"] = (self.blocks, qlinear.interleave(self.blocks, self.fmt))
-        return made[1]
+        if made is None or made[0] is not self.blocks or made[1] != self.blocks._version:
+            made = self.__dict__["_int8_blocks"] = (self.blocks, self.blocks._version,
+                                                    qlinear.interleave(self.blocks, self.fmt))
+        return made[2]
 
     def kernel_blocks(self) -> torch.Tensor:
         """The blocks the kernel of this layer's numerics takes: the file's, or int8's interleaved copy."""

@@ -398,10 +398,10 @@ class FastPath:
 
     def _int8_layout(self) -> tuple[list[torch.Tensor], list[int]]:
         """``_quant``'s blocks and layout for int8 numerics: each part's interleaved copy, its format code
-        flagged (``qlinear.interleave``); made once, again if a layer's copy is remade."""
-        blocks = [m.int8_blocks() for p in self._quant_parts for m in p]
+        flagged (``qlinear.interleave``); made once per path (changed blocks make the path ``stale``)."""
         made = self.__dict__.get("_int8_made")
-        if made is None or len(made[0]) != len(blocks) or any(a is not b for a, b in zip(made[0], blocks)):
+        if made is None:
+            blocks = [m.int8_blocks() for p in self._quant_parts for m in p]
             layout = [x for p in self._quant_parts for x in (len(p), *(m.fmt.ggml_type | qlinear.INTERLEAVED
                                                                        for m in p))]
             made = self.__dict__["_int8_made"] = (blocks, layout)
