@@ -240,8 +240,7 @@ constexpr int64_t kQ4KCodes = 320;                     // offset of its codes (4
 
 constexpr int kGroupRows = 8;
 // tiles of this many rows or more fetch a group's blocks kAhead ahead of the one multiplied (Q4_K: 2 of 256
-// weights): with the hardware's prefetch alone an 8-row tile streamed 8-11 GB/s of blocks, with this 12-18;
-// a 1-row tile (memory-bound) was slower with it (the AMD EPYC, decision 019)
+// weights); 1-row tiles, memory-bound, leave it to the hardware (docs/decisions/019-int8-numerics.md)
 constexpr int kPrefetchRows = 4;
 constexpr int64_t kAhead = 8;
 
