@@ -18,9 +18,6 @@ from pathlib import Path
 import torch
 
 from specdec import model_cache
-# model introspection is specdec.introspect; its names stay importable from here for callers of old
-# (runtime.fastpath imports sliding_window from here)
-from specdec.introspect import attention_shape, float_dtype, sliding_window, text_config, vocab_size_of  # noqa: F401
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from collections.abc import Sequence
+from typing import Hashable, Protocol
 
 import torch
 
@@ -207,23 +208,34 @@ class _Batch:
         return self.prompt[s] + self.new[s]
 
 
-def learn_step(controller: DraftLengthController, key, tree: DraftTree, accepted: list[list[int]],
-               verify_time: float | None, draft_time: float | None, shadows: list[Shadow] = (),
-               texts: list[list[int]] = (), grew: bool = False, resume: float = 0.0,
-               catch_up: float = 0.0) -> None:
-    """What the controller learns from a verified step (the decoder's step 5, shared with the
-    replays): the drafted and accepted counts with the step's seconds, the verified tree's accepted
-    path per row (``accepted``: node indices, -1 padded), and each shadow draft scored against
-    ``texts``, the tokens each row committed. ``grew``, ``resume``, ``catch_up``: see
-    ``DraftLengthController.update``."""
-    drafted = tree.num_nodes.tolist()
-    controller.update(drafted, [sum(a >= 0 for a in acc) for acc in accepted], verify_time, draft_time, key,
-                      grew=grew, resume=resume, catch_up=catch_up)
+@dataclass(frozen=True)
+class StepOutcome:
+    """What a verified step tells the controller (the decoder's step 5, and the replays')."""
+
+    key: Hashable  # the class of its draft
+    tree: DraftTree  # what was drafted
+    accepted: list[list[int]]  # per row the verified tree's accepted path (node indices, -1 padded)
+    verify_time: float | None  # the step's seconds (None: a replay without a cost curve)
+    draft_time: float | None
+    shadows: Sequence[Shadow] = ()  # drafts made beside it and not verified, scored against ``texts``
+    texts: Sequence[list[int]] = ()  # the tokens each row committed
+    # whether it grew the target's store, and the drafter's catch-up seconds (``DraftLengthController.update``)
+    grew: bool = False
+    resume: float = 0.0
+    catch_up: float = 0.0
+
+
+def learn_step(controller: DraftLengthController, step: StepOutcome) -> None:
+    """What the controller learns from a verified step: the drafted and accepted counts with the step's
+    seconds, the accepted path per row, and each shadow draft scored against the committed tokens."""
+    drafted = step.tree.num_nodes.tolist()
+    controller.update(drafted, [sum(a >= 0 for a in acc) for acc in step.accepted], step.verify_time,
+                      step.draft_time, step.key, grew=step.grew, resume=step.resume, catch_up=step.catch_up)
     if any(drafted):
-        controller.observe_tree(tree.real_nodes()[0], accepted, key)
-    for sh in shadows:
-        paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, texts)]
-        controller.observe_shadow(sh.parents, paths, [len(x) for x in texts], sh.seconds, sh.key)
+        controller.observe_tree(step.tree.real_nodes()[0], step.accepted, step.key)
+    for sh in step.shadows:
+        paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, step.texts)]
+        controller.observe_shadow(sh.parents, paths, [len(x) for x in step.texts], sh.seconds, sh.key)
 
 
 class DecodeSession:
@@ -306,9 +318,10 @@ class DecodeSession:
         catch_up, resume = (d.chooser.catch_up_seconds(), d.chooser.resume_seconds()) \
             if d.chooser is not None else (0.0, 0.0)
         texts = [commit.new_tokens(b) for b in range(len(batch.rows))] if shadows else []
-        learn_step(controller, key, tree, ver.accepted.tolist(), stats.verify_time,
-                   max(0.0, stats.draft_time - catch_up), shadows, texts,
-                   grew=self.cache.num_allocations != allocations, resume=resume, catch_up=catch_up)
+        learn_step(controller, StepOutcome(key, tree, ver.accepted.tolist(), stats.verify_time,
+                                           max(0.0, stats.draft_time - catch_up), shadows, texts,
+                                           grew=self.cache.num_allocations != allocations, resume=resume,
+                                           catch_up=catch_up))
         events = self._finish(commit, ver.next_token, stats, logprobs)
         controller.set_batch(len(self.rows))
         return events

@@ -14,6 +14,7 @@ import torch
 from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.config import RuntimeConfig, use
 from specdec.drafters import PromptLookupDrafter
+from specdec.models import default_gguf_path
 from specdec.quant import QuantEmbedding, QuantLinear
 from specdec.quant.write import (SHAPES, WRITABLE, LlamaShape, cached_random_gguf, gguf_opens, write_f32_gguf,
                                  write_random_gguf)
@@ -27,14 +28,15 @@ MIXED = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8
 @pytest.fixture(scope="module")
 def mixed_gguf(tmp_path_factory):
     shape = LlamaShape(hidden=256, layers=2, intermediate=512, heads=4, kv_heads=2, tied=False)
-    return write_random_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", shape, "Q4_K", seed=1, overrides=MIXED)
+    return write_random_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", shape, "Q4_K", seed=1, overrides=MIXED,
+                             tokenizer_from=default_gguf_path())
 
 
 @pytest.fixture(scope="module")
 def tiny_cache(tmp_path_factory):
     """A cache folder holding the tiny Q4_0 file, written once for the tests that read it."""
     cache = tmp_path_factory.mktemp("random-gguf")
-    cached_random_gguf("tiny", "Q4_0", cache)
+    cached_random_gguf("tiny", "Q4_0", cache, tokenizer_from=default_gguf_path())
     return cache
 
 
@@ -85,7 +87,7 @@ def test_a_damaged_cached_gguf_is_written_again_not_reused(tiny_cache, tmp_path)
     with open(path, "r+b") as f:
         f.truncate(size // 2)  # a copy cut short
     assert not gguf_opens(path)
-    again = cached_random_gguf("tiny", "Q4_0", tmp_path)
+    again = cached_random_gguf("tiny", "Q4_0", tmp_path, tokenizer_from=default_gguf_path())
     assert again == path and again.stat().st_size == size and gguf_opens(again)
 
 
@@ -102,16 +104,16 @@ def test_a_write_that_fails_midway_leaves_no_file(tmp_path, monkeypatch):
 
     monkeypatch.setattr(write, "quantize_rows", failing)
     with pytest.raises(MemoryError):
-        write.cached_random_gguf("tiny", "Q4_0", tmp_path)
+        write.cached_random_gguf("tiny", "Q4_0", tmp_path, tokenizer_from=default_gguf_path())
     assert os.listdir(tmp_path) == []  # neither the file nor its temp file
 
 
 def test_writer_names_an_unwritable_type_and_a_shape_of_partial_blocks(tmp_path):
     with pytest.raises(ValueError, match="cannot write 'Q6_K' weights: writable types are Q8_0, Q4_0, Q4_1, Q4_K"):
-        write_random_gguf(tmp_path / "x.gguf", SHAPES["tiny"], "q6_k")
+        write_random_gguf(tmp_path / "x.gguf", SHAPES["tiny"], "q6_k", tokenizer_from=default_gguf_path())
     odd = LlamaShape(hidden=896, layers=1, intermediate=4864, heads=14, kv_heads=2, tied=True)
     with pytest.raises(ValueError, match="Q4_K needs rows of whole 256-weight blocks: hidden 896"):
-        write_random_gguf(tmp_path / "x.gguf", odd, "Q4_K")
+        write_random_gguf(tmp_path / "x.gguf", odd, "Q4_K", tokenizer_from=default_gguf_path())
     assert not list(tmp_path.iterdir())
 
 

@@ -41,7 +41,7 @@ import torch
 from specdec.bench.runner import fixed_setting
 from specdec.arguments import positive_int
 from specdec.controller import DraftLengthConfig, DraftLengthController
-from specdec.decoder import draft_step, learn_step
+from specdec.decoder import StepOutcome, draft_step, learn_step
 from specdec.drafters.base import Commit, Drafter, Prompt
 from specdec.drafters.chooser import Chooser, as_chooser
 from specdec.tree import path_along
@@ -104,7 +104,7 @@ def replay(drafter: Drafter | Chooser, prompt: list[int], answer: list[int], bud
         path = path_along(parents, tokens, answer[pos:])
         new = answer[pos: pos + len(path) + 1]
         seconds = step_cost(curve, 1 + n) if curve else None
-        learn_step(controller, key, tree, [path], seconds, 0.0 if curve else None, shadows, [new])
+        learn_step(controller, StepOutcome(key, tree, [path], seconds, 0.0 if curve else None, shadows, [new]))
         drafter.accept(Commit(torch.tensor([new]), torch.tensor([len(new)]), torch.tensor([len(path)])))
         if on_step is not None:
             on_step(n, len(path))

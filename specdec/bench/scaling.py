@@ -200,6 +200,7 @@ def run(args) -> int:
     import torch
     from rich.console import Console
 
+    from specdec.models import default_gguf_path
     from specdec.quant.write import SHAPES, WRITABLE, cached_random_gguf
 
     for s in args.shapes:
@@ -226,7 +227,7 @@ def run(args) -> int:
         if args.max_seconds is not None and time.monotonic() - started > args.max_seconds:
             console.print(f"--max-seconds {args.max_seconds} reached: {shape} {quant} and later not run")
             return _finish(console, entries)
-        gguf = cached_random_gguf(shape, quant, cache, args.seed)
+        gguf = cached_random_gguf(shape, quant, cache, args.seed, tokenizer_from=default_gguf_path())
         done = [e for e in entries if e["file"] == gguf.name and e["file_bytes"] == gguf.stat().st_size
                 and e["tokens"] == args.tokens and e["prompt_tokens"] == args.prompt_tokens
                 and e.get("numerics", "exact") == numerics]

@@ -7,7 +7,7 @@ seeded N(0, std) (norms 1), quantized per tensor: Q8_0 / Q4_0 / Q4_1 by the gguf
 quantizers, Q4_K by ``specdec.quant.q4k`` (norms stay F32). llama.cpp's Q4_K_M mixes Q6_K into some
 tensors; with no Q6_K quantizer here every tensor is Q4_K, and the file says Q4_K.
 
-    path = cached_random_gguf(SHAPES["0.5b"], "Q4_0", cache_dir)   # written once, reused while it opens
+    path = cached_random_gguf("0.5b", "Q4_0", cache_dir, tokenizer_from=default_gguf_path())  # written once, reused
     write_f32_gguf(default_gguf_path(), Path("smollm2-f32.gguf"))     # the same weights, every tensor F32
 
 ``write_f32_gguf`` (also ``python -m specdec.quant.write --f32 SRC DST``) rewrites a GGUF with each
@@ -119,20 +119,18 @@ def _check_type(quant: str, shape: LlamaShape) -> str:
     return quant
 
 
-def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, std: float = 0.02,
-                      tokenizer_from: Path | None = None, overrides: dict[str, str] | None = None) -> Path:
+def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, std: float = 0.02, *,
+                      tokenizer_from: Path, overrides: dict[str, str] | None = None) -> Path:
     """Write a random-weight Llama of ``shape`` with every matrix in ``quant`` blocks to ``path``,
     atomically (a temp file beside it, then a rename: a crash leaves no partial file under ``path``).
-    overrides: a tensor kind ("token_embd", "attn_q", "ffn_down", "output", ...) -> its own type."""
+    tokenizer_from: the GGUF whose ``tokenizer.*`` keys the file copies (the default model's:
+    ``models.default_gguf_path()``); overrides: a tensor kind ("token_embd", "attn_q", "ffn_down",
+    "output", ...) -> its own type."""
     from gguf import GGMLQuantizationType
 
     shape.check()
     quant = _check_type(quant, shape)
     types = {kind: _check_type(t, shape) for kind, t in (overrides or {}).items()}
-    if tokenizer_from is None:
-        from specdec.models import default_gguf_path
-
-        tokenizer_from = default_gguf_path()
     with _gguf_writer(path, "llama") as writer:
         writer.add_name(f"random Llama {shape.params() / 1e9:.2f}B {quant} seed {seed}")
         writer.add_context_length(shape.context)
@@ -191,7 +189,7 @@ def gguf_opens(path: Path) -> bool:
         return False
 
 
-def cached_random_gguf(shape_name: str, quant: str, cache_dir: Path, seed: int = 0) -> Path:
+def cached_random_gguf(shape_name: str, quant: str, cache_dir: Path, seed: int = 0, *, tokenizer_from: Path) -> Path:
     """The random GGUF of (shape, quant, seed) under ``cache_dir``: reused when it opens, else (missing,
     truncated, corrupt) written again. The name carries the writer's version: an older writer's file
     is never taken for this one's."""
@@ -200,7 +198,7 @@ def cached_random_gguf(shape_name: str, quant: str, cache_dir: Path, seed: int =
     path = Path(cache_dir) / f"random-llama-{shape_name}-{quant.upper()}-seed{seed}-w{WRITER_VERSION}.gguf"
     if path.is_file() and gguf_opens(path):
         return path
-    return write_random_gguf(path, SHAPES[shape_name], quant, seed)
+    return write_random_gguf(path, SHAPES[shape_name], quant, seed, tokenizer_from=tokenizer_from)
 
 
 def write_f32_gguf(source: Path, path: Path) -> Path:

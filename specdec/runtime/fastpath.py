@@ -48,7 +48,7 @@ from specdec.quant.numerics import exact_numerics
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.config import RuntimeConfig
-from specdec.models import sliding_window
+from specdec.introspect import sliding_window
 from specdec.quant.modules import QuantLinear
 from specdec.runtime import attention as attn
 from specdec.runtime import linear as lin
