@@ -27,7 +27,9 @@ import torch
 
 from specdec.config import RuntimeConfig
 from specdec.config import current as current_runtime
-from specdec.runtime import fastpath, kernels
+from specdec import fastpath
+from specdec.patch import skinny_linears
+from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig, DraftLengthController
 from specdec.drafters.base import Corpus, Drafter
 from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F401 (bench.replay)
@@ -285,7 +287,7 @@ class SpecDecoder:
     @contextmanager
     def running(self):
         """What a session's steps run under: inference mode, and on CPU the lean forward of Llama-shaped
-        models (``specdec.runtime.fastpath``, built and checked here, not in step 1) and the linear
+        models (``specdec.fastpath``, built and checked here, not in step 1) and the linear
         layers' kernel routes, weights packed."""
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
         runtime = self.config.runtime or current_runtime()
@@ -294,7 +296,7 @@ class SpecDecoder:
         # the CPU kernels serve CPU targets only: elsewhere no self-check, no build, no patched linears
         rows = self.config.skinny_rows if self.target.device.type == "cpu" else 0
         drafts = self.chooser is not None and self.chooser.capabilities.approximate_forwards
-        with torch.inference_mode(), kernels.skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime,
+        with torch.inference_mode(), skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime,
                                                             drafts=drafts):
             kernels.prepack([w for p in paths for w in p.fused_weights()], rows)
             yield

@@ -31,7 +31,7 @@ from transformers import AttentionInterface, DynamicCache
 
 from specdec.introspect import attention_shape, float_dtype
 from specdec.kv.bmc import BMCCache, BMCConfig
-from specdec.runtime import fastpath
+from specdec import fastpath
 from specdec.quant.numerics import numerics_of
 from specdec.runtime.attention import block_scope, grouped_attention, split_attention
 

@@ -18,7 +18,7 @@ from specdec.drafters.quant_self import QuantSelfDrafter
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
 from specdec.drafters.vocab import DraftVocabulary, VocabHead, packaged_vocabulary
 from specdec.quant import FORMATS, QuantLinear
-from specdec.quant.formats import random_blocks
+from specdec.formats import random_blocks
 from test_quant import tiny_quant_llama
 
 ALWAYS_DRAFT = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False, initial=3))

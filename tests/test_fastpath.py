@@ -1,4 +1,4 @@
-"""The lean Llama-family forward (specdec.runtime.fastpath) against HF's own forward.
+"""The lean Llama-family forward (specdec.fastpath) against HF's own forward.
 
 The tiny Llama every other test decodes with takes this path, so the whole lossless suite runs
 through it; here: that it is taken, that Qwen2 (q/k/v biases) and Mistral agree with HF's modules
@@ -16,7 +16,7 @@ from transformers import (LlamaForCausalLM, MistralConfig, MistralForCausalLM, Q
 
 from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
 from specdec.config import RuntimeConfig, use
-from specdec.runtime import fastpath
+from specdec import fastpath
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
@@ -94,7 +94,7 @@ def test_a_model_the_path_would_get_wrong_is_caught_by_its_check(caplog):
     model = tiny_llama(6)
     for layer in model.model.layers:
         layer.mlp.act_fn = nn.GELU()
-    with caplog.at_level(logging.WARNING, logger="specdec.runtime.fastpath"):
+    with caplog.at_level(logging.WARNING, logger="specdec.fastpath"):
         assert fastpath.get(model) is None
     assert "disagrees with HF's forward" in caplog.text
     ids = torch.randint(1, 128, (1, 8), generator=torch.Generator().manual_seed(2))

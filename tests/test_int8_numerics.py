@@ -21,7 +21,7 @@ from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import ModelLoadError, load_model
 from specdec.quant import FORMATS, quantize_model
-from specdec.quant.formats import dequantize, random_blocks
+from specdec.formats import dequantize, random_blocks
 from specdec.quant.numerics import INT8_FORMATS, numerics_of, set_numerics
 from specdec.registry import drafter_names, make_drafter
 from specdec.runtime.qlinear import INTERLEAVED, interleave

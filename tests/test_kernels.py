@@ -9,6 +9,7 @@ import torch.nn.functional as F
 
 from conftest import hf_greedy, perturbed, tiny_llama
 from specdec.config import RuntimeConfig, use
+from specdec.patch import skinny_linears
 from specdec.runtime import build, kernels, memory, state
 from specdec.runtime import linear as lin
 from specdec.controller import DraftLengthConfig
@@ -143,10 +144,10 @@ def test_skinny_linears_patches_and_restores(monkeypatch):
     ids = torch.tensor([[1, 5, 9]])
     with torch.no_grad():
         ref = model(ids).logits
-        with kernels.skinny_linears(model, runtime=UNCALIBRATED):
+        with skinny_linears(model, runtime=UNCALIBRATED):
             assert "forward" in vars(down)
             assert (id(down.weight), kernels.variant()) in lin._packs  # packed on entry, not during a step
-            with kernels.skinny_linears(model, runtime=UNCALIBRATED):  # nested: the inner one patches nothing
+            with skinny_linears(model, runtime=UNCALIBRATED):  # nested: the inner one patches nothing
                 pass
             assert "forward" in vars(down)  # ... and so restores nothing
             got = model(ids).logits
@@ -290,7 +291,7 @@ def test_a_skinny_linears_block_pins_its_configuration(monkeypatch):
 
     monkeypatch.setattr(state, "resolve", counted)
     with use(RuntimeConfig(kernel="off", calibrate=False)):
-        with kernels.skinny_linears(max_rows=16, runtime=RuntimeConfig(calibrate=False)):
+        with skinny_linears(max_rows=16, runtime=RuntimeConfig(calibrate=False)):
             start = resolves["n"]
             for _ in range(5):
                 assert lin._packed_linear(x, w) is not None

@@ -16,7 +16,8 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
 from specdec.config import RuntimeConfig
-from specdec.runtime import fastpath
+from specdec import fastpath
+from specdec.patch import skinny_linears
 from specdec.runtime.build import extension
 from specdec.controller import DraftLengthConfig
 from specdec.decoder import SpecDecoder, SpecDecoderConfig
@@ -167,7 +168,7 @@ def test_fused_ops_that_disagree_are_dropped_not_the_path(ops, monkeypatch, capl
 
     _fused_ops_made(monkeypatch, lambda ops: dataclasses.replace(ops, silu_mul=lambda gu: ops.silu_mul(gu) * 1.5))
     target = tiny_llama(5, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="specdec.runtime.fastpath"):
+    with caplog.at_level(logging.WARNING, logger="specdec.fastpath"):
         path = fastpath.get(target)
     assert path is not None and not path.fuse
     assert "fused layer ops disagree" in caplog.text
@@ -184,7 +185,7 @@ def test_a_fused_op_that_fails_leaves_hf_ops(ops, monkeypatch, caplog):
 
     _fused_ops_made(monkeypatch, lambda ops: dataclasses.replace(ops, rope_split=fails))
     target = tiny_llama(6, dtype=torch.float32)
-    with caplog.at_level(logging.WARNING, logger="specdec.runtime.fastpath"):
+    with caplog.at_level(logging.WARNING, logger="specdec.fastpath"):
         path = fastpath.get(target)
     assert path is not None and not path.fuse
     assert "lean forward failed" in caplog.text and "rope_split" in caplog.text
@@ -218,7 +219,7 @@ def test_one_call_is_the_loop_bit_for_bit(ops, monkeypatch, kernel_routes, atten
     outs = {}
     for one_call in (True, False):
         path.one_call = one_call
-        with kernels.skinny_linears(model, max_rows=kernels.MAX_ROWS if kernel_routes else 0, runtime=runtime):
+        with skinny_linears(model, max_rows=kernels.MAX_ROWS if kernel_routes else 0, runtime=runtime):
             outs[one_call] = ragged_blocks(model)
     # the first block fills a store with no buffers yet (its update makes them): declined; the others ran
     assert calls == {"ran": 2, "declined": 1}
@@ -260,7 +261,7 @@ def test_one_call_random_blocks_and_commits_are_the_loops(ops, monkeypatch, atte
     g = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
     rand = lambda n: int(torch.randint(n, (1,), generator=g))  # noqa: E731
-    with kernels.skinny_linears(model, runtime=runtime):
+    with skinny_linears(model, runtime=runtime):
         for case in range(150):
             B, T = 1 + rand(4), [1, 2, 3, 8, 16][rand(5)]
             caches = {m: BMCCache.for_model(model, B, BMCConfig(T)) for m in (True, False)}

@@ -14,8 +14,9 @@ from specdec.config import RuntimeConfig, use
 from specdec.controller.draft_length import DraftLengthConfig
 from specdec.drafters import ModelDrafter
 from specdec.quant import FORMATS, QuantLinear
-from specdec.quant.formats import _k_scales, dequantize, random_blocks
-from specdec.runtime import fastpath, kernels, qlinear, state
+from specdec.formats import _k_scales, dequantize, random_blocks
+from specdec import fastpath
+from specdec.runtime import kernels, qlinear, state
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS
 from conftest import perturbed, sampled_pairs
 from test_quant import fp32_twin, prompts, tiny_quant_llama

@@ -11,7 +11,7 @@ import torch
 
 from specdec import model_cache, models
 from specdec.config import RuntimeConfig
-from specdec.quant.formats import FORMATS
+from specdec.formats import FORMATS
 from specdec.quant.gguf_index import open_index
 from specdec.runtime import calibrate, kernels, qlinear, state, verdicts
 from specdec.runtime import linear as lin

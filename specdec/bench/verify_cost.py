@@ -34,6 +34,7 @@ from transformers import DynamicCache
 
 from specdec.config import current as current_runtime
 from specdec.config import use
+from specdec.patch import skinny_linears
 from specdec.runtime import kernels
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Capabilities, Drafter
@@ -84,7 +85,7 @@ def measure(model, context: int = 200, sizes=SIZES, repeats: int = 20) -> dict:
 
     def skinny(f):
         def g(q):
-            with kernels.skinny_linears(model):
+            with skinny_linears(model):
                 return f(q)
         return g
 

@@ -34,7 +34,8 @@ from specdec.drafters.eagle_head import _decoder, _TargetParts, rows_at
 from specdec.forward import cache_arg
 from specdec.introspect import text_config, vocab_size_of
 from specdec.quant.modules import QuantLinear
-from specdec.runtime import fastpath, state
+from specdec import fastpath
+from specdec.runtime import state
 from specdec.runtime.attention import grouped_attention
 
 
@@ -95,7 +96,7 @@ class _MidLayer(nn.Module):
 
 
 class _LeanLayer:
-    """``_MidLayer.forward`` by the target's lean ops (``runtime.fastpath``: the compiled RMSNorm, rotary
+    """``_MidLayer.forward`` by the target's lean ops (``specdec.fastpath``: the compiled RMSNorm, rotary
     split, SiLU x up; q/k/v and gate/up each one block-kernel call; the attention kernel), for a head
     whose linears are quantized blocks (``drafters.eagle.lean_head``), in place of HF's modules' Python
     (why: docs/decisions/017-eagle3.md). The same math to fp32 rounding; the drafts stay drafts, exactness

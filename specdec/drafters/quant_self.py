@@ -35,7 +35,7 @@ from specdec.drafters.vocab import DraftVocabulary, packaged_vocabulary
 from specdec.kv.bmc import BMCCache
 from specdec.kv.compressed import CompressedCacheConfig
 from specdec.introspect import float_dtype
-from specdec.quant.formats import block_format
+from specdec.formats import block_format
 from specdec.quant.modules import QuantLinear, quantize_blocks
 
 DRAFT_QUANT = "Q4_0"  # the draft's block format: the cheapest one the gguf package writes

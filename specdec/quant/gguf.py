@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from specdec.quant.formats import BY_GGML_TYPE, FORMATS, block_format
+from specdec.formats import BY_GGML_TYPE, FORMATS, block_format
 from specdec.quant.gguf_arch import ARCHITECTURES, Architecture, architecture_of
 from specdec.quant.modules import QuantEmbedding, QuantLinear, swap_module
 

@@ -2,7 +2,7 @@
 
 ``QuantLinear`` and ``QuantEmbedding`` hold a weight as its blocks (uint8 [N, row_bytes], never an
 fp32 copy of the whole matrix) and compute with the reference dequantization of
-``specdec.quant.formats``: the reference forward dequantizes the matrix (an embedding: only the rows
+``specdec.formats``: the reference forward dequantizes the matrix (an embedding: only the rows
 it looks up) to fp32 and runs the fp32 op, and defines the layer. A forward over a few fp32 rows on
 CPU takes the block kernel instead where the runtime's self-check chose it (``specdec.runtime.qlinear``:
 the same weights, the same products, another summation order). So ``target.generate(...)`` on a model
@@ -20,8 +20,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from specdec.quant import formats
-from specdec.quant.formats import BlockFormat, block_format, dequantize
+from specdec import formats
+from specdec.formats import BlockFormat, block_format, dequantize
 from specdec.runtime import qlinear
 
 # the formats ``quantize_model`` can write: the gguf package's quantizers and specdec's own Q4_K

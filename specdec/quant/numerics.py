@@ -76,7 +76,7 @@ def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
 @contextmanager
 def exact_numerics(model: nn.Module) -> Iterator[None]:
     """Within: ``model`` computes in exact numerics, then in what it computed in before. For checks of a
-    forward's structure against HF's (``runtime.fastpath``): int8 rounding turns a last-bit difference
+    forward's structure against HF's (``specdec.fastpath``): int8 rounding turns a last-bit difference
     of two equivalent forwards (another summation order) into a step of its 8-bit grid, which says
     nothing about whether they compute the same model."""
     before = numerics_of(model)

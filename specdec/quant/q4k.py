@@ -1,6 +1,6 @@
 """A Q4_K quantizer (the gguf package has none): float rows -> llama.cpp's ``block_q4_K`` bytes.
 
-The layout is the one ``specdec.quant.formats`` documents and dequantizes (w = (d * sc) * q - (dmin * mn)
+The layout is the one ``specdec.formats`` documents and dequantizes (w = (d * sc) * q - (dmin * mn)
 per 32-weight sub-block, 8 sub-blocks per 256-weight super-block). The rule here is the plain one,
 not llama.cpp's iterative search for the scale that minimises the error:
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from specdec.quant.formats import QK_K
+from specdec.formats import QK_K
 
 SUB = 32  # weights per sub-block
 BLOCK_BYTES = 144  # d f16 | dmin f16 | scales[12] | nibbles[128]

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.quant.formats import block_format
+from specdec.formats import block_format
 from specdec.quant.gguf import open_reader
 from specdec.quant.q4k import quantize_rows
 

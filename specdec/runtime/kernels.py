@@ -5,7 +5,7 @@ long KV store: both are bound by how fast memory streams. The runtime routes eac
 the fastest of torch's paths and the compiled kernels in ``csrc/`` on this machine:
 
 - ``linear`` (``specdec.runtime.linear``): F.linear, MKL's ``W @ x^T`` or the packed kernel per block
-  size 1..MAX_ROWS, balanced chunks of those up to CHUNK_ROWS; ``skinny_linears`` routes a model's
+  size 1..MAX_ROWS, balanced chunks of those up to CHUNK_ROWS; ``specdec.patch.skinny_linears`` routes a model's
   ``nn.Linear`` modules for a generation (docs/decisions/002-linear-routes.md);
 - ``attention`` (``specdec.runtime.attention``): grouped query rows per KV head through the kernel
   where it beats SDPA (docs/decisions/003-attention-kernel.md);
@@ -31,7 +31,6 @@ from specdec.runtime.build import VARIANTS, extension
 from specdec.runtime.calibrate import calibrate, fastest_routes
 from specdec.runtime.linear import chunks, linear, max_rows, packed, plan, prepack
 from specdec.runtime.memory import HUGE_PAGE, Slabs, huge_empty
-from specdec.runtime.patch import skinny_linears
 from specdec.runtime import state
 from specdec.runtime.state import CHUNK_ROWS, KERNEL_ROUTES, MAX_ROWS, MM_ROWS, ROUTES, Routes, resolve
 from specdec.sampling import greedy
@@ -39,7 +38,7 @@ from specdec.sampling import greedy
 __all__ = ["ATTENTION_POINTS", "ATTENTION_ROWS", "CHUNK_ROWS", "HUGE_PAGE", "KERNEL_ROUTES", "MAX_ROWS", "MM_ROWS",
            "ROUTES", "VARIANTS", "Routes", "RuntimeConfig", "Slabs", "argmax", "attention", "attention_op", "calibrate",
            "chunks", "extension", "fastest_routes", "huge_empty", "linear", "max_rows", "packed", "plan",
-           "prepack", "prepare", "routes", "skinny_linears", "use", "variant"]
+           "prepack", "prepare", "routes", "use", "variant"]
 
 
 def variant(config: RuntimeConfig | None = None) -> str | None:

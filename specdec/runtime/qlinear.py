@@ -36,8 +36,8 @@ import torch
 import torch.nn.functional as F
 
 from specdec.config import RuntimeConfig, current
-from specdec.quant import formats
-from specdec.quant.formats import BlockFormat, dequantize, random_blocks
+from specdec import formats
+from specdec.formats import BlockFormat, dequantize, random_blocks
 from specdec.runtime import state, verdicts
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS, Active
 

@@ -427,7 +427,7 @@ void q4k_features(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, in
       float acc = 0.f, off = 0.f;
       for (int64_t B = 0; B < nb / 8; ++B) {
         const uint8_t* blk = w + n * rb + B * 144;
-        const uint8_t* sp = blk + 4;  // 12 bytes: 8 scales and 8 mins of 6 bits (quant/formats.py's _k_scales)
+        const uint8_t* sp = blk + 4;  // 12 bytes: 8 scales and 8 mins of 6 bits (specdec/formats.py's _k_scales)
         const float d = f16(blk), dmin = f16(blk + 2);
         for (int s = 0; s < 8; ++s) {
           const int sc = s < 4 ? sp[s] & 63 : (sp[s + 4] & 15) | ((sp[s - 4] >> 6) << 4);

@@ -5,7 +5,7 @@
 // between them: RMSNorm as HF writes it (8 ops), the q/k/v split, views and rotary embedding (~15),
 // the residual adds and SiLU x up. Each is a few hundred floats of work, but each is a Python call
 // and a dispatch whose code and data the weight stream has just pushed out of the caches: 5-7 us an
-// op in place (1-2 us in a loop). For the lean forward (specdec/runtime/fastpath.py):
+// op in place (1-2 us in a loop). For the lean forward (specdec/fastpath.py):
 //   rms_norm(x, w, eps)          w * (x * 1 / sqrt(mean(x^2) + eps)) per row, fp32 statistics;
 //   add_rms_norm(x, d, w, eps)   (x + d, rms_norm(x + d)): the residual add and the next norm;
 //   rope_split(qkv, cos, sin, hq, hkv)  a fused q/k/v projection's rows split into q [B, hq, Q, D],

@@ -18,7 +18,7 @@
 // quantized target (``quant`` given), every linear by the block kernel (csrc/quant_linear.cpp) over its
 // parts' blocks side by side (q, k, v; gate, up), outputs concatenated as fastpath.py's _Stacked does, or
 // with ``approx`` (a draft's forward of one or two rows, runtime/qlinear.py's int8 route) by the int8 draft
-// kernel (csrc/int8_linear.cpp). Same ops, same order, same arguments as specdec/runtime/fastpath.py's
+// kernel (csrc/int8_linear.cpp). Same ops, same order, same arguments as specdec/fastpath.py's
 // loop: the results are the loop's, bit for bit.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
 #include <ATen/core/Tensor.h>  // the Tensor, its methods, and each op used from its own header

@@ -1,7 +1,7 @@
 // y = x @ W^T for a few rows of x (decode, verify, ragged batches), W held as GGUF blocks.
 //
 // A quantized target keeps each weight matrix as the file's blocks, uint8 [N, row_bytes] (row n: its K
-// weights as K / QK blocks); specdec/quant/formats.py has the layouts and the reference dequantizers that
+// weights as K / QK blocks); specdec/formats.py has the layouts and the reference dequantizers that
 // define the weights. This kernel reads each block once per pass of rows, dequantizes it in registers
 // with the reference's own fp32 operations (the same products and sums in the same order, so each weight
 // is bit for bit the reference's), and accumulates w * x in fp32: the result is the reference's

@@ -55,7 +55,7 @@ from specdec.runtime import linear as lin
 from specdec.runtime import qlinear
 from specdec.runtime import state
 from specdec.runtime.attention import grouped_attention, split_attention
-from specdec.runtime.patch import skinny_linears
+from specdec.patch import skinny_linears
 from specdec.runtime.state import KERNEL_ROUTES, ROUTES
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
