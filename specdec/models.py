@@ -14,10 +14,14 @@ import json
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec import model_cache
+
+if TYPE_CHECKING:
+    from specdec.quant.numerics import Numerics
 
 DEFAULT_MODEL = "default"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -95,7 +99,7 @@ WEIGHTS = tuple(w.value for w in Weights if w is not Weights.AUTO)  # the choice
 
 def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, device: str = "cpu",
                trust_remote_code: bool = False, weights: Weights | str = Weights.AUTO,
-               numerics: str = "exact") -> LoadedModel:
+               numerics: Numerics | str = "exact") -> LoadedModel:
     """Load a causal LM and its tokenizer from ``spec``: "default", a .gguf file or a HF directory (local
     files only: the CLI also sets HF_HUB_OFFLINE=1 for the process).
 
@@ -107,15 +111,14 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     target whose outputs are its own; a layer whose input is not whole blocks, e.g. 576 wide for Q4_K's
     256-weight blocks, stays fp32).
 
-    numerics: "exact" (the blocks' fp32 values, fp32 products), "int8" (a quantized target's
-    batch-invariant integer arithmetic: ``specdec.quant.numerics``; Q4_0 / Q4_1 / Q8_0 / Q4_K layers only)
+    numerics (``quant.numerics.Numerics``, or its name): "exact" (the blocks' fp32 values, fp32 products),
+    "int8" (a quantized target's batch-invariant integer arithmetic; Q4_0 / Q4_1 / Q8_0 / Q4_K layers only)
     or "auto" (the commands' default: int8 where every linear layer can take it, else exact)."""
-    from specdec.quant.numerics import AUTO, NUMERICS, resolve, set_numerics
+    from specdec.quant.numerics import Numerics, set_numerics
 
     weights = Weights.parse(weights).resolve(spec)
-    if numerics not in (*NUMERICS, AUTO):
-        raise ValueError(f"numerics={numerics!r}: expected one of {', '.join((*NUMERICS, AUTO))}")
-    if numerics not in ("exact", AUTO) and weights is Weights.FP32:
+    numerics = Numerics.parse(numerics)
+    if numerics is Numerics.INT8 and weights is Weights.FP32:
         raise ValueError(f"numerics={numerics!r} is for quantized weights: load with weights='packed' (a GGUF) or a "
                          f"format to quantize to ({', '.join(repr(w) for w in WEIGHTS[2:])})")
     gguf = None
@@ -140,8 +143,8 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
         from specdec.quant import quantize_model
 
         quantize_model(loaded.model, weights.quantize_to)
-    numerics = "exact" if weights is Weights.FP32 else resolve(loaded.model, numerics)
-    if numerics != "exact":
+    numerics = Numerics.EXACT if weights is Weights.FP32 else numerics.resolve(loaded.model)
+    if numerics is not Numerics.EXACT:
         try:
             set_numerics(loaded.model, numerics)
         except ValueError as e:

@@ -202,6 +202,22 @@ def test_auto_numerics_is_int8_only_where_every_linear_can_take_it():
     assert resolve(other, "auto") == "exact"
 
 
+def test_numerics_is_one_typed_choice():
+    """``Numerics``: a member or its name, compared as its name; a bad name refused naming the choices;
+    AUTO a choice to resolve, never an arithmetic a model is set to."""
+    from specdec.quant.numerics import Numerics
+
+    assert Numerics.parse("int8") is Numerics.INT8 and Numerics.parse(Numerics.AUTO) is Numerics.AUTO
+    assert Numerics.INT8 == "int8" and str(Numerics.EXACT) == "exact"
+    with pytest.raises(ValueError, match="numerics='fast': expected one of exact, int8, auto"):
+        Numerics.parse("fast")
+    model = quantize_model(tiny_llama(0).float(), "Q4_0")
+    assert Numerics.AUTO.resolve(model) is Numerics.INT8 and Numerics.EXACT.resolve(model) is Numerics.EXACT
+    with pytest.raises(ValueError, match="numerics='auto': expected one of exact, int8"):
+        set_numerics(model, Numerics.AUTO)
+    assert numerics_of(set_numerics(model, "int8")) is Numerics.INT8
+
+
 def test_load_model_refuses_int8_on_fp32_weights():
     with pytest.raises(ValueError, match="is for quantized weights"):
         load_model("default", weights="fp32", numerics="int8")

@@ -20,20 +20,52 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from enum import Enum
 
 import torch.nn as nn
 
 from specdec.quant.modules import QuantLinear
 from specdec.runtime.qlinear import INT8_FORMATS  # what csrc/int8_linear.cpp multiplies
 
-NUMERICS = ("exact", "int8")
-AUTO = "auto"  # the commands' default: int8 where the target can take it (``resolve``), else exact
+class Numerics(str, Enum):
+    """Which arithmetic a quantized target computes in; ``load_model``'s ``numerics`` and the commands'
+    ``--numerics`` (``arguments``). One rule for the commands' default, ``AUTO`` (``resolve``). A member
+    equals its name as a string: Numerics.INT8 == "int8"."""
+
+    EXACT = "exact"  # the blocks' fp32 values, fp32 products: token-identical to HF on the dequantized model
+    INT8 = "int8"  # rows rounded to 8-bit blocks, integer products: batch-invariant, its own reference
+    AUTO = "auto"  # the commands' default: INT8 where the target can take it, else EXACT
+
+    def __str__(self) -> str:
+        return self.value
+
+    @classmethod
+    def parse(cls, value: "Numerics | str") -> "Numerics":
+        """``value`` as a Numerics (a member, or its name); a ValueError names the choices.
+        Example: "int8" -> Numerics.INT8."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"numerics={value!r}: expected one of {', '.join(n.value for n in cls)}") from None
+
+    def resolve(self, model: nn.Module) -> "Numerics":
+        """The numerics ``model`` computes in for this choice: AUTO is INT8 where every linear layer is in
+        INT8_FORMATS (a GGUF kept packed, or quantized on load), else EXACT (docs/decisions/019-int8-numerics.md:
+        int8 is the faster one and its perplexity within 0.4% of exact's; exact is the one token-identical
+        to HF); any other choice is itself."""
+        if self is not Numerics.AUTO:
+            return self
+        return Numerics.INT8 if int8_problem(model) is None else Numerics.EXACT
+
+
+NUMERICS = (Numerics.EXACT, Numerics.INT8)  # what a model computes in (AUTO is a choice, resolved per model)
+AUTO = Numerics.AUTO
 _ATTR = "specdec_numerics"  # the model's attribute, read by the forward (``numerics_of``)
 
 
-def numerics_of(model) -> str:
-    """The numerics a model computes in ("exact" unless ``set_numerics`` said otherwise)."""
-    return getattr(model, _ATTR, "exact")
+def numerics_of(model) -> Numerics:
+    """The numerics a model computes in (EXACT unless ``set_numerics`` said otherwise)."""
+    return getattr(model, _ATTR, Numerics.EXACT)
 
 
 def int8_problem(model: nn.Module) -> str | None:
@@ -49,22 +81,20 @@ def int8_problem(model: nn.Module) -> str | None:
     return None
 
 
-def resolve(model: nn.Module, numerics: str) -> str:
-    """``numerics`` for ``model``, "auto" resolved: int8 where every linear layer is in INT8_FORMATS (a GGUF
-    kept packed, or quantized on load), else exact (docs/decisions/019-int8-numerics.md: int8 is the
-    faster one and its perplexity within 0.4% of exact's; exact is the one token-identical to HF)."""
-    if numerics != AUTO:
-        return numerics
-    return "int8" if int8_problem(model) is None else "exact"
+def resolve(model: nn.Module, numerics: Numerics | str) -> Numerics:
+    """``numerics`` (a Numerics or its name) for ``model``, AUTO resolved (``Numerics.resolve``)."""
+    return Numerics.parse(numerics).resolve(model)
 
 
-def set_numerics(model: nn.Module, numerics: str) -> nn.Module:
-    """Make ``model`` compute in ``numerics`` (in place). int8 needs every linear layer of the model in
-    blocks of INT8_FORMATS (a ValueError names the first that is not: an fp32 layer, or another format),
-    and specdec's CPU kernels (checked at the first forward)."""
-    if numerics not in NUMERICS:
-        raise ValueError(f"numerics={numerics!r}: expected one of {', '.join(NUMERICS)}")
-    if numerics == "int8" and (problem := int8_problem(model)) is not None:
+def set_numerics(model: nn.Module, numerics: Numerics | str) -> nn.Module:
+    """Make ``model`` compute in ``numerics`` (EXACT or INT8, or its name; in place). INT8 needs every linear
+    layer of the model in blocks of INT8_FORMATS (a ValueError names the first that is not: an fp32 layer,
+    or another format), and specdec's CPU kernels (checked at the first forward)."""
+    if numerics not in NUMERICS:  # AUTO too: a choice, not an arithmetic (``resolve`` it first)
+        raise ValueError(f"numerics={str(numerics)!r}: expected one of {', '.join(n.value for n in NUMERICS)}"
+                         + (" (a choice to resolve first: quant.numerics.resolve)" if numerics == AUTO else ""))
+    numerics = Numerics(numerics)
+    if numerics is Numerics.INT8 and (problem := int8_problem(model)) is not None:
         raise ValueError(problem)
     for mod in model.modules():
         if isinstance(mod, QuantLinear):
