@@ -297,7 +297,7 @@ class SpecDecoder:
         rows = self.config.skinny_rows if self.target.device.type == "cpu" else 0
         drafts = self.chooser is not None and self.chooser.capabilities.approximate_forwards
         with torch.inference_mode(), skinny_linears(*modules, max_rows=rows, skip=replaced, runtime=runtime,
-                                                            drafts=drafts):
+                                                     drafts=drafts):
             kernels.prepack([w for p in paths for w in p.fused_weights()], rows)
             yield
 

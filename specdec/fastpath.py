@@ -43,19 +43,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from transformers import DynamicCache
-
-from specdec.quant.numerics import exact_numerics
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from specdec.config import RuntimeConfig
 from specdec.introspect import sliding_window
+from specdec.patch import skinny_linears
 from specdec.quant.modules import QuantLinear
+from specdec.quant.numerics import exact_numerics
 from specdec.runtime import attention as attn
 from specdec.runtime import linear as lin
 from specdec.runtime import qlinear
 from specdec.runtime import state
 from specdec.runtime.attention import grouped_attention, split_attention
-from specdec.patch import skinny_linears
 from specdec.runtime.state import KERNEL_ROUTES, ROUTES
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")

@@ -119,7 +119,7 @@ def load_model(spec: str = DEFAULT_MODEL, dtype: torch.dtype = torch.float32, de
     weights = Weights.parse(weights).resolve(spec)
     numerics = Numerics.parse(numerics)
     if numerics is Numerics.INT8 and weights is Weights.FP32:
-        raise ValueError(f"numerics={numerics!r} is for quantized weights: load with weights='packed' (a GGUF) or a "
+        raise ValueError(f"numerics={str(numerics)!r} is for quantized weights: load with weights='packed' (a GGUF) or a "
                          f"format to quantize to ({', '.join(repr(w) for w in WEIGHTS[2:])})")
     gguf = None
     load = _load_gguf_packed if weights is Weights.PACKED else _load_gguf_cached

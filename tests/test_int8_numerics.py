@@ -184,9 +184,12 @@ def test_a_model_takes_int8_only_with_every_linear_in_its_formats():
 
 
 def test_auto_numerics_is_int8_only_where_every_linear_can_take_it():
-    """The commands' default (quant.numerics.resolve): int8 for a model whose linears are all int8 formats,
+    """The commands' default (Numerics.AUTO resolved): int8 for a model whose linears are all int8 formats,
     exact for fp32 layers or a format the kernel does not multiply (here Q5_K)."""
-    from specdec.quant.numerics import resolve
+    from specdec.quant.numerics import Numerics
+
+    def resolve(model, numerics):
+        return Numerics.parse(numerics).resolve(model)
 
     model = tiny_llama(0).float()
     assert resolve(model, "auto") == "exact"
@@ -219,7 +222,7 @@ def test_numerics_is_one_typed_choice():
 
 
 def test_load_model_refuses_int8_on_fp32_weights():
-    with pytest.raises(ValueError, match="is for quantized weights"):
+    with pytest.raises(ValueError, match="numerics='int8' is for quantized weights"):
         load_model("default", weights="fp32", numerics="int8")
     with pytest.raises(ValueError, match="numerics='fp8'"):
         load_model("default", weights="packed", numerics="fp8")

@@ -59,7 +59,6 @@ class Numerics(str, Enum):
 
 
 NUMERICS = (Numerics.EXACT, Numerics.INT8)  # what a model computes in (AUTO is a choice, resolved per model)
-AUTO = Numerics.AUTO
 _ATTR = "specdec_numerics"  # the model's attribute, read by the forward (``numerics_of``)
 
 
@@ -81,18 +80,13 @@ def int8_problem(model: nn.Module) -> str | None:
     return None
 
 
-def resolve(model: nn.Module, numerics: Numerics | str) -> Numerics:
-    """``numerics`` (a Numerics or its name) for ``model``, AUTO resolved (``Numerics.resolve``)."""
-    return Numerics.parse(numerics).resolve(model)
-
-
 def set_numerics(model: nn.Module, numerics: Numerics | str) -> nn.Module:
     """Make ``model`` compute in ``numerics`` (EXACT or INT8, or its name; in place). INT8 needs every linear
     layer of the model in blocks of INT8_FORMATS (a ValueError names the first that is not: an fp32 layer,
     or another format), and specdec's CPU kernels (checked at the first forward)."""
     if numerics not in NUMERICS:  # AUTO too: a choice, not an arithmetic (``resolve`` it first)
         raise ValueError(f"numerics={str(numerics)!r}: expected one of {', '.join(n.value for n in NUMERICS)}"
-                         + (" (a choice to resolve first: quant.numerics.resolve)" if numerics == AUTO else ""))
+                         + (" (a choice to resolve first: Numerics.resolve)" if numerics == Numerics.AUTO else ""))
     numerics = Numerics(numerics)
     if numerics is Numerics.INT8 and (problem := int8_problem(model)) is not None:
         raise ValueError(problem)

@@ -142,10 +142,10 @@ inline int64_t scores(const float* q, const float* k, int64_t ks, const float* b
   if constexpr (D > 0)
     for (int d = 0; d < D / 8; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
   int64_t n = 0;
-  const auto keep = [&](int64_t j, float raw) {
-    const float b = bias == nullptr ? 0.f : bias[j];
-    if (!(b > kMasked)) return;  // masked (NaN included: never attended)
-    w.s[n] = raw * scale + b;  // two roundings: the product, then the sum
+  // masked: a bias at or below kMasked, NaN included (never attended)
+  const auto visible = [&](int64_t j) { return bias == nullptr || bias[j] > kMasked; };
+  const auto keep = [&](int64_t j, float raw) {  // a visible key's score, in rank order
+    w.s[n] = raw * scale + (bias == nullptr ? 0.f : bias[j]);  // two roundings: the product, then the sum
     w.j[n] = j;
     ++n;
   };
@@ -153,18 +153,21 @@ inline int64_t scores(const float* q, const float* k, int64_t ks, const float* b
   if constexpr (D > 0) {
     alignas(32) float raw8[8];
     for (; j + 8 <= L; j += 8) {
-      bool any = bias == nullptr;
-      for (int t = 0; t < 8 && !any; ++t) any = bias[j + t] > kMasked;
+      bool any = false;
+      for (int t = 0; t < 8 && !any; ++t) any = visible(j + t);
       if (!any) continue;  // eight masked keys: no work
       dot_q8<D>(qv, k + j * ks, ks, raw8);
-      for (int t = 0; t < 8; ++t) keep(j + t, raw8[t]);
+      for (int t = 0; t < 8; ++t)
+        if (visible(j + t)) keep(j + t, raw8[t]);
     }
-    for (; j < L; ++j)
-      if (bias == nullptr || bias[j] > kMasked) keep(j, dot_q<D>(qv, k + j * ks));
-  } else {
-    for (; j < L; ++j)
-      if (bias == nullptr || bias[j] > kMasked) keep(j, dot_any(q, k + j * ks, w.q.size()));
   }
+  for (; j < L; ++j)  // the tail past whole groups of eight (every key where D is not compiled in)
+    if (visible(j)) {
+      if constexpr (D > 0)
+        keep(j, dot_q<D>(qv, k + j * ks));
+      else
+        keep(j, dot_any(q, k + j * ks, w.q.size()));
+    }
   return n;
 }
 
