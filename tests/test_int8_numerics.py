@@ -138,14 +138,14 @@ def test_the_kernel_is_batch_invariant(name):
 @pytest.mark.parametrize("D", [64, 24])  # a compiled head size, and the generic one
 def test_row_attention_is_each_rows_own_and_matches_sdpa(ops, D):
     """A row's attention is bit-equal over only its visible keys, in order, whatever is masked between
-    them (eight keys at a time or one), whatever the other rows and the store's length, in both builds;
+    them or before them, whatever the other rows and the store's length, in both builds;
     and equal to SDPA to fp32 rounding."""
     g = torch.Generator().manual_seed(9)
     B, H, R, L = 2, 3, 8, 70
     q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (R, L, L))
     bias = torch.where(torch.rand(B, 1, R, L, generator=g) < 0.3, NEG, 0.0)
     bias[..., 0] = 0.0  # every row sees a key
-    bias[0, 0, 1, 8:24] = NEG  # whole groups of eight masked
+    bias[0, 0, 1, 8:24] = NEG  # a run of masked keys
     out = ops.row_attention(q, k, v, bias, 0.125)
     want = F.scaled_dot_product_attention(q, k, v, attn_mask=bias, scale=0.125)
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
@@ -154,7 +154,7 @@ def test_row_attention_is_each_rows_own_and_matches_sdpa(ops, D):
             seen = (bias[b, 0, r] == 0).nonzero().flatten()
             alone = ops.row_attention(q[b:b + 1, :, r:r + 1], k[b:b + 1, :, seen], v[b:b + 1, :, seen], None, 0.125)
             assert torch.equal(alone[0, :, 0], out[b, :, r]), (b, r)
-            shifted = torch.cat([k[b:b + 1, :, :3], k[b:b + 1, :, seen]], 2)  # the same keys, other groups of eight
+            shifted = torch.cat([k[b:b + 1, :, :3], k[b:b + 1, :, seen]], 2)  # the same keys behind 3 masked ones
             late = torch.cat([torch.full((1, 1, 1, 3), NEG), torch.zeros(1, 1, 1, len(seen))], 3)
             alone = ops.row_attention(q[b:b + 1, :, r:r + 1], shifted, torch.cat([v[b:b + 1, :, :3], v[b:b + 1, :, seen]], 2),
                                       late, 0.125)

@@ -5,8 +5,7 @@
 // (its draft siblings masked out) gets the bits it gets decoded alone.
 //   1. scores of the visible keys (a key whose bias is -inf or below -1e30, a dtype-min mask, is skipped:
 //      it adds nothing, not even a rounding), each a dot product over D in 8-float lanes with one fixed
-//      horizontal sum (eight keys' chains at a time, each key's the same operations), times the scale, plus
-//      the bias;
+//      horizontal sum, times the scale, plus the bias;
 //   2. their maximum (exact, order-free); p = e^(s - max) (vec.h's vexp on the compacted scores, so a
 //      score's lane is its rank among the visible keys); their sum in 8 lanes by rank, one fixed reduce;
 //   3. the values accumulated in rank order (one FMA per key and 8 floats of D), divided by the sum.
@@ -107,34 +106,7 @@ inline float dot_any(const float* a, const float* b, int64_t D) {
   return hsum8(acc);
 }
 
-// hsum8 of eight vectors at once: out[t] = hsum8(a[t]) bit for bit (the same pairs added in the same tree:
-// lanes i + (i + 4), then (0 + 2) and (1 + 3), then those two), in 9 vector additions instead of 24 dependent ones
-inline __m256 hsum8x8(const __m256* a) {
-  __m256 u[4];
-  for (int p = 0; p < 4; ++p)  // [a_2p lanes i + (i + 4) | a_2p+1's], i = 0..3
-    u[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
-                         _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
-  __m256 w[2];
-  for (int p = 0; p < 2; ++p)  // per half: [s0 + s2, s1 + s3] of two vectors
-    w[p] = _mm256_add_ps(_mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm256_shuffle_ps(u[2 * p], u[2 * p + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm256_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));  // [t0 t2 t4 t6 | t1 t3 t5 t7] -> in order
-}
-
-// dot_q of eight consecutive keys, their eight chains interleaved (one key's chain is latency-bound)
-template <int D>
-inline void dot_q8(const __m256* q, const float* k, int64_t ks, float* out) {
-  __m256 acc[8];
-  for (int t = 0; t < 8; ++t) acc[t] = _mm256_mul_ps(q[0], _mm256_loadu_ps(k + t * ks));
-  for (int d = 1; d < D / 8; ++d)
-    for (int t = 0; t < 8; ++t) acc[t] = _mm256_fmadd_ps(q[d], _mm256_loadu_ps(k + t * ks + 8 * d), acc[t]);
-  _mm256_storeu_ps(out, hsum8x8(acc));
-}
-
-// 1. the visible keys' scores (compacted: rank order) -> their count. A key's dot product is the same
-// function of its query and key whether computed alone or among eight (dot_q8 == dot_q, bit for bit)
+// 1. the visible keys' scores (compacted: rank order) -> their count
 template <int D>
 inline int64_t scores(const float* q, const float* k, int64_t ks, const float* bias, int64_t L, float scale,
                       Scratch& w) {
@@ -142,32 +114,18 @@ inline int64_t scores(const float* q, const float* k, int64_t ks, const float* b
   if constexpr (D > 0)
     for (int d = 0; d < D / 8; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
   int64_t n = 0;
-  // masked: a bias at or below kMasked, NaN included (never attended)
-  const auto visible = [&](int64_t j) { return bias == nullptr || bias[j] > kMasked; };
-  const auto keep = [&](int64_t j, float raw) {  // a visible key's score, in rank order
-    w.s[n] = raw * scale + (bias == nullptr ? 0.f : bias[j]);  // two roundings: the product, then the sum
+  for (int64_t j = 0; j < L; ++j) {
+    const float b = bias == nullptr ? 0.f : bias[j];
+    if (!(b > kMasked)) continue;  // masked (NaN included: never attended)
+    float raw;
+    if constexpr (D > 0)
+      raw = dot_q<D>(qv, k + j * ks);
+    else
+      raw = dot_any(q, k + j * ks, w.q.size());
+    w.s[n] = raw * scale + b;  // two roundings: the product, then the sum
     w.j[n] = j;
     ++n;
-  };
-  int64_t j = 0;
-  if constexpr (D > 0) {
-    alignas(32) float raw8[8];
-    for (; j + 8 <= L; j += 8) {
-      bool any = false;
-      for (int t = 0; t < 8 && !any; ++t) any = visible(j + t);
-      if (!any) continue;  // eight masked keys: no work
-      dot_q8<D>(qv, k + j * ks, ks, raw8);
-      for (int t = 0; t < 8; ++t)
-        if (visible(j + t)) keep(j + t, raw8[t]);
-    }
   }
-  for (; j < L; ++j)  // the tail past whole groups of eight (every key where D is not compiled in)
-    if (visible(j)) {
-      if constexpr (D > 0)
-        keep(j, dot_q<D>(qv, k + j * ks));
-      else
-        keep(j, dot_any(q, k + j * ks, w.q.size()));
-    }
   return n;
 }
 

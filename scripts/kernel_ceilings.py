@@ -1,0 +1,118 @@
+"""What bounds an int8 step on this machine: each op alone, in a loop, with the figures decision 019 cites.
+
+    .venv/bin/python scripts/kernel_ceilings.py --threads 2                  # every part
+    .venv/bin/python scripts/kernel_ceilings.py --parts int8 --threads 1     # the int8 kernel per core
+
+- ``int8``: ``quant_linear_i8`` on interleaved random blocks (the default model's and a 0.5B model's shapes)
+  at 1, 8 and 64 rows: GMAC/s and GB/s of blocks. The weights are reused call after call, so they sit in
+  cache: a ceiling of the arithmetic, not of the memory.
+- ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step) and 24
+  (an 8-row verify), 3 KV heads x 64, over 208 keys with a causal draft block: microseconds a call.
+- ``prompt``: torch's SDPA over a 7,000-token prompt, 9 query heads on 3 KV heads of 64 (the default
+  model's shape), causal, fp32 / bf16 / fp16 and fp32 without the causal flag: seconds for 30 layers.
+
+Another build to compare (an older commit's kernels): run this script from that checkout, alternating
+with this one (the ``int8`` part needs a checkout with ``specdec/formats.py``):
+
+    git worktree add /tmp/before COMMIT
+    (cd /tmp/before && /work/main/.venv/bin/python /work/main/scripts/kernel_ceilings.py --parts row-attention)
+    .venv/bin/python scripts/kernel_ceilings.py --parts row-attention
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specdec.config import RuntimeConfig
+from specdec.runtime import kernels
+
+SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q4_0", 4864, 896), ("Q8_0", 4864, 896))
+
+
+def timed(fn, calls: int) -> float:
+    """Seconds a call of ``fn``, over ``calls`` calls after three to warm up."""
+    for _ in range(3):
+        fn()
+    t = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - t) / calls
+
+
+def int8(ops) -> list[dict]:
+    from specdec.formats import FORMATS, random_blocks  # here: the other parts run from older checkouts too
+    from specdec.runtime.qlinear import INTERLEAVED, interleave
+
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for name, n, k in SHAPES:
+        fmt = FORMATS[name]
+        blocks = interleave(random_blocks(fmt, n, k, g), fmt)
+        code = fmt.ggml_type | INTERLEAVED
+        for m in (1, 8, 64):
+            x = torch.randn(m, k, generator=g)
+            s = timed(lambda: ops.quant_linear_i8(x, [blocks], [code]), max(20, 2000 // m))
+            rows.append({"format": name, "features": n, "inputs": k, "rows": m, "us": s * 1e6,
+                         "gmac_s": m * n * k / s / 1e9, "gb_s": blocks.numel() / s / 1e9})
+    return rows
+
+
+def row_attention(ops) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for grouped in (3, 24):  # 3 query heads per KV head x 1 or 8 rows
+        q_rows = grouped // 3
+        keys = 200 + q_rows
+        q = torch.randn(1, 3, grouped, 64, generator=g)
+        k, v = (torch.randn(1, 3, 256, 64, generator=g)[:, :, :keys] for _ in range(2))
+        bias = torch.zeros(1, 1, q_rows, keys)
+        for i in range(q_rows):
+            bias[0, 0, i, 200 + i + 1:] = float("-inf")  # a chain of drafts: each row sees the rows before it
+        s = timed(lambda: ops.row_attention(q, k, v, bias, 0.125), 300)
+        out.append({"grouped_rows": grouped, "keys": keys, "us": s * 1e6, "ms_30_layers": s * 30e3})
+    return out
+
+
+def prompt() -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for dtype, causal in ((torch.float32, True), (torch.bfloat16, True), (torch.float16, True),
+                          (torch.float32, False)):
+        q = torch.randn(1, 9, 7000, 64, generator=g).to(dtype)
+        k, v = (torch.randn(1, 3, 7000, 64, generator=g).to(dtype) for _ in range(2))
+        s = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), 2)
+        out.append({"dtype": str(dtype).removeprefix("torch."), "causal": causal, "s_30_layers": s * 30})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--parts", default="int8,row-attention,prompt")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--kernel", default="native", choices=("native", "avx2"))
+    ap.add_argument("--out", default=None, help="JSON file for the figures")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    ops = kernels.extension(RuntimeConfig(kernel=args.kernel))
+    if ops is None:
+        raise SystemExit(f"the {args.kernel} kernel build is not available here")
+    parts = {"int8": lambda: int8(ops), "row-attention": lambda: row_attention(ops), "prompt": prompt}
+    figures = {}
+    for name in args.parts.split(","):
+        if name not in parts:
+            raise SystemExit(f"--parts: unknown part {name!r} (known: {', '.join(parts)})")
+        figures[name] = parts[name]()
+        for row in figures[name]:
+            print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+    if args.out:
+        with open(args.out, "w", encoding="utf-8") as f:
+            json.dump({"threads": args.threads, "kernel": args.kernel, **figures}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
