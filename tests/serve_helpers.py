@@ -16,9 +16,10 @@ from specdec.decoder import SpecDecoderConfig
 from specdec.drafters.corpus import vocab_fingerprint
 from specdec.drafters.model import ModelDrafter
 from specdec.drafters.suffix import SuffixDrafter
-from specdec.serve.app import ServeConfig, Service, create_app
+from specdec.serve.app import create_app
 from specdec.serve.cache import CACHE_FILE, CacheConfig, ServedCache
 from specdec.serve.engine import EngineConfig
+from specdec.serve.service import ServeConfig, Service
 
 from conftest import tiny_llama
 from tiny_chat import VOCAB, tiny_tokenizer

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from specdec.prompting import chat_ids
-from specdec.serve.app import ServeConfig
 from specdec.serve.engine import EngineConfig
+from specdec.serve.service import ServeConfig
 
 from serve_helpers import WINDOW, LiveServer, self_drafter, tiny_decoder
 

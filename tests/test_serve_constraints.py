@@ -11,8 +11,8 @@ from specdec.drafters.chooser import Sources
 from specdec.drafters.grammar import GrammarDrafter
 from specdec.processing import Constraint
 from specdec.prompting import chat_ids
-from specdec.serve.app import ServeConfig
 from specdec.serve.engine import EngineConfig
+from specdec.serve.service import ServeConfig
 
 from serve_helpers import LiveServer, self_drafter, tiny_decoder
 

@@ -8,9 +8,10 @@ import json
 import httpx
 import pytest
 
-from specdec.serve.app import PAGE_POLICY, ServeConfig
+from specdec.serve.app import PAGE_POLICY
 from specdec.serve.live import SAMPLE_EVERY, History, Sample
 from specdec.serve.provenance import Provenance
+from specdec.serve.service import ServeConfig
 
 from serve_helpers import LiveServer, self_drafter, tiny_decoder
 

@@ -13,8 +13,8 @@ from specdec.config import RuntimeConfig
 from specdec.controller.draft_length import DraftLengthConfig
 from specdec.decoder import SpecDecoderConfig
 from specdec.prompting import chat_ids
-from specdec.serve.app import ServeConfig
 from specdec.serve.engine import EngineConfig
+from specdec.serve.service import ServeConfig
 
 httpx = pytest.importorskip("httpx")
 EOS = 256  # the tiny tokenizer's <|im_end|>

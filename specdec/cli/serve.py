@@ -94,9 +94,9 @@ def api_key(args) -> str | None:
 
 
 def serve_config(args):
-    """The server's settings from the command line (specdec.serve.app.ServeConfig)."""
-    from specdec.serve.app import ServeConfig
+    """The server's settings from the command line (specdec.serve.service.ServeConfig)."""
     from specdec.serve.engine import EngineConfig
+    from specdec.serve.service import ServeConfig
 
     return ServeConfig(args.model_name or args.model, args.default_max_tokens,
                        EngineConfig(args.max_batch, args.max_queue), float(args.shutdown_timeout), args.trim_every,
@@ -118,8 +118,9 @@ def build_app(args, replica: int | None = None):
     from specdec.drafters.corpus import vocab_fingerprint
     from specdec.models import load_model
     from specdec.runtime import kernels
-    from specdec.serve.app import Service, create_app
+    from specdec.serve.app import create_app
     from specdec.serve.cache import CACHE_FILE, CacheConfig, ServedCache, suffix_drafters
+    from specdec.serve.service import Service
 
     log = logging.getLogger("specdec.serve")
     config = serve_config(args)

@@ -8,10 +8,13 @@
     policies.py      sizes from the tables: fixed, BASS's schedule, cost-aware chains and trees
     chooser.py       which of several sources' classes drafts a step
     plan.py          a decision as a value: a question's answer and the schedule moves it implies
-    draft_length.py  DraftLengthConfig and DraftLengthController, which composes the above: pure
-                     questions (``plan``, ``choose``, ``plan_shadow``, ``plan_batch``) returning a
-                     Plan, and observations (``observe`` a plan taken, ``update``, ``observe_tree``,
-                     ``observe_shadow``) that change its state
+    learning.py      what a step teaches one draft class
+    state.py         ControllerState: what the controller measured, the prices read off it, and the
+                     observations (``observe`` a plan taken, ``update``, ``observe_tree``,
+                     ``observe_shadow``), the only methods that change it
+    draft_length.py  DraftLengthConfig and DraftLengthController (a ControllerState), which composes
+                     the above: pure questions (``plan``, ``choose``, ``plan_shadow``, ``plan_batch``)
+                     returning a Plan
     period.py        the BMC period model calibrated on this machine
 """
 
