@@ -36,6 +36,7 @@ from specdec.drafters.chooser import Chooser, as_chooser, draft_step  # noqa: F4
 from specdec.introspect import float_dtype, sliding_window, text_config, vocab_size_of
 from specdec.kv.bmc import BMCConfig
 from specdec.kv.prefix import PrefixCache
+from specdec.kv.static import SpareStore, StaticShapes
 from specdec.processing import Constraint, Grammar, Processing, TokenLogprob, Vocabulary
 from specdec.prompting import eos_ids
 from specdec.sampling import SamplingParams
@@ -73,10 +74,16 @@ class SpecDecoderConfig:
     # the CPU runtime (kernel variant, self-check, lean forward, ...: specdec.config); None: the one of the
     # enclosing specdec.runtime.use block (the CLI opens one from the SPECDEC_* variables), else the defaults
     runtime: RuntimeConfig | None = None
+    # the target's steps over fixed shapes in a store that stays put, replayable as CUDA graphs
+    # (kv.static; docs/decisions/025-static-steps.md); None: BMC's growing store (the CPU's fast one)
+    static: StaticShapes | None = None
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"attention must be one of {', '.join(ATTENTION)}, got {self.attention!r}")
+        if self.static is not None and self.attention == "split":
+            raise ValueError("attention='split' attends at host offsets, which a static step cannot: "
+                             "use 'pad' or 'auto' with static shapes")
 
 
 @dataclass
@@ -134,6 +141,7 @@ class SpecDecoder:
         # learns across generate calls: this machine's verify times, each draft class's acceptance and gain
         self.controller = DraftLengthController(config.draft_length)
         self._vocabularies: dict[int, Vocabulary] = {}  # id(tokenizer) -> its llguidance form (built once)
+        self.spare_store = SpareStore()  # config.static: the last session's store, and its captured steps
         dtype = float_dtype(target)
         if dtype in INEXACT_DTYPES:
             warnings.warn(f"the target computes in {dtype}: its greedy outputs here follow target.generate's only "

@@ -30,7 +30,8 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from specdec.introspect import attention_shape, float_dtype
-from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.kv.bmc import BlockInputs, BMCCache, BMCConfig, block_bias
+from specdec.kv.static import StaticCache
 from specdec import fastpath
 from specdec.quant.numerics import numerics_of
 from specdec.runtime.attention import block_scope, grouped_attention, split_attention
@@ -83,6 +84,9 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     last_only: logits of the last row only [B, 1, V] (a prefill chunk: the output layer over every row
     would cost more than the chunk's attention).
     """
+    if isinstance(cache, StaticCache):
+        return static_block(model, cache, input_ids, block_mask, depth, keep=layers if want_hidden else None,
+                            head=head)
     if block_mask is None:
         inputs = cache.prepare_chain(input_ids.shape[1])
     else:
@@ -109,6 +113,61 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
             return _restricted(_hf_block(model, cache, input_ids, inputs, want_hidden, keep, last_only), head)
         finally:
             config._attn_implementation = saved
+
+
+def static_block(model, cache: StaticCache, input_ids: torch.Tensor, block_mask: torch.Tensor | None,
+                 depth: torch.Tensor | None, keep: tuple[int, ...] | None, head=None) -> BlockOutput:
+    """``forward_block`` on a static store: the block padded to its bucket (pad rows: token 0, depth 0,
+    seeing the committed rows and themselves), run by ``static_step`` through the store's graphs (one
+    per batch rows, bucket and output), the pad rows' outputs dropped. Always PAD attention (SPLIT
+    attends at host offsets). keep: None for no hidden states, else ``forward_block``'s ``layers``.
+    Example: Q 3 in buckets (1, 2, 4): ids [p a b] -> [p a b 0], logits [B, 4, V] -> [B, 3, V]."""
+    B, Q = input_ids.shape
+    Qb = cache.shapes.bucket(Q)
+    device = cache.device
+    ids = torch.zeros(B, Qb, dtype=torch.long, device=device)
+    ids[:, :Q] = input_ids.to(device)
+    mask = torch.eye(Qb, dtype=torch.bool, device=device).repeat(B, 1, 1)  # [B, Qb, Qb]
+    mask[:, :Q, :Q] = (torch.ones(Q, Q, dtype=torch.bool, device=device).tril() if block_mask is None
+                       else block_mask.to(device))
+    offsets = torch.zeros(B, Qb, dtype=torch.long, device=device)
+    offsets[:, :Q] = torch.arange(Q, device=device) if depth is None else depth.to(device)
+    cache.plan_block(Qb)
+    starts = torch.tensor(cache.lengths, dtype=torch.long, device=device)  # [B]: the step's one host input
+    path = fastpath.get(model, check=False)
+    rows = numerics_of(model) == "int8"
+
+    def step(ids, starts, mask, offsets):
+        return static_step(model, path, cache, ids, starts, mask, offsets, keep, head, rows)
+
+    key = (B, Qb, keep, id(head), path is not None, rows)
+    logits, hidden = cache.graphs.run(key, step, (ids, starts, mask, offsets))
+    return BlockOutput(logits[:, :Q], None if keep is None else hidden[:, :Q])
+
+
+def static_step(model, path, cache: StaticCache, ids: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor,
+                offsets: torch.Tensor, keep: tuple[int, ...] | None, head, rows: bool) -> tuple[torch.Tensor, ...]:
+    """One target forward of a static store, every changing value a tensor (what a graph captures):
+    ids [B, Q] tokens, starts [B] each row's first block row, mask [B, Q, Q] the block's visibility,
+    offsets [B, Q] its rows' position offsets. Returns (logits [B, Q, V], hidden [B, Q, *] or logits
+    again where none is wanted: a graph's outputs are tensors)."""
+    B, Q = ids.shape
+    cache._plan.row_index = starts[:, None] + torch.arange(Q, device=starts.device)  # [B, Q]: where the block goes
+    bias = block_bias(starts, mask, cache.capacity_rows, cache.dtype)  # [B, 1, Q, C]
+    position_ids = starts[:, None] + offsets
+    layers = keep or ()
+    with block_scope(None, rows):
+        if path is not None:
+            logits, hidden = path(cache, ids, position_ids, bias, grouped_attention, keep=layers, head=head)
+            return logits, (logits if keep is None else hidden)
+        config = model.config
+        saved, config._attn_implementation = config._attn_implementation, PAD
+        try:
+            out = _hf_block(model, cache, ids, BlockInputs(position_ids, bias), keep is not None, layers)
+        finally:
+            config._attn_implementation = saved
+        out = _restricted(out, head)
+        return out.logits, (out.logits if keep is None else out.hidden)
 
 
 def _restricted(out: BlockOutput, head) -> BlockOutput:

@@ -40,6 +40,7 @@ from specdec.drafters.chooser import Shadow, draft_step
 from specdec.forward import forward_block, prefill, prefill_aligned
 from specdec.introspect import attention_shape
 from specdec.kv.bmc import BMCCache
+from specdec.kv.static import StaticCache
 from specdec.processing import Processing, RowProcessor, TokenLogprob
 from specdec.runtime import kernels
 from specdec.sampling import SamplingParams, target_probs
@@ -343,8 +344,16 @@ class DecodeSession:
 
     # -- joining
 
-    def _new_store(self, B: int, longest: int) -> BMCCache:
-        d = self.decoder
+    def _new_store(self, seqs: list[int], longest: int, first: bool = False) -> BMCCache:
+        """The store for sequences ``seqs`` (``longest``: their longest prompt): BMC, or with
+        ``config.static`` one sized for their prompts and answers (``kv.static``), the decoder's spare
+        for the ``first`` of a session (its captured steps with it)."""
+        d, B = self.decoder, len(seqs)
+        if d.config.static is not None:
+            rows = max(len(self.batch.prompt[s]) + self.batch.max_new[s] for s in seqs)
+            if first:
+                return d.spare_store.take(d.target, B, rows, d.config.static)
+            return StaticCache.for_model(d.target, B, rows, d.config.static)
         cache = BMCCache.for_model(d.target, B, d.config.bmc)
         if d.config.adaptive_period:
             model = _period_model(d.target)
@@ -359,7 +368,7 @@ class DecodeSession:
         self.batch.rows = list(ids)
         self._drafters_behind = False  # they begin on these prompts
         self.decoder.controller.new_run(len(ids))
-        self.cache = self._new_store(len(ids), max(len(p) for p in prompts))
+        self.cache = self._new_store(ids, max(len(p) for p in prompts), first=True)
         t0 = time.perf_counter()
         ver, commit, logprobs = self._prefill(self.cache, ids, prompts, judge, begin=True)
         stats = StepStats([0] * len(ids), [0] * len(ids), 0.0, time.perf_counter() - t0, list(ids))
@@ -369,7 +378,7 @@ class DecodeSession:
         """Prompts joining live rows: prefilled in their own store, appended at the step boundary; the
         drafters restart from every live row's committed text."""
         d, batch = self.decoder, self.batch
-        cache = self._new_store(len(ids), max(len(p) for p in prompts))
+        cache = self._new_store(ids, max(len(p) for p in prompts))
         t0 = time.perf_counter()
         ver, commit, logprobs = self._prefill(cache, ids, prompts, judge, begin=False)
         stats = StepStats([0] * len(ids), [0] * len(ids), 0.0, time.perf_counter() - t0, list(ids))
@@ -512,8 +521,8 @@ class DecodeSession:
         """SPLIT attention this step? auto: when PAD's padded columns would be over split_waste of them.
         Example: lengths [200, 4000], q 4: PAD 8008 columns, 4208 needed -> waste 0.47 -> SPLIT."""
         config, cache = self.decoder.config, self.cache
-        if cache.batch_size == 1 or config.attention == "pad":
-            return False
+        if cache.batch_size == 1 or config.attention == "pad" or config.static is not None:
+            return False  # a static step attends PAD (kv.static)
         if config.attention == "split":
             return True
         padded = cache.batch_size * (cache.max_length + q)
@@ -542,6 +551,7 @@ class DecodeSession:
             return
         self.batch.rows = [self.rows[r] for r in keep]
         if not keep:
+            self.decoder.spare_store.give(self.cache)
             self.cache = self.pending = self.judge = None
             return
         self.cache.select(keep)

@@ -42,17 +42,18 @@ def shared_file(rel: str):
     return beside if beside.exists() else Path("/work/shared") / rel
 
 
-def ragged_blocks(model, layers: tuple[int, ...] = ()) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def ragged_blocks(model, layers: tuple[int, ...] = (), store=None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """(logits, hidden states) of three blocks of a ragged batch of two through ``forward_block``: a
     prefill-sized chain, a tree block (row 0 forks under node 0, row 1 has two roots), a SPLIT chain.
-    layers: the inputs of these layers as the hidden states (EAGLE-3's features)."""
+    layers: the inputs of these layers as the hidden states (EAGLE-3's features); store: a function
+    (model, batch) -> the store to run on (default: BMC with T = 8)."""
     from specdec.forward import forward_block
     from specdec.kv.bmc import BMCCache, BMCConfig
     from specdec.tree import ancestor_mask
 
     g = torch.Generator().manual_seed(0)
     V = model.config.vocab_size
-    cache = BMCCache.for_model(model, 2, BMCConfig(8))
+    cache = BMCCache.for_model(model, 2, BMCConfig(8)) if store is None else store(model, 2)
     ids = torch.randint(1, V, (2, 9), generator=g)
     out = [forward_block(model, cache, ids, None, None, want_hidden=True, layers=layers)]
     cache.commit([list(range(9)), list(range(5))])  # row 1 keeps 5 of its 9: ragged from here

@@ -27,7 +27,7 @@ def test_exactness_case_holds_on_device(device, case):
 
 def test_a_broken_case_is_reported_not_raised(monkeypatch):
     """A part that raises on a device is a failed case with the error and where it broke."""
-    def boom(name, batch, device):
+    def boom(name, batch, device, config):
         raise RuntimeError("tensors on two devices")
 
     monkeypatch.setattr(exactness, "_greedy_case", boom)
@@ -40,7 +40,9 @@ def test_a_broken_case_is_reported_not_raised(monkeypatch):
 def test_dry_run_prints_the_plan(capsys):
     assert main(["bench-device", "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert "exactness: 23 cases" in out and "8B" in out and "store: 1B" in out
+    assert "exactness: 23 cases" in out and "steps dynamic,static" in out and "8B" in out and "store: 1B" in out
+    assert main(["bench-device", "--dry-run", "--steps", "graphs"]) == 2
+    assert "--steps: unknown graphs" in capsys.readouterr().err
     assert main(["bench-device", "--dry-run", "--shapes", "9B"]) == 2
     assert "unknown 9B" in capsys.readouterr().err
 
@@ -57,9 +59,12 @@ def test_cpu_rehearsal_writes_every_part(tmp_path):
                  "--rows", "1,2,4", "--store-batches", "2", "--store-contexts", "64", "--repeats", "1",
                  "--traces", str(traces), "--out", str(out)]) == 0
     doc = json.loads(out.read_text())
-    assert len(doc["parts"]["verify"]) == 2 * 2 * 3 and all(r["seconds"] > 0 for r in doc["parts"]["verify"])
+    verify = doc["parts"]["verify"]  # 2 batches x 2 contexts x 3 rows, on BMC's store and on static steps
+    assert len(verify) == 2 * 2 * 3 * 2 and all(r["seconds"] > 0 for r in verify)
+    assert {r["steps"] for r in verify} == {"dynamic", "static"}
     [store] = doc["parts"]["store"]
     assert store["bmc_seconds"] > 0 and store["dynamic_seconds"] > 0
+    assert {r["steps"] for r in doc["parts"]["price"]} == {"dynamic", "static"}  # priced by each kind's curve
     priced = {(r["method"], r["context"]) for r in doc["parts"]["price"]}
     # text drafters at the shortest context; self-speculation only where the context passes its budget
     assert ("prompt-lookup", 64) in priced and ("streaming@32", 512) in priced and ("streaming@32", 64) not in priced

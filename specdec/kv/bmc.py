@@ -61,12 +61,13 @@ class _WritePlan:
 
     __slots__ = ("starts", "q", "end", "row_index")
 
-    def __init__(self, starts: list[int], q: int, device: torch.device) -> None:
+    def __init__(self, starts: list[int], q: int, device: torch.device, index: bool = True) -> None:
         self.starts = starts  # per batch row, first row of the block
         self.q = q
         self.end = max(starts) + q  # rows of the attended view
-        # ragged rows need a scatter; equal starts (always the case at B = 1) take a slice write
-        if len(set(starts)) == 1:
+        # ragged rows need a scatter; equal starts (always the case at B = 1) take a slice write;
+        # index=False: the forward computes it (a static step: kv.static)
+        if len(set(starts)) == 1 or not index:
             self.row_index = None
         else:
             s = torch.tensor(starts, device=device)[:, None]
@@ -80,6 +81,21 @@ def _causal(q: int, device) -> torch.Tensor:
 def _causal_bias(q: int, dtype: torch.dtype, device) -> torch.Tensor:
     """[Q, Q] additive causal bias: 0 on and below the diagonal, dtype-min above."""
     return torch.full((q, q), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
+
+
+def block_bias(starts: torch.Tensor, block_mask: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive bias [B, 1, Q, L] of a block of Q rows per batch row written at rows ``starts``
+    [B] (a tensor: a captured step computes it on the device, ``kv.static``) of a store attended over
+    L rows. Column c of batch row b: c < start: committed (visible); start <= c < start + Q: the
+    block, as ``block_mask`` [B, Q, Q] says; c >= start + Q: padding, or rows another batch row is
+    using (hidden). Example: start 5, Q 2 (causal), L 8 -> row 0 sees 0..5, row 1 sees 0..6."""
+    B, Q, _ = block_mask.shape
+    rel = torch.arange(L, device=starts.device)[None, :] - starts[:, None]  # [B, L]
+    in_block = (rel >= 0) & (rel < Q)
+    block_cols = block_mask.gather(2, rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, L))  # [B, Q, L]
+    visible = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_cols)
+    bias = torch.zeros(B, 1, Q, L, dtype=dtype, device=starts.device)
+    return bias.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
 
 
 class BMCLayer(CacheLayerMixin):
@@ -251,6 +267,8 @@ class BMCLayer(CacheLayerMixin):
 class BMCCache(Cache):
     """The BMC KV store for one generation: per-row committed lengths, T-row growth, bias masks."""
 
+    layer_class = BMCLayer  # what holds each layer's buffers
+
     def __init__(self, num_layers: int, batch_size: int, config: BMCConfig = BMCConfig(),
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.config = config
@@ -263,7 +281,7 @@ class BMCCache(Cache):
         # with the sequence); None keeps T fixed
         self.period_policy = None
         self._plan: _WritePlan | None = None
-        super().__init__(layers=[BMCLayer(self, i) for i in range(num_layers)])
+        super().__init__(layers=[self.layer_class(self, i) for i in range(num_layers)])
 
     @classmethod
     def for_model(cls, model, batch_size: int, config: BMCConfig = BMCConfig()) -> "BMCCache":
@@ -303,16 +321,8 @@ class BMCCache(Cache):
         assert depth.shape == (B, Q), f"depth {tuple(depth.shape)} != {(B, Q)}"
         block_mask = block_mask.to(self.device)  # drafters build trees where they like (the host, mostly)
         self._plan = plan = _WritePlan(self.lengths, Q, self.device)
-        L = plan.end
         starts = torch.tensor(self.lengths, device=self.device)  # [B]
-        # cols < start: committed (visible); start <= col < start + Q: the block (per block_mask);
-        # col >= start + Q: padding, or rows another batch row is using (hidden).
-        rel = torch.arange(L, device=self.device)[None, :] - starts[:, None]  # [B, L]
-        in_block = (rel >= 0) & (rel < Q)
-        block_cols = block_mask.gather(2, rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, L))  # [B, Q, L]
-        visible = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_cols)
-        bias = torch.zeros(B, 1, Q, L, dtype=self.dtype, device=self.device)
-        bias.masked_fill_(~visible[:, None], torch.finfo(self.dtype).min)
+        bias = block_bias(starts, block_mask, plan.end, self.dtype)
         position_ids = starts[:, None] + depth.to(self.device)
         return BlockInputs(position_ids, bias)
 

@@ -6,8 +6,9 @@
 Parts, in this order, each writing its records into OUT as they come (the file is rewritten whole,
 atomically, after every record: a run cut short keeps everything it measured):
 
-    exactness   the tiny-model exactness suite on the device (``exactness.py``)
-    verify      verify-cost curves, random-weight Llama shapes (``costs.verify_curves``)
+    exactness   the tiny-model exactness suite on the device (``exactness.py``), per ``--steps`` kind
+    verify      verify-cost curves, random-weight Llama shapes (``costs.verify_curves``), per ``--steps``
+                kind: BMC's store, and static steps (``kv.static``, CUDA graphs on a GPU)
     store       BMC vs DynamicCache decode steps at long contexts (``costs.store_steps``)
     price       ``--traces`` (CPU-recorded acceptance) priced by the verify curves (``pricing.py``)
 
@@ -27,8 +28,10 @@ from pathlib import Path
 import torch
 
 from specdec.bench.device import costs, exactness, pricing
+from specdec.kv.static import StaticShapes
 
 PARTS = ("exactness", "verify", "store", "price")
+STEPS = ("dynamic", "static")
 SHARES = {"exactness": 0.2, "verify": 0.55, "store": 0.25}  # of the budget left when the part starts
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 DEFAULT_TRACES = Path(__file__).resolve().parents[3] / "data" / "device_traces.json"
@@ -62,6 +65,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--curves", default=None, help="price by the verify curves of an earlier run's JSON "
                                                   "(--parts price without verify: a GPU's curves, priced anywhere)")
     p.add_argument("--budget-s", type=float, default=450.0, help="seconds the whole run may take")
+    p.add_argument("--steps", default="dynamic,static", help=f"of {', '.join(STEPS)}: the target's steps on BMC's "
+                   "store, and static ones (kv.static: captured as CUDA graphs on a GPU), for exactness and verify")
     p.add_argument("--dry-run", action="store_true", help="print the plan and exit")
 
 
@@ -75,6 +80,8 @@ def _check(args) -> list[str]:
     if "price" in parts and "verify" not in parts and not args.curves:
         raise ValueError("--parts: price needs verify, or --curves from an earlier run (it prices traces by "
                          "the verify curves)")
+    if unknown := [x for x in args.steps.split(",") if x not in STEPS]:
+        raise ValueError(f"--steps: unknown {', '.join(unknown)} (known: {', '.join(STEPS)})")
     if args.budget_s <= 0 or args.samples < 1 or args.repeats < 1:
         raise ValueError("--budget-s, --samples and --repeats must be positive")
     return parts
@@ -86,11 +93,13 @@ def plan(args, parts: list[str]) -> list[str]:
     lines = [f"device {args.device}, budget {args.budget_s:.0f} s, out {args.out}"]
     if "exactness" in parts:
         names = list(exactness.cases("cpu", args.samples))
-        lines.append(f"exactness: {len(names)} cases ({', '.join(names)}), {args.samples} samples per sampling case")
+        lines.append(f"exactness: {len(names)} cases ({', '.join(names)}), {args.samples} samples per sampling case, "
+                     f"steps {args.steps}")
     if "verify" in parts:
         points = len(shapes) * len(args.batches) * len(args.contexts)
         lines.append(f"verify: shapes {', '.join(shapes)} x batch {args.batches} x context {args.contexts} "
-                     f"x rows {args.rows} ({points * len(args.rows)} points, {args.dtype}; too big for memory: skipped)")
+                     f"x rows {args.rows} x steps {args.steps} ({points * len(args.rows) * len(args.steps.split(','))} "
+                     f"points, {args.dtype}; too big for memory: skipped)")
         for name in shapes:
             s = costs.SHAPES[name]
             big = s.kv_bytes(max(args.batches) * max(args.contexts), DTYPES[args.dtype]) / 2**30
@@ -150,12 +159,16 @@ def run(args) -> int:
         share = SHARES[part] / (SHARES[part] + sum(SHARES[p] for p in later))
         return time.perf_counter() + share * max(0.0, end - time.perf_counter())
 
+    steps = args.steps.split(",")
     if "exactness" in parts:
-        records = exactness.run(device, samples=args.samples, report=lambda r: report.add("exactness", r))
+        records = [r for kind in steps for r in exactness.run(
+            device, samples=args.samples, report=lambda r: report.add("exactness", r),
+            static=StaticShapes() if kind == "static" else None)]
         report.doc["exactness_passed"] = all(r["passed"] for r in records)
     if "verify" in parts:
         for r in costs.verify_curves(device, args.shapes.split(","), DTYPES[args.dtype], rows=args.rows, batches=args.batches,
-                                     contexts=args.contexts, repeats=args.repeats, deadline=deadline("verify")):
+                                     contexts=args.contexts, repeats=args.repeats, deadline=deadline("verify"),
+                                     steps=tuple(steps)):
             report.add("verify", r)
     if "store" in parts:
         for r in costs.store_steps(device, args.store_shape, DTYPES[args.dtype], batches=args.store_batches,

@@ -4,7 +4,7 @@ Acceptance does not depend on the machine, cost does. These measure costs with r
 shapes (the weights' values change no timing) in ``dtype`` on ``device``:
 
     verify_curves   one verify forward of specdec (``forward.forward_block``: a chain block over the
-                    BMC store) with ``rows`` new rows per sequence, at ``batch`` sequences of
+                    BMC store, or a static store's captured step) with ``rows`` new rows per sequence, at ``batch`` sequences of
                     ``context`` committed tokens each, per shape: seconds, median of repeats
     store_steps     a plain decode step (one row per sequence) on the BMC store against the same step
                     on transformers' ``DynamicCache`` (which concatenates: a copy of every layer's
@@ -27,6 +27,7 @@ from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
 
 from specdec.forward import cache_arg, forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
+from specdec.kv.static import StaticCache
 
 
 @dataclass(frozen=True)
@@ -111,9 +112,13 @@ def _release(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def bmc_store(model, shape: Shape, batch: int, context: int, room: int) -> BMCCache:
-    """A BMC store of ``batch`` rows holding ``context`` random tokens each, with ``room`` rows to spare."""
-    cache = BMCCache.for_model(model, batch, BMCConfig(period=64))
+def bmc_store(model, shape: Shape, batch: int, context: int, room: int, steps: str = "dynamic") -> BMCCache:
+    """A BMC store of ``batch`` rows holding ``context`` random tokens each, with ``room`` rows to spare;
+    steps "static": a ``kv.static.StaticCache`` (its steps captured as CUDA graphs on a GPU)."""
+    if steps == "static":
+        cache = StaticCache.for_model(model, batch, context + room)
+    else:
+        cache = BMCCache.for_model(model, batch, BMCConfig(period=64))
     kv = list(_random_kv(shape, 1, context, model.dtype, model.device))  # one row's K/V, copied into every row
     for b in range(batch):
         cache.load_prefill(b, [(k[0], v[0]) for k, v in kv], capacity=context + room)
@@ -122,8 +127,9 @@ def bmc_store(model, shape: Shape, batch: int, context: int, room: int) -> BMCCa
 
 def verify_curves(device, shapes: list[str], dtype: torch.dtype = torch.bfloat16, rows=ROWS, batches=BATCHES,
                   contexts=CONTEXTS, repeats: int = 3, headroom: float = 0.85,
-                  deadline: float = float("inf")) -> Iterator[dict]:
-    """One record per grid point: {"shape", "batch", "context", "rows", "seconds"} or "skipped": why.
+                  deadline: float = float("inf"), steps: tuple[str, ...] = ("dynamic",)) -> Iterator[dict]:
+    """One record per grid point and steps kind: {"shape", "batch", "context", "steps", "rows", "seconds"}
+    or "skipped": why. steps: "dynamic" (BMC's store), "static" (``kv.static``: captured on a GPU).
     Stops (a record with "skipped": "time budget") once ``deadline`` (time.perf_counter()) passes."""
     device = torch.device(device)
     for name in shapes:
@@ -142,18 +148,19 @@ def verify_curves(device, shapes: list[str], dtype: torch.dtype = torch.bfloat16
                     if time.perf_counter() > deadline:
                         yield {**point, "skipped": "time budget"}
                         continue
-                    try:
-                        yield from _verify_point(model, shape, point, rows, repeats)
-                    except torch.OutOfMemoryError:
-                        yield {**point, "skipped": "out of memory"}
-                    _release(device)
+                    for kind in steps:
+                        try:
+                            yield from _verify_point(model, shape, {**point, "steps": kind}, rows, repeats)
+                        except torch.OutOfMemoryError:
+                            yield {**point, "steps": kind, "skipped": "out of memory"}
+                        _release(device)
         finally:
             del model
             _release(device)
 
 
 def _verify_point(model, shape: Shape, point: dict, rows, repeats: int) -> Iterator[dict]:
-    cache = bmc_store(model, shape, point["batch"], point["context"], max(rows))
+    cache = bmc_store(model, shape, point["batch"], point["context"], max(rows), point["steps"])
     g = torch.Generator().manual_seed(0)
     for q in rows:
         ids = torch.randint(0, shape.vocab, (point["batch"], q), generator=g).to(model.device)

@@ -12,6 +12,8 @@ output on that device:
                      distribution (chi-square and TV, specdec.bench.distribution)
     seeded-repeat    the same seed gives the same samples
 
+``static``: every case with the target's steps static (``kv.static``), captured as CUDA graphs on a GPU.
+
 A case returns None when it holds, else a line saying what differed; ``run`` catches a case that
 raises and reports the error, so one broken part does not hide the others.
 
@@ -24,6 +26,7 @@ from __future__ import annotations
 import time
 import traceback
 import warnings
+from dataclasses import replace
 from typing import Callable
 
 import torch
@@ -36,6 +39,7 @@ from specdec.drafters import LookupHybridDrafter, ModelDrafter, PromptLookupDraf
 from specdec.drafters.eagle import EagleConfig, EagleDrafter, EagleHead
 from specdec.drafters.early_exit import early_exit_model
 from specdec.drafters.self_spec import SnapKVDrafter, StreamingDrafter
+from specdec.kv.static import StaticShapes
 from specdec.sampling import SamplingParams
 
 NEW = 12  # new tokens per greedy generation
@@ -83,10 +87,10 @@ BATCHED = ("none", "prompt-lookup", "model", "early-exit", "eagle", "streaming",
 SAMPLED = ("model", "eagle", "streaming")
 
 
-def _greedy_case(name: str, batch: bool, device) -> str | None:
+def _greedy_case(name: str, batch: bool, device, config: SpecDecoderConfig) -> str | None:
     target = tiny_llama(7, layers=2, device=device)
     prompts = _prompts() if batch else [_prompt()]
-    out = SpecDecoder(target, DRAFTERS[name](target)).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+    out = SpecDecoder(target, DRAFTERS[name](target), config).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
     for b, p in enumerate(prompts):
         want = hf_greedy(target, p[None], NEW)[0, len(p):].tolist()
         got = out.generated(b).tolist()
@@ -98,10 +102,10 @@ def _greedy_case(name: str, batch: bool, device) -> str | None:
 _SAMPLING_PROMPT = torch.tensor([[1, 5, 7, 5, 7, 9]])
 
 
-def _sampling_case(name: str, device, samples: int) -> str | None:
+def _sampling_case(name: str, device, samples: int, config: SpecDecoderConfig) -> str | None:
     target = peaked(0, device=device)
     p1, p2 = two_token_tables(target, _SAMPLING_PROMPT, SamplingParams.resolve(target, temperature=0.8))
-    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
+    config = replace(config, draft_length=DraftLengthConfig(cost_aware=False))  # draft from step 2 on
     decoder = SpecDecoder(target, DRAFTERS[name](target), config)
     g = torch.Generator().manual_seed(1)
     pairs, drafted, P = [], 0, _SAMPLING_PROMPT.shape[1]
@@ -116,9 +120,9 @@ def _sampling_case(name: str, device, samples: int) -> str | None:
     return pair_mismatch(torch.cat(pairs), p1[:, None].cpu() * p2.cpu())
 
 
-def _seeded_case(device) -> str | None:
+def _seeded_case(device, config: SpecDecoderConfig) -> str | None:
     target = tiny_llama(7, device=device)
-    config = SpecDecoderConfig(draft_length=DraftLengthConfig(cost_aware=False))  # drafts independent of timing
+    config = replace(config, draft_length=DraftLengthConfig(cost_aware=False))  # drafts independent of timing
     decoder = SpecDecoder(target, ModelDrafter(perturbed(target, 0.2)), config)
     runs = [decoder.generate(_prompts(), max_new_tokens=NEW, eos_token_id=None, do_sample=True, top_p=0.9,
                              seed=s).sequences for s in (3, 3, 4)]
@@ -129,24 +133,26 @@ def _seeded_case(device) -> str | None:
     return None
 
 
-def cases(device, samples: int = SAMPLES) -> dict[str, Callable[[], str | None]]:
-    """Every case by name, each a function of nothing returning None or what differed."""
+def cases(device, samples: int = SAMPLES, static: StaticShapes | None = None) -> dict[str, Callable[[], str | None]]:
+    """Every case by name, each a function of nothing returning None or what differed; ``static``: the
+    target's steps static (``kv.static``; CUDA graphs on a GPU), else BMC's."""
+    config = SpecDecoderConfig(static=static)
     out: dict[str, Callable[[], str | None]] = {}
     for name in DRAFTERS:
-        out[f"greedy/{name}"] = lambda n=name: _greedy_case(n, False, device)
+        out[f"greedy/{name}"] = lambda n=name: _greedy_case(n, False, device, config)
     for name in BATCHED:
-        out[f"batch/{name}"] = lambda n=name: _greedy_case(n, True, device)
+        out[f"batch/{name}"] = lambda n=name: _greedy_case(n, True, device, config)
     for name in SAMPLED:
-        out[f"sampling/{name}"] = lambda n=name: _sampling_case(n, device, samples)
-    out["seeded-repeat"] = lambda: _seeded_case(device)
+        out[f"sampling/{name}"] = lambda n=name: _sampling_case(n, device, samples, config)
+    out["seeded-repeat"] = lambda: _seeded_case(device, config)
     return out
 
 
 def run(device, names: list[str] | None = None, samples: int = SAMPLES,
-        report: Callable[[dict], None] | None = None) -> list[dict]:
+        report: Callable[[dict], None] | None = None, static: StaticShapes | None = None) -> list[dict]:
     """Run the cases ``names`` (default all) on ``device``; one record per case, also handed to
-    ``report`` as it finishes: {"case", "passed", "detail", "seconds"}."""
-    table = cases(device, samples)
+    ``report`` as it finishes: {"case", "passed", "detail", "seconds"} ("steps": "static" with ``static``)."""
+    table = cases(device, samples, static)
     unknown = set(names or []) - set(table)
     if unknown:
         raise ValueError(f"unknown exactness cases {sorted(unknown)}; known: {', '.join(table)}")
@@ -161,7 +167,7 @@ def run(device, names: list[str] | None = None, samples: int = SAMPLES,
             detail = f"{type(e).__name__}: {e} | " + " <- ".join(
                 f"{f.name}:{f.lineno}" for f in reversed(traceback.extract_tb(e.__traceback__)[-4:]))
         record = {"case": name, "passed": detail is None, "detail": detail or "",
-                  "seconds": round(time.perf_counter() - t0, 3)}
+                  "seconds": round(time.perf_counter() - t0, 3), "steps": "dynamic" if static is None else "static"}
         records.append(record)
         if report is not None:
             report(record)

@@ -117,10 +117,11 @@ def price(trace: dict, curve: Curve, batch: int, context: int) -> dict:
 def price_all(traces: dict, records: list[dict]) -> list[dict]:
     """Every traced method on every measured (shape, batch, context) its regime prices: self-speculation
     at the long contexts (MagicDec's regime), text drafters at the shortest (Spec-Bench prompts,
-    BASS's regime). One record each, the paper's figure beside it."""
+    BASS's regime), by the curve of each steps kind measured (dynamic, static). One record each, the
+    paper's figure beside it."""
     out = []
-    for shape in sorted({r["shape"] for r in records if "seconds" in r}):
-        curve = Curve.from_records(records, shape)
+    for steps, shape in sorted({(r.get("steps", "dynamic"), r["shape"]) for r in records if "seconds" in r}):
+        curve = Curve.from_records([r for r in records if r.get("steps", "dynamic") == steps], shape)
         contexts = sorted({c for _, c in curve.points()})
         for name, trace in traces.items():
             regime = "magicdec" if trace.get("draft_budget") else "bass"
@@ -129,6 +130,6 @@ def price_all(traces: dict, records: list[dict]) -> list[dict]:
                     continue  # not long context: the target's K/V reads do not dominate its step
                 if regime == "bass" and context != contexts[0]:
                     continue
-                out.append({"method": name, "shape": shape, "batch": batch, "context": context,
+                out.append({"method": name, "shape": shape, "batch": batch, "context": context, "steps": steps,
                             **price(trace, curve, batch, context), "regime": regime, "paper": PAPERS[regime]})
     return out

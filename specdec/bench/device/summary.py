@@ -11,19 +11,20 @@ from collections import defaultdict
 
 
 def verify_table(records: list[dict], points: list[tuple[str, int, int]] | None = None) -> str:
-    """Verify seconds over the one-row step's, per (shape, batch, context) and rows."""
+    """Verify seconds over the one-row step's, per (shape, batch, context, steps kind) and rows
+    (``points``: (shape, batch, context) to show, each with every steps kind measured)."""
     table: dict[tuple, dict[int, float]] = defaultdict(dict)
     for r in records:
         if "seconds" in r:
-            table[(r["shape"], r["batch"], r["context"])][r["rows"]] = r["seconds"]
-    keys = [k for k in (points or sorted(table)) if k in table]
+            table[(r["shape"], r["batch"], r["context"], r.get("steps", "dynamic"))][r["rows"]] = r["seconds"]
+    keys = sorted(table) if points is None else [k for p in points for k in sorted(table) if k[:3] == tuple(p)]
     rows = sorted({q for k in keys for q in table[k]})
-    lines = ["| shape | batch | context | 1 row (ms) | " + " | ".join(f"{q} rows" for q in rows[1:]) + " |",
-             "|---|---|---|---|" + "---|" * (len(rows) - 1)]
+    lines = ["| shape | batch | context | steps | 1 row (ms) | " + " | ".join(f"{q} rows" for q in rows[1:]) + " |",
+             "|---|---|---|---|---|" + "---|" * (len(rows) - 1)]
     for k in keys:
         t = table[k]
         cells = " | ".join(f"{t[q] / t[rows[0]]:.2f}" if q in t else "" for q in rows[1:])
-        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {t[rows[0]] * 1e3:.1f} | {cells} |")
+        lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {k[3]} | {t[rows[0]] * 1e3:.1f} | {cells} |")
     return "\n".join(lines)
 
 
@@ -38,17 +39,18 @@ def store_table(records: list[dict]) -> str:
 
 
 def price_table(records: list[dict], shapes=("8B",), batches=(1, 8, 16, 32, 64)) -> str:
-    lines = ["| method | shape | batch | context | best fixed k | tokens / step | verify / plain step | speedup |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| method | shape | batch | context | steps | best fixed k | tokens / step | verify / plain step | speedup |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         if r["shape"] in shapes and r["batch"] in batches:
-            lines.append(f"| {r['method']} | {r['shape']} | {r['batch']} | {r['context']} | {r['k']} | "
+            lines.append(f"| {r['method']} | {r['shape']} | {r['batch']} | {r['context']} | "
+                         f"{r.get('steps', 'dynamic')} | {r['k']} | "
                          f"{r['tokens_per_step']:.2f} | {r['verify_over_plain']:.2f} | {r['speedup']:.2f}x |")
     return "\n".join(lines)
 
 
 def exactness_line(records: list[dict]) -> str:
-    failed = [r["case"] for r in records if not r["passed"]]
+    failed = [f"{r['case']} ({r.get('steps', 'dynamic')})" for r in records if not r["passed"]]
     return f"{len(records) - len(failed)}/{len(records)} exactness cases passed" + \
         (f"; failed: {', '.join(failed)}" if failed else "")
 
