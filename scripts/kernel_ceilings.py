@@ -46,7 +46,10 @@ def timed(fn, calls: int) -> float:
 
 def int8(ops) -> list[dict]:
     from specdec.formats import FORMATS, random_blocks  # here: the other parts run from older checkouts too
-    from specdec.runtime.qlinear import INTERLEAVED, interleave
+    try:
+        from specdec.runtime.int8_linear import INTERLEAVED, interleave
+    except ImportError:  # a checkout from before int8_linear.py split from qlinear.py
+        from specdec.runtime.qlinear import INTERLEAVED, interleave
 
     g = torch.Generator().manual_seed(0)
     rows = []

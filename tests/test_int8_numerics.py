@@ -24,7 +24,7 @@ from specdec.quant import FORMATS, quantize_model
 from specdec.formats import dequantize, random_blocks
 from specdec.quant.numerics import INT8_FORMATS, numerics_of, set_numerics
 from specdec.registry import drafter_names, make_drafter
-from specdec.runtime.qlinear import INTERLEAVED, interleave
+from specdec.runtime.int8_linear import INTERLEAVED, interleave
 from specdec.tree import ancestor_mask
 from test_quant_kernel import VARIANTS, _int8_model, _int8_parts, _ops, _rounded
 
@@ -291,9 +291,9 @@ def test_a_q4_k_target_is_batch_invariant_and_speculates_exactly():
 def test_a_broken_invariance_is_caught(monkeypatch):
     """The bit test's premise: were a block's rows computed otherwise than one row alone (here: blocks of
     several rows through fp32 products, one row through the int8 kernel), it fails."""
-    from specdec.runtime import qlinear
+    from specdec.runtime import int8_linear
 
-    real = qlinear._int8
+    real = int8_linear.linear
     model = _int8_llama(1)
     files = {id(m.int8_blocks()): m.blocks for m in model.modules() if hasattr(m, "int8_blocks")}
 
@@ -302,7 +302,7 @@ def test_a_broken_invariance_is_caught(monkeypatch):
             return real(x, blocks, fmts, bias)
         return F.linear(x, torch.cat([dequantize(files[id(b)], f) for b, f in zip(blocks, fmts)]), bias)
 
-    monkeypatch.setattr(qlinear, "_int8", by_rows)
+    monkeypatch.setattr(int8_linear, "linear", by_rows)
     assert not any(_block_rows_vs_plain(model))
 
 

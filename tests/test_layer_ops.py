@@ -17,6 +17,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 from conftest import hf_greedy, perturbed, ragged_blocks, tiny_llama
 from specdec.config import RuntimeConfig
 from specdec import fastpath
+from specdec.one_call import OneCall
 from specdec.patch import skinny_linears
 from specdec.runtime.build import extension
 from specdec.controller import DraftLengthConfig
@@ -193,14 +194,14 @@ def test_a_fused_op_that_fails_leaves_hf_ops(ops, monkeypatch, caplog):
 
 def _count_one_calls(monkeypatch) -> dict:
     calls = {"ran": 0, "declined": 0}
-    real = fastpath.FastPath._one_call
+    real = OneCall.__call__
 
     def counted(self, *args, **kwargs):
         out = real(self, *args, **kwargs)
         calls["ran" if out is not None else "declined"] += 1
         return out
 
-    monkeypatch.setattr(fastpath.FastPath, "_one_call", counted)
+    monkeypatch.setattr(OneCall, "__call__", counted)
     return calls
 
 

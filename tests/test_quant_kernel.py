@@ -16,7 +16,7 @@ from specdec.drafters import ModelDrafter
 from specdec.quant import FORMATS, QuantLinear
 from specdec.formats import _k_scales, dequantize, random_blocks
 from specdec import fastpath
-from specdec.runtime import kernels, qlinear, state
+from specdec.runtime import int8_linear, kernels, qlinear, state
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS
 from conftest import perturbed, sampled_pairs
 from test_quant import fp32_twin, prompts, tiny_quant_llama
@@ -111,7 +111,7 @@ def test_one_call_over_quantized_blocks_is_the_loop_bit_for_bit(quant, monkeypat
 
 
 def test_one_call_inside_approximate_is_the_int8_loop_bit_for_bit(monkeypatch):
-    """A draft's 1-row and 2-row blocks inside ``qlinear.approximate()``: the one compiled call takes the int8
+    """A draft's 1-row and 2-row blocks inside ``int8_linear.approximate()``: the one compiled call takes the int8
     route as the loop's linears do (the same logits and hidden states, bit for bit), which is not the exact
     kernel's result; outside the context the one call is the exact kernel's again."""
     from specdec.forward import forward_block
@@ -120,7 +120,7 @@ def test_one_call_inside_approximate_is_the_int8_loop_bit_for_bit(monkeypatch):
 
     ops = _ops("native")
     runtime = RuntimeConfig(calibrate=False)
-    monkeypatch.setitem(qlinear.APPROXIMATES, (runtime.variant, "Q4_1"), True)
+    monkeypatch.setitem(int8_linear.APPROXIMATES, (runtime.variant, "Q4_1"), True)
     model = tiny_quant_llama("Q4_1")
     g = torch.Generator().manual_seed(4)
     ids = torch.randint(1, model.config.vocab_size, (1, 9), generator=g)
@@ -133,7 +133,7 @@ def test_one_call_inside_approximate_is_the_int8_loop_bit_for_bit(monkeypatch):
         cache.commit([list(range(9))])
         outs = []
         for step in steps:
-            with qlinear.approximate(approx):
+            with int8_linear.approximate(approx):
                 o = forward_block(model, cache, step, None, None, want_hidden=True)
             outs.append((o.logits, o.hidden))
             cache.commit([list(range(step.shape[1]))])
@@ -486,7 +486,7 @@ def test_the_int8_draft_kernel_is_its_integer_arithmetic_and_near_the_reference(
             scale = want.abs() + 1e-3 * want.abs().max()  # fp32 sums of exact integer dots
             assert ((y.double() - want).abs() <= 1e-5 * scale + 1e-30).all(), (variant, name, N, K, rows)
             ref = F.linear(x, dequantize(w, fmt))
-            assert (y - ref).norm() <= qlinear.APPROX_ERROR * ref.norm()
+            assert (y - ref).norm() <= int8_linear.APPROX_ERROR * ref.norm()
             both = ops.quant_linear_i8(x, [w, w2], [fmt.ggml_type, fmt.ggml_type])
             assert torch.equal(both, torch.cat([y, ops.quant_linear_i8(x, [w2], [fmt.ggml_type])], 1))
     with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1, Q8_0 or"):
@@ -494,9 +494,9 @@ def test_the_int8_draft_kernel_is_its_integer_arithmetic_and_near_the_reference(
 
 
 def test_a_layer_takes_the_int8_route_only_inside_approximate_and_for_few_rows(ops, monkeypatch):
-    """Outside ``qlinear.approximate()`` a QuantLinear is the exact kernel's, inside it the int8 kernel's for
+    """Outside ``int8_linear.approximate()`` a QuantLinear is the exact kernel's, inside it the int8 kernel's for
     1-2 rows and the exact one's for more; the context ends with its block, an exception included."""
-    monkeypatch.setitem(qlinear.APPROXIMATES, (state.active().config.variant, "Q4_1"), True)
+    monkeypatch.setitem(int8_linear.APPROXIMATES, (state.active().config.variant, "Q4_1"), True)
     fmt = FORMATS["Q4_1"]
     g = torch.Generator().manual_seed(2)
     layer = QuantLinear(random_blocks(fmt, 40, 64, g), fmt, 64)
@@ -504,11 +504,11 @@ def test_a_layer_takes_the_int8_route_only_inside_approximate_and_for_few_rows(o
     exact = ops.quant_linear(x, layer.blocks, fmt.ggml_type)
     with torch.inference_mode():
         assert torch.equal(layer(x[:1]), exact[:1])
-        with qlinear.approximate():
+        with int8_linear.approximate():
             assert torch.equal(layer(x[:2]), ops.quant_linear_i8(x[:2], [layer.blocks], [fmt.ggml_type]))
             assert not torch.equal(layer(x[:2]), exact[:2])
             assert torch.equal(layer(x), exact)  # 3 rows: the exact kernel
-        with pytest.raises(ZeroDivisionError), qlinear.approximate():
+        with pytest.raises(ZeroDivisionError), int8_linear.approximate():
             1 / 0
         assert torch.equal(layer(x[:1]), exact[:1])
 
@@ -519,7 +519,7 @@ def test_the_int8_check_times_a_layer_as_a_draft_calls_it_and_keeps_the_faster(o
     only where it was the faster of the two."""
     import time
 
-    monkeypatch.setattr(qlinear, "APPROX_CHECK_MB", 1)
+    monkeypatch.setattr(int8_linear, "APPROX_CHECK_MB", 1)
     fmt = FORMATS["Q4_1"]
 
     class Slowed:  # the real kernels, one of them made slower by a millisecond a call
@@ -538,13 +538,13 @@ def test_the_int8_check_times_a_layer_as_a_draft_calls_it_and_keeps_the_faster(o
         def quant_linear_parts(self, x, blocks, fmts):
             return self._timed("quant_linear_parts", x, blocks, fmts)
 
-    d, f = qlinear.CHECK_FEATURES
+    d, f = int8_linear.CHECK_FEATURES
     bd, bf = (k // fmt.block_weights * fmt.block_bytes for k in (d, f))  # a row's bytes at K = d, f
     layer = [((d, bd), (d // 3, bd), (d // 3, bd)), ((d, bd),), ((f, bd), (f, bd)), ((d, bf),)]  # blocks' shapes
     for slow, want in (("quant_linear_i8", False), ("quant_linear_parts", True)):
         timed = Slowed(slow)
         rt = state.Active(RuntimeConfig(), timed, state.uncalibrated(True))
-        assert qlinear._approx_check(rt, fmt, rounds=2) is want
+        assert int8_linear._approx_check(rt, fmt, rounds=2) is want
         for name in ("quant_linear_i8", "quant_linear_parts"):  # each round ends with a whole layer's calls
             assert [shapes for n, shapes in timed.calls if n == name][-4:] == layer, name
 
@@ -560,7 +560,7 @@ def _int8_route_everywhere(monkeypatch) -> list[str]:
         asked.append(fmt.name)
         return True
 
-    monkeypatch.setattr(qlinear, "approximates", approximates)
+    monkeypatch.setattr(int8_linear, "approximates", approximates)
     return asked
 
 
@@ -579,7 +579,7 @@ def test_streaming_drafts_through_the_int8_route_and_stays_exact(monkeypatch):
     assert torch.equal(out.sequences, want)
     assert asked and set(asked) == {"Q4_1"}
     assert 0 < sum(sum(s.num_accepted) for s in out.steps) < sum(sum(s.num_drafted) for s in out.steps)
-    assert not qlinear._approximate.get()
+    assert not int8_linear._approximate.get()
 
 
 def test_the_decoder_checks_the_int8_route_up_front_only_for_drafters_that_declare_it(monkeypatch):
@@ -609,7 +609,7 @@ def test_streaming_samples_through_the_int8_route_as_the_quantized_target_does(m
     from specdec.sampling import SamplingParams
 
     asked = _int8_route_everywhere(monkeypatch)
-    monkeypatch.setattr(qlinear, "APPROX_ROWS", 4096)
+    monkeypatch.setattr(int8_linear, "APPROX_ROWS", 4096)
     target = tiny_quant_llama("Q4_1", seed=3)
     prompt = torch.tensor([[1, 5, 7, 5, 7, 9]])
     with torch.inference_mode():

@@ -49,7 +49,7 @@ class Capabilities:
     # hidden_states[j], 0 = the embeddings), concatenated along D, instead of the last hidden state
     # after the final norm (EAGLE-3's fused features; vLLM's meaning of eagle_aux_hidden_state_layer_ids)
     hidden_layers: tuple[int, ...] = ()
-    # its forwards run inside specdec.runtime.qlinear.approximate() (self-speculation): the decoder checks
+    # its forwards run inside specdec.runtime.int8_linear.approximate() (self-speculation): the decoder checks
     # the int8 draft route for the quantized weights it runs before the first step (else nobody pays for it)
     approximate_forwards: bool = False
 

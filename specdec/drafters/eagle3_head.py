@@ -33,8 +33,8 @@ from torch import nn
 from specdec.drafters.eagle_head import _decoder, _TargetParts, rows_at
 from specdec.forward import cache_arg
 from specdec.introspect import text_config, vocab_size_of
+from specdec import lean_layer
 from specdec.quant.modules import QuantLinear
-from specdec import fastpath
 from specdec.runtime import state
 from specdec.runtime.attention import grouped_attention
 
@@ -96,7 +96,7 @@ class _MidLayer(nn.Module):
 
 
 class _LeanLayer:
-    """``_MidLayer.forward`` by the target's lean ops (``specdec.fastpath``: the compiled RMSNorm, rotary
+    """``_MidLayer.forward`` by the target's lean ops (``specdec.lean_layer``: the compiled RMSNorm, rotary
     split, SiLU x up; q/k/v and gate/up each one block-kernel call; the attention kernel), for a head
     whose linears are quantized blocks (``drafters.eagle.lean_head``), in place of HF's modules' Python
     (why: docs/decisions/017-eagle3.md). The same math to fp32 rounding; the drafts stay drafts, exactness
@@ -106,8 +106,8 @@ class _LeanLayer:
         a, mlp = layer.self_attn, layer.mlp
         self.attn, self.norms = a, (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm)
         self.norm_before_residual = layer.norm_before_residual
-        self.qkv, self.o = fastpath.stack_linears(a.q_proj, a.k_proj, a.v_proj), a.o_proj
-        self.gate_up, self.down = fastpath.stack_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj
+        self.qkv, self.o = lean_layer.stack_linears(a.q_proj, a.k_proj, a.v_proj), a.o_proj
+        self.gate_up, self.down = lean_layer.stack_linears(mlp.gate_proj, mlp.up_proj), mlp.down_proj
         self.hq, self.hkv = a.q_proj.out_features // a.head_dim, a.k_proj.out_features // a.head_dim
 
     @classmethod
@@ -131,7 +131,7 @@ class _LeanLayer:
         if (ops is None or hidden.dtype != torch.float32 or hidden.device.type != "cpu" or cos.dim() != 3
                 or cos.shape[-1] != self.attn.head_dim):
             return None
-        ops = fastpath.fused_ops(ops)
+        ops = lean_layer.fused_ops(ops)
         B, Q, _ = hidden.shape
         hidden, emb = hidden.contiguous(), emb.contiguous()  # the fused ops take whole rows
         n_emb, n_hidden, n_post = self.norms

@@ -41,7 +41,7 @@ from specdec.drafters.vocab import DraftVocabulary, VocabHead
 from specdec.forward import cache_arg, forward_block
 from specdec.introspect import attention_shape, float_dtype
 from specdec.kv.bmc import BMCCache
-from specdec.runtime import qlinear
+from specdec.runtime import int8_linear
 from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
                                    streaming_keep)
@@ -121,9 +121,9 @@ class SelfSpecDrafter(Drafter):
         self._before_propose = list(self.cache.lengths)
         ids = self._pending  # [B, 1]
         drafts, probs = [], []  # probs: q [B, V] per drafted token when sampling
-        # the draft's own forwards: blocks of one or two rows may round x to int8 (qlinear.approximate; the
+        # the draft's own forwards: blocks of one or two rows may round x to int8 (int8_linear.approximate; the
         # verify that follows is the target's exact forward)
-        with qlinear.approximate():
+        with int8_linear.approximate():
             for _ in range(budget):  # feed pending, d1, ..., d(K-1); d(K) is never fed
                 out = forward_block(self.draft, self.cache, ids, None, None, head=self._head)
                 self.cache.commit([[0]] * B)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from specdec import formats
 from specdec.formats import BlockFormat, block_format, dequantize
-from specdec.runtime import qlinear
+from specdec.runtime import int8_linear, qlinear
 
 # the formats ``quantize_model`` can write: the gguf package's quantizers and specdec's own Q4_K
 # (``specdec.quant.q4k``); the other K formats load from files
@@ -60,12 +60,12 @@ class QuantLinear(nn.Module):
         return dequantize(self.blocks, self.fmt)
 
     def int8_blocks(self) -> torch.Tensor:
-        """The blocks in the int8 kernel's interleaved layout (``qlinear.interleave``): made on first use in
+        """The blocks in the int8 kernel's interleaved layout (``int8_linear.interleave``): made on first use in
         int8 numerics, again only if ``blocks`` is replaced (a move to another device) or changed in place."""
         made = self.__dict__.get("_int8_blocks")
         if made is None or made[0] is not self.blocks or made[1] != self.blocks._version:
             made = self.__dict__["_int8_blocks"] = (self.blocks, self.blocks._version,
-                                                    qlinear.interleave(self.blocks, self.fmt))
+                                                    int8_linear.interleave(self.blocks, self.fmt))
         return made[2]
 
     def kernel_blocks(self) -> torch.Tensor:

@@ -25,7 +25,7 @@ from enum import Enum
 import torch.nn as nn
 
 from specdec.quant.modules import QuantLinear
-from specdec.runtime.qlinear import INT8_FORMATS  # what csrc/int8_linear.cpp multiplies
+from specdec.runtime.int8_linear import INT8_FORMATS  # what csrc/int8_linear.cpp multiplies
 
 class Numerics(str, Enum):
     """Which arithmetic a quantized target computes in; ``load_model``'s ``numerics`` and the commands'

@@ -1,8 +1,8 @@
 """The self-checks' timed verdicts, kept on disk per machine and build so that a new process does not time
 again what an earlier one timed (the fp32 routes: ~3-4 s of every command's start-up).
 
-A verdict (``calibrate``'s routes, ``qlinear``'s routes of a block format, its int8 draft route) is a small
-JSON record under ``cache_dir``/selfcheck/, named by the digest of its key:
+A verdict (``calibrate``'s routes, ``qlinear``'s routes of a block format, ``int8_linear``'s draft route) is a
+small JSON record under ``cache_dir``/selfcheck/, named by the digest of its key:
 
 - the machine: the CPU's model name and feature flags (``/proc/cpuinfo``; elsewhere the platform's
   processor string), its architecture, and torch's thread count (the routes' timings depend on it);

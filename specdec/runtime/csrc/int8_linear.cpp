@@ -1,7 +1,7 @@
 // y = x @ W^T in int8 numerics: x rounded per row to 8-bit blocks of 32, W's Q8_0 / Q4_0 / Q4_1 / Q4_K codes
 // multiplied by them as integers (llama.cpp's arithmetic), fp32 scales. The one int8 kernel: a target
 // loaded with numerics="int8" runs every row through it (decode, verify, batches, prefill), and the
-// self-speculative drafters' approximate forwards over an exact target take it too (qlinear.approximate).
+// self-speculative drafters' approximate forwards over an exact target take it too (int8_linear.approximate).
 //
 // The arithmetic, per (row r, feature n), blocks b of 32 weights in file order (docs/decisions/019-int8-numerics.md):
 //   - each row is rounded alone (round_rows: per block of 32, dx = max|x| / 127, xq = nearbyint(x / dx),
@@ -19,7 +19,7 @@
 //
 // Two layouts (a part's format code says which):
 //   - the file's: one feature's blocks after another (GGML's rows);
-//   - interleaved (code | kInterleaved; qlinear.interleave builds it for a target in int8 numerics):
+//   - interleaved (code | kInterleaved; int8_linear.interleave builds it for a target in int8 numerics):
 //     features in groups of 16, a group's blocks in file order, each block of the group stored as the 16
 //     scales (f16), Q4_1's 16 mins (f16), then the codes as vectors of 64 bytes: vector j holds 4 codes
 //     of each of the 16 features (Q4: bytes 4j..4j+3 of each feature's 16 nibble bytes, whose low nibbles

@@ -16,10 +16,10 @@
 // by the routes the caller planned: per chunk of rows, F.linear (0), W @ x^T (1: an odd row count padded
 // with a zero row, as runtime/linear.py _skinny), the packed kernel (2) or its wide shape (3); or, for a
 // quantized target (``quant`` given), every linear by the block kernel (csrc/quant_linear.cpp) over its
-// parts' blocks side by side (q, k, v; gate, up), outputs concatenated as fastpath.py's _Stacked does, or
-// with ``approx`` (a draft's forward of one or two rows, runtime/qlinear.py's int8 route) by the int8 draft
-// kernel (csrc/int8_linear.cpp). Same ops, same order, same arguments as specdec/fastpath.py's
-// loop: the results are the loop's, bit for bit.
+// parts' blocks side by side (q, k, v; gate, up), outputs concatenated as lean_layer.py's Stacked does, or
+// with ``approx`` (a draft's forward of one or two rows, runtime/int8_linear.py's draft route) by the int8
+// draft kernel (csrc/int8_linear.cpp). Same ops, same order, same arguments as specdec/fastpath.py's
+// loop (its arguments made by specdec/one_call.py): the results are the loop's, bit for bit.
 #define TORCH_ASSERT_ONLY_METHOD_OPERATORS  // per-operator headers only
 #include <ATen/core/Tensor.h>  // the Tensor, its methods, and each op used from its own header
                                 // (ATen.h declares every op: docs/decisions/015-quant-kernels.md)
