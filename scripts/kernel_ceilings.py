@@ -6,6 +6,8 @@
 - ``int8``: ``quant_linear_i8`` on interleaved random blocks (the default model's and a 0.5B model's shapes)
   at 1, 8 and 64 rows: GMAC/s and GB/s of blocks. The weights are reused call after call, so they sit in
   cache: a ceiling of the arithmetic, not of the memory.
+- ``kformats``: Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M files hold) at a 0.5B model's MLP down shape, 1 and
+  8 rows, the exact kernel against the int8 one, weights streamed (copies past 96 MB, one a call).
 - ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step) and 24
   (an 8-row verify), 3 KV heads x 64, over 208 keys with a causal draft block: microseconds a call.
 - ``prompt``: torch's SDPA over a 7,000-token prompt, 9 query heads on 3 KV heads of 64 (the default
@@ -65,6 +67,41 @@ def int8(ops) -> list[dict]:
     return rows
 
 
+def kformats(ops) -> list[dict]:
+    """The K formats of Q4_K_M / Q5_K_M files (a 0.5B model's MLP down shape, 896 x 4864) through the exact
+    kernel (file layout) and the int8 kernel (interleaved copy, whole-byte codes for Q5_K / Q6_K) at 1 and
+    8 rows, each call on the next of enough distinct copies to pass 96 MB: weights streamed from memory,
+    as a decode step streams them, not sitting in cache."""
+    from specdec.formats import FORMATS, random_blocks
+    from specdec.runtime.int8_linear import INTERLEAVED, interleave
+
+    g = torch.Generator().manual_seed(0)
+    n, k = 896, 4864
+    out = []
+    for name in ("Q4_K", "Q5_K", "Q6_K"):
+        fmt = FORMATS[name]
+        one = random_blocks(fmt, n, k, g)
+        copies = max(2, -(-96 * 2**20 // one.numel()))
+        files = [random_blocks(fmt, n, k, g) for _ in range(copies)]
+        inter = [interleave(w, fmt) for w in files]
+        for m in (1, 8):
+            x = torch.randn(m, k, generator=g)
+            turn = {"exact": 0, "int8": 0}
+
+            def exact():
+                turn["exact"] = (turn["exact"] + 1) % copies
+                ops.quant_linear(x, files[turn["exact"]], fmt.ggml_type)
+
+            def int8_call():
+                turn["int8"] = (turn["int8"] + 1) % copies
+                ops.quant_linear_i8(x, [inter[turn["int8"]]], [fmt.ggml_type | INTERLEAVED])
+
+            e, i = timed(exact, 4 * copies), timed(int8_call, 4 * copies)
+            out.append({"format": name, "rows": m, "exact_us": e * 1e6, "int8_us": i * 1e6, "exact_over_int8": e / i,
+                        "file_bytes": one.numel(), "int8_bytes": inter[0].numel()})
+    return out
+
+
 def row_attention(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
@@ -95,7 +132,7 @@ def prompt() -> list[dict]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--parts", default="int8,row-attention,prompt")
+    ap.add_argument("--parts", default="int8,kformats,row-attention,prompt")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernel", default="native", choices=("native", "avx2"))
     ap.add_argument("--out", default=None, help="JSON file for the figures")
@@ -104,7 +141,8 @@ def main() -> None:
     ops = kernels.extension(RuntimeConfig(kernel=args.kernel))
     if ops is None:
         raise SystemExit(f"the {args.kernel} kernel build is not available here")
-    parts = {"int8": lambda: int8(ops), "row-attention": lambda: row_attention(ops), "prompt": prompt}
+    parts = {"int8": lambda: int8(ops), "kformats": lambda: kformats(ops), "row-attention": lambda: row_attention(ops),
+             "prompt": prompt}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:

@@ -21,12 +21,13 @@ from specdec.forward import forward_block
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.models import ModelLoadError, load_model
 from specdec.quant import FORMATS, quantize_model
-from specdec.formats import dequantize, random_blocks
+from specdec.quant.modules import QuantLinear
+from specdec.formats import BlockFormat, dequantize, random_blocks
 from specdec.quant.numerics import INT8_FORMATS, numerics_of, set_numerics
 from specdec.registry import drafter_names, make_drafter
 from specdec.runtime.int8_linear import INTERLEAVED, interleave
 from specdec.tree import ancestor_mask
-from test_quant_kernel import VARIANTS, _int8_model, _int8_parts, _ops, _rounded
+from test_quant_kernel import VARIANTS, _int8_model, _int8_parts, _ops, _q6_codes, _rounded_as
 
 NEG = torch.finfo(torch.float32).min
 
@@ -56,7 +57,8 @@ def test_the_kernel_is_its_arithmetic_for_any_rows(variant, name):
 @pytest.mark.parametrize("name", INT8_FORMATS)
 def test_interleave_rearranges_the_bytes_of_whole_groups(name):
     """The interleaved copy has the blocks' shape and, per group of 16 features, the same bytes (Q8_0's
-    codes offset by 128), rearranged; the features past the last group untouched; Q4_K refused."""
+    codes offset by 128), rearranged (Q5_K's and Q6_K's codes as whole bytes: the same codes); the features
+    past the last group untouched; a format the kernel lacks refused."""
     fmt = FORMATS[name]
     K = 96 if fmt.block_weights == 32 else 512
     w = random_blocks(fmt, 37, K, torch.Generator().manual_seed(4))
@@ -67,6 +69,14 @@ def test_interleave_rearranges_the_bytes_of_whole_groups(name):
             codes = wi[16 * g:16 * g + 16].reshape(2, 16 * 148)[:, 320:]
             had = w[16 * g:16 * g + 16].reshape(16, 2, 144)[..., 16:]
             assert torch.equal(codes.flatten().sort().values, had.flatten().sort().values)
+    elif name in ("Q5_K", "Q6_K"):  # whole-byte codes: 276 / 274 bytes a feature and 256 weights
+        size, wide = fmt.block_bytes, {"Q5_K": 276, "Q6_K": 274}[name]
+        assert wi.shape == (37, 2 * wide) and torch.equal(wi[32:, :2 * size], w[32:]) and not wi[32:, 2 * size:].any()
+        for g in range(2):
+            blocks = w[16 * g:16 * g + 16].reshape(-1, size)
+            had = _q6_codes(blocks) + 32 if name == "Q6_K" else _int8_parts(blocks, "Q5_K", 256)[0]
+            codes = wi[16 * g:16 * g + 16].reshape(2, 16 * wide)[:, 320 if name == "Q5_K" else 288:]
+            assert torch.equal(codes.flatten().sort().values, had.flatten().to(torch.uint8).sort().values)
     else:
         assert wi.shape == w.shape and wi.dtype == torch.uint8
         assert torch.equal(wi[32:], w[32:])
@@ -77,15 +87,16 @@ def test_interleave_rearranges_the_bytes_of_whole_groups(name):
                 had = torch.cat([blocks[:, :2].flatten(), (blocks[:, 2:] ^ 128).flatten()])
             assert torch.equal(got.sort().values, had.sort().values)
     assert not torch.equal(wi[:16], w[:16])
-    with pytest.raises(ValueError, match="Q5_K"):
-        interleave(random_blocks(FORMATS["Q5_K"], 16, 256, torch.Generator().manual_seed(4)), FORMATS["Q5_K"])
+    q2_k = BlockFormat("Q2_K", 10, 256, 84, None, ())  # a GGML format no kernel here reads
+    with pytest.raises(ValueError, match="multiplies Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K blocks, not Q2_K"):
+        interleave(torch.zeros(16, 84, dtype=torch.uint8), q2_k)
 
 
 def _terms_bound(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     """[M, N]: the sum over blocks of |D dx dot| + |M sx|, the magnitudes the kernel's fp32 sums add up
     (its rounding error is a small multiple of eps times this)."""
-    xq, dx = _rounded(x)
     q, D, M = _int8_parts(w, name, x.shape[1])
+    xq, dx = _rounded_as(x, q)
     dots = torch.einsum("nbk,xbk->xnb", q, xq).abs()
     return torch.einsum("xnb,nb,xb->xn", dots, D.abs(), dx) + torch.einsum("nb,xb->xn", M.abs(), (dx * xq.sum(-1)).abs())
 
@@ -185,7 +196,7 @@ def test_a_model_takes_int8_only_with_every_linear_in_its_formats():
 
 def test_auto_numerics_is_int8_only_where_every_linear_can_take_it():
     """The commands' default (Numerics.AUTO resolved): int8 for a model whose linears are all int8 formats,
-    exact for fp32 layers or a format the kernel does not multiply (here Q5_K)."""
+    exact for fp32 layers or a format the kernel does not multiply (here a stand-in for GGML's Q2_K)."""
     from specdec.quant.numerics import Numerics
 
     def resolve(model, numerics):
@@ -201,7 +212,7 @@ def test_auto_numerics_is_int8_only_where_every_linear_can_take_it():
     other = quantize_model(LlamaForCausalLM(cfg).float().eval(), "Q4_K")
     assert resolve(other, "auto") == "int8"
     layer = other.model.layers[0].mlp.down_proj
-    layer.fmt = FORMATS["Q5_K"]  # what the resolve reads: the layer's format
+    layer.fmt = BlockFormat("Q2_K", 10, 256, 84, None, ())  # what the resolve reads: the layer's format
     assert resolve(other, "auto") == "exact"
 
 
@@ -286,6 +297,33 @@ def test_a_q4_k_target_is_batch_invariant_and_speculates_exactly():
         out = SpecDecoder(model, drafter).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
         assert [out.generated(b).tolist() for b in range(2)] == [plain.generated(b).tolist() for b in range(2)]
         assert sum(out.accepted_per_sequence) > 0
+
+
+@pytest.mark.filterwarnings("ignore:.*fits the budget")
+def test_a_q4_k_m_like_target_with_q5_k_and_q6_k_layers_speculates_exactly():
+    """Q4_K_M files mix Q6_K (and Q5_K_M files Q5_K) into some tensors: with those layers in the int8 kernel
+    too, every verify row is bit-equal to plain decoding's, and drafters match plain decoding token for token
+    with drafts accepted."""
+    torch.manual_seed(7)
+    cfg = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, bos_token_id=0, eos_token_id=None, pad_token_id=0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    quantize_model(model, "Q4_K")
+    g = torch.Generator().manual_seed(3)
+    for layer in model.model.layers:  # random blocks, small scales: the layer's size, the other format
+        for mod, name, fmt in ((layer.mlp, "down_proj", "Q6_K"), (layer.self_attn, "v_proj", "Q5_K")):
+            old = getattr(mod, name)
+            blocks = random_blocks(FORMATS[fmt], old.out_features, old.in_features, g, scale=0.002)
+            setattr(mod, name, QuantLinear(blocks, FORMATS[fmt], old.in_features))
+    set_numerics(model, "int8")
+    assert {m.fmt.name for m in model.modules() if isinstance(m, QuantLinear)} >= {"Q4_K", "Q5_K", "Q6_K"}
+    assert all(_block_rows_vs_plain(model))
+    prompts = _prompts()
+    plain = SpecDecoder(model, None).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+    out = SpecDecoder(model, StreamingDrafter(model, budget=16, sink=2)).generate(prompts, max_new_tokens=NEW,
+                                                                                 eos_token_id=None)
+    assert [out.generated(b).tolist() for b in range(2)] == [plain.generated(b).tolist() for b in range(2)]
+    assert sum(out.accepted_per_sequence) > 0
 
 
 def test_a_broken_invariance_is_caught(monkeypatch):

@@ -429,9 +429,26 @@ APPROX = ["Q4_0", "Q4_1", "Q8_0"]
 
 
 def _int8_parts(w: torch.Tensor, name: str, K: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The int8 arithmetic's terms per 32 weights, in float64: (codes [N, K / 32, 32], scale D and offset
-    coefficient M [N, K / 32]) with w = D q + M (Q4_0: M = -8 d; Q4_K: D = d sc, M = -dmin mn per sub-block)."""
+    """The int8 arithmetic's terms per sub-block of S weights (32; Q6_K's 16), in float64: (codes [N, K / S, S],
+    scale D and offset coefficient M [N, K / S]) with w = D q + M (Q4_0: M = -8 d; Q4_K, Q5_K: D = d sc,
+    M = -dmin mn per sub-block; Q6_K: codes q - 32, D = d sc, M = 0)."""
     N = w.shape[0]
+    if name == "Q6_K":
+        b = w.reshape(N * K // 256, 210)
+        d = b[:, 208:210].contiguous().view(torch.float16).double()  # [n, 1]
+        sc = b[:, 192:208].contiguous().view(torch.int8).double()  # [n, 16]
+        q = _q6_codes(b)  # [n, 16, 16]
+        return q.reshape(N, K // 16, 16), (d * sc).reshape(N, K // 16), torch.zeros(N, K // 16, dtype=torch.float64)
+    if name == "Q5_K":
+        b = w.reshape(N, K // 256, 176)
+        d, dmin = (b[..., f:f + 2].contiguous().view(torch.float16).double() for f in (0, 2))  # [N, nb, 1]
+        sc, mn = (t.double().reshape(N, K // 256, 8) for t in _k_scales(b[..., 4:16].reshape(-1, 12)))
+        low = b[..., 48:176].reshape(N, K // 256, 4, 32).long()
+        low = torch.stack([low & 15, low >> 4], 3).reshape(N, K // 256, 8, 32)
+        qh = b[..., 16:48].long()[:, :, None, :]  # [N, nb, 1, 32]: bit s = sub-block s's fifth bit
+        high = (qh >> torch.arange(8)[None, None, :, None]) & 1
+        q = (low | (high << 4)).reshape(N, K // 32, 32).double()
+        return q, (d * sc).reshape(N, -1), (-(dmin * mn)).reshape(N, -1)
     if name == "Q4_K":
         b = w.reshape(N, K // 256, 144)
         d, dmin = (b[..., f:f + 2].contiguous().view(torch.float16).double() for f in (0, 2))  # [N, nb, 1]
@@ -450,6 +467,22 @@ def _int8_parts(w: torch.Tensor, name: str, K: int) -> tuple[torch.Tensor, torch
     return q, d, m
 
 
+def _q6_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [n, 210] -> their codes minus 32 [n, 16, 16], float64, read from the bits (as the file's
+    comment in specdec/formats.py lays them out)."""
+    ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32).long(), b[:, 128:192].reshape(-1, 2, 1, 32).long()
+    low = torch.cat([ql & 15, ql >> 4], dim=2)
+    top = (qh >> torch.tensor([0, 2, 4, 6])[None, None, :, None]) & 3
+    return ((low | (top << 4)) - 32).reshape(-1, 16, 16).double()
+
+
+def _rounded_as(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_rounded`` at the sub-blocks of codes q [N, K / S, S]: (xq [M, K / S, S], dx [M, K / S])."""
+    xq, dx = _rounded(x)
+    S = q.shape[-1]
+    return xq.reshape(x.shape[0], -1, S), dx.repeat_interleave(32 // S, dim=1)
+
+
 def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x [M, K] rounded per 32 values as the kernel does: (xq [M, K / 32, 32], dx [M, K / 32]), float64."""
     xb = x.double().reshape(x.shape[0], x.shape[1] // 32, 32)
@@ -460,8 +493,8 @@ def _rounded(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _int8_model(x: torch.Tensor, w: torch.Tensor, name: str) -> torch.Tensor:
     """csrc/int8_linear.cpp's arithmetic in float64 from the blocks' bytes: x rounded per 32 values
     (dx = max|x| / 127), then per 32 weights D dx dot(q, xq) + M sx (``_int8_parts``; sx = dx sum(xq))."""
-    xq, dx = _rounded(x)
     q, D, M = _int8_parts(w, name, x.shape[1])
+    xq, dx = _rounded_as(x, q)
     dots = torch.einsum("nbk,xbk->xnb", q, xq)
     return torch.einsum("xnb,nb,xb->xn", dots, D, dx) + torch.einsum("nb,xb->xn", M, dx * xq.sum(-1))
 
@@ -489,8 +522,10 @@ def test_the_int8_draft_kernel_is_its_integer_arithmetic_and_near_the_reference(
             assert (y - ref).norm() <= int8_linear.APPROX_ERROR * ref.norm()
             both = ops.quant_linear_i8(x, [w, w2], [fmt.ggml_type, fmt.ggml_type])
             assert torch.equal(both, torch.cat([y, ops.quant_linear_i8(x, [w2], [fmt.ggml_type])], 1))
-    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1, Q8_0 or"):
-        ops.quant_linear_i8(torch.randn(1, 256), [random_blocks(FORMATS["Q5_K"], 2, 256, g)], [FORMATS["Q5_K"].ggml_type])
+    with pytest.raises(RuntimeError, match="is not Q4_0, Q4_1, Q8_0 or"):  # Q2_K (GGML type 10): no kernel reads it
+        ops.quant_linear_i8(torch.randn(1, 256), [torch.zeros(2, 84, dtype=torch.uint8)], [10])
+    with pytest.raises(RuntimeError, match=r"\(K a multiple of 256\) Q4_K, Q5_K, Q6_K"):  # K formats: whole blocks
+        ops.quant_linear_i8(torch.randn(1, 96), [torch.zeros(2, 66, dtype=torch.uint8)], [FORMATS["Q6_K"].ggml_type])
 
 
 def test_a_layer_takes_the_int8_route_only_inside_approximate_and_for_few_rows(ops, monkeypatch):

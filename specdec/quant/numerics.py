@@ -2,7 +2,7 @@
 
 - ``exact`` (the default): the blocks decoded to the reference's fp32 values, fp32 products; the same
   outputs as the dequantized model up to summation order (``QuantLinear.reference`` defines it).
-- ``int8``: every linear layer (Q4_0, Q4_1, Q8_0, Q4_K) rounds its input per row to 8-bit blocks of 32
+- ``int8``: every linear layer (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) rounds its input per row to 8-bit blocks of 32
   and multiplies the blocks' codes by them as integers, fp32 scales (``runtime/csrc/int8_linear.cpp``),
   and attention runs one query row at a time over the keys that row sees (``runtime/csrc/row_attention.cpp``). A target in int8
   numerics is its own reference: both ops are batch-invariant (a row's outputs are bit-equal computed

@@ -31,7 +31,8 @@ log = logging.getLogger(__name__)
 # [N, K] of the self-checks' matrices, this module's and ``qlinear``'s (the default model's MLP; K: whole K blocks)
 CHECK_FEATURES = (576, 1536)
 APPROX_FORMATS = ("Q4_0", "Q4_1", "Q8_0")  # what drafts' int8 route takes over an exact target's blocks
-INT8_FORMATS = (*APPROX_FORMATS, "Q4_K")  # what csrc/int8_linear.cpp multiplies: a target in int8 numerics
+# what csrc/int8_linear.cpp multiplies: a target in int8 numerics
+INT8_FORMATS = (*APPROX_FORMATS, "Q4_K", "Q5_K", "Q6_K")
 APPROX_ROWS = 2  # more rows: the exact kernel, which decodes each block once for all of them
 APPROX_ERROR = 0.05  # the int8 route's largest relative error (norm) against the reference in its self-check
 APPROX_CHECK_MB = 48  # the int8 route's timing streams this many MB of blocks (past a CPU's caches)
@@ -41,7 +42,8 @@ APPROX_CHECK_ROUNDS = 9
 APPROXIMATES: dict[tuple[str | None, str], bool] = {}
 _approximate: ContextVar[bool] = ContextVar("specdec_approximate", default=False)
 INTERLEAVED = 0x100  # a format code's flag to quant_linear_i8: the part's blocks are ``interleave``d
-Q4K_INTERLEAVED_BYTES = 148  # an interleaved Q4_K copy's bytes per feature and 256 weights (the file's: 144)
+# an interleaved K-format copy's bytes per feature and 256 weights (the file's: 144, 176, 210)
+K_INTERLEAVED_BYTES = {"Q4_K": 148, "Q5_K": 276, "Q6_K": 274}
 INTERLEAVE_FEATURES = 1024  # features rearranged at a time: the temporaries stay a few MB whatever the weight
 
 
@@ -50,13 +52,15 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     groups of 16, each block of a group as the 16 scales (f16), Q4_1's 16 mins, then vectors of 64 bytes
     holding 4 codes of each feature (Q8_0's codes plus 128); Q4_K's 256-weight blocks as the 16 d, the 16
     dmin, the 8 sub-blocks' scales and mins as bytes (16 a sub-block), then the codes, 4 pairs of sub-blocks
-    of 8 vectors each, [N, K / 256 * Q4K_INTERLEAVED_BYTES]; the features past the last whole group as they
-    were (Q4_K's rows then padded with zeros to that size). ``csrc/int8_linear.cpp``'s comment says why."""
+    of 8 vectors each; Q5_K's as Q4_K's head, then whole-byte codes (0..31), 8 vectors a sub-block; Q6_K's
+    as the 16 d, the 16 sub-blocks' signed scales (16 bytes each), then whole-byte codes (0..63), 4 vectors
+    a sub-block of 16; [N, K / 256 * K_INTERLEAVED_BYTES]. The features past the last whole group as they
+    were (a K format's rows then padded with zeros to that size). ``csrc/int8_linear.cpp``'s comment says why."""
     if fmt.name not in INT8_FORMATS:
         raise ValueError(f"the int8 kernel multiplies {', '.join(INT8_FORMATS)} blocks, not {fmt.name}")
     N, row = blocks.shape
     nb = row // fmt.block_bytes
-    out = torch.zeros(N, nb * Q4K_INTERLEAVED_BYTES if fmt.name == "Q4_K" else row, dtype=torch.uint8)
+    out = torch.zeros(N, nb * K_INTERLEAVED_BYTES.get(fmt.name, fmt.block_bytes), dtype=torch.uint8)
     whole = N // 16 * 16
     for a in range(0, whole, INTERLEAVE_FEATURES):
         part = blocks[a:min(whole, a + INTERLEAVE_FEATURES)]
@@ -76,7 +80,9 @@ def _groups(blocks: torch.Tensor, fmt: BlockFormat, nb: int) -> torch.Tensor:
         fields = [head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32),  # 16 d, 16 dmin
                   *(t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn))]  # [sub][feature]
         codes = head[..., 16:].reshape(G, nb, 16, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 2048)
-        return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * Q4K_INTERLEAVED_BYTES)
+        return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES["Q4_K"])
+    if fmt.name in ("Q5_K", "Q6_K"):
+        return _k_groups(head, fmt.name)
     scales = 4 if fmt.name == "Q4_1" else 2  # d (and m): f16 each
     fields = [head[..., f:f + 2].reshape(G, nb, 32) for f in range(0, scales, 2)]  # 16 d, then 16 m
     codes = head[..., scales:]
@@ -85,6 +91,35 @@ def _groups(blocks: torch.Tensor, fmt: BlockFormat, nb: int) -> torch.Tensor:
     chunks = codes.shape[-1] // 4  # 4-byte chunks a feature's codes (Q4: of nibble bytes)
     codes = codes.reshape(G, nb, 16, chunks, 4).permute(0, 1, 3, 2, 4).reshape(G, nb, chunks * 64)
     return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * size)
+
+
+def _k_groups(head: torch.Tensor, name: str) -> torch.Tensor:
+    """``_groups`` of Q5_K / Q6_K: head [G, nb, 16 features, block bytes] -> [16 G, nb * K_INTERLEAVED_BYTES],
+    each block's codes decoded to whole bytes (as ``formats.dequantize_q5_k`` / ``dequantize_q6_k`` read
+    them) and laid out as vectors of 4 codes of each of the 16 features."""
+    G, nb = head.shape[:2]
+    flat = head.reshape(-1, head.shape[-1])  # [G nb 16, bytes]: one block per row
+    if name == "Q5_K":
+        low = torch.cat([flat[:, 48:176].reshape(-1, 4, 32) & 15, flat[:, 48:176].reshape(-1, 4, 32) >> 4], -1)
+        high = (flat[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8)[None, :, None]) & 1  # [n, 8, 32]
+        codes = low.reshape(-1, 8, 32) | (high << 4)  # [n, 8 sub-blocks, 32]
+        s = head[..., 4:16].to(torch.int16)  # the 6-bit scales and mins as bytes (formats._k_scales)
+        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
+        mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
+        fields = [head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32),
+                  *(t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn))]
+        subs, size = 8, 32
+    else:
+        ql = flat[:, 0:128].reshape(-1, 2, 2, 32)  # [n, half, first / second 32 bytes, l]
+        qh = flat[:, 128:192].reshape(-1, 2, 1, 32)
+        low = torch.cat([ql & 15, ql >> 4], dim=2)  # [n, half, quarter, l]
+        top = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[None, None, :, None]) & 3
+        codes = (low | (top << 4)).reshape(-1, 16, 16)  # [n, 16 sub-blocks, 16]
+        fields = [head[..., 208:210].reshape(G, nb, 32), head[..., 192:208].transpose(-1, -2).reshape(G, nb, 256)]
+        subs, size = 16, 16
+    # [G, nb, 16 features, subs, size / 4 vectors, 4] -> [G, nb, subs, vectors, 16 features, 4]
+    codes = codes.reshape(G, nb, 16, subs, size // 4, 4).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, subs * size * 16)
+    return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES[name])
 
 
 def linear(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],

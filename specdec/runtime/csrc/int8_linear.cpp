@@ -1,4 +1,4 @@
-// y = x @ W^T in int8 numerics: x rounded per row to 8-bit blocks of 32, W's Q8_0 / Q4_0 / Q4_1 / Q4_K codes
+// y = x @ W^T in int8 numerics: x rounded per row to 8-bit blocks of 32, W's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K codes
 // multiplied by them as integers (llama.cpp's arithmetic), fp32 scales. The one int8 kernel: a target
 // loaded with numerics="int8" runs every row through it (decode, verify, batches, prefill), and the
 // self-speculative drafters' approximate forwards over an exact target take it too (int8_linear.approximate).
@@ -10,8 +10,11 @@
 //   - acc = fma(float(dot), D * dx, acc), with D * dx one fp32 product;
 //   - off = fma(M, sx, off);
 //   - y = acc + off;
-// where w = D q + M: Q4_1's D = d, M = m; Q4_0's D = d, M = -8 d; Q8_0's D = d (no M); Q4_K's per sub-block
-// of 32, D = d * sc, M = 0 - dmin * mn (exact fp32 products of an f16 and a 6-bit integer).
+// where w = D q + M: Q4_1's D = d, M = m; Q4_0's D = d, M = -8 d; Q8_0's D = d (no M); Q4_K's and Q5_K's per
+// sub-block of 32, D = d * sc, M = 0 - dmin * mn (exact fp32 products of an f16 and a 6-bit integer).
+// Q6_K's sub-blocks are 16 weights, w = D (q - 32) with D = d * sc (sc a signed byte): per sub-block of 16,
+//   - dot = dot(q, xq) - 32 * sum(xq over those 16), exact int32 (round_rows keeps n16 = -32 * sum);
+//   - acc = fma(float(dot), D * dx, acc), dx its block of 32's; no off.
 // Every path computes exactly these operations, so a row's outputs are the same bits whatever the number
 // of rows M, the row's place among them, the thread count (threads split output features, never the sum
 // over K), the layout of the blocks and the build (AVX-512 VNNI, AVX-VNNI or AVX2's vpmaddubsw +
@@ -26,6 +29,10 @@
 //     are weights 4j..4j+3 and high ones 16+4j..; Q8_0: codes 4j..4j+3 plus 128, as unsigned bytes).
 //     Q4_K's 256-weight block: 16 d, 16 dmin (f16), its 8 sub-blocks' scales then mins as bytes (16 per
 //     sub-block), then per pair of sub-blocks 8 such vectors (low nibbles: the pair's first sub-block).
+//     Q5_K's: the same head, then per sub-block 8 vectors of whole-byte codes (0..31: the fifth bit joined
+//     at load). Q6_K's: 16 d (f16), its 16 sub-blocks' signed scales (16 bytes each), then per sub-block of
+//     16 weights 4 vectors of whole-byte codes (0..63). Whole bytes: no bit work in the loop, for 276 / 274
+//     bytes a feature and 256 weights against the file's 176 / 210.
 //     Features past the last whole group keep the file's layout at their own offsets. One 512-bit
 //     vpdpbusd against a broadcast of 4 of the row's codes then adds 4 products for each of 16 features:
 //     the block's 16 dot products come out per lane, with no horizontal sum, and the float work of a
@@ -47,26 +54,34 @@
 namespace {
 
 constexpr int64_t kRowBlock = 64;  // rows whose rounded activations stay in L2 while a thread's features pass
-constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12;  // GGML types
+constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 14;  // GGML types
 constexpr int kInterleaved = 0x100;                         // format flag: the part's blocks are interleaved
 constexpr int kGroup = 16;                                  // features per interleaved group
 constexpr int64_t kQ4KRowBytes = 148;  // an interleaved Q4_K copy's bytes per feature and 256 weights (file: 144)
+constexpr int64_t kQ5KRowBytes = 276;  // Q5_K's (file: 176)
+constexpr int64_t kQ6KRowBytes = 274;  // Q6_K's (file: 210)
 
-constexpr int64_t block_bytes(int type) { return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : 34; }
+constexpr bool k_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }  // 256-weight blocks
+constexpr int64_t block_bytes(int type) {  // the file's bytes per block (32 weights, or 256 for the K types)
+  return type == kQ4_0 ? 18 : type == kQ4_1 ? 20 : type == kQ4_K ? 144 : type == kQ5_K ? 176 : type == kQ6_K ? 210 : 34;
+}
+constexpr int64_t interleaved_bytes(int type) {  // an interleaved copy's bytes per feature and block
+  return type == kQ4_K ? kQ4KRowBytes : type == kQ5_K ? kQ5KRowBytes : type == kQ6_K ? kQ6KRowBytes : block_bytes(type);
+}
 
 // a part's bytes per output feature for K inputs, in the file's layout or the interleaved one
 constexpr int64_t row_bytes(int type, bool interleaved, int64_t K) {
-  return type == kQ4_K ? K / 256 * (interleaved ? kQ4KRowBytes : 144) : K / 32 * block_bytes(type);
+  return K / (k_type(type) ? 256 : 32) * (interleaved ? interleaved_bytes(type) : block_bytes(type));
 }
 
 #if defined(__AVX2__)
 
 using specdec_vec::f16;
 
-struct Rounded {  // every row of x rounded: codes [M, K]; per [M, K / 32]: dx, sx = dx * sum(xq), -128 * sum(xq)
-  std::vector<int8_t> q;
+struct Rounded {  // every row of x rounded: codes [M, K]; per [M, K / 32]: dx, sx = dx * sum(xq), -128 * sum(xq);
+  std::vector<int8_t> q;  // per [M, K / 16]: n16 = -32 * sum(xq) (Q6_K's offset, in integers)
   std::vector<float> d, s;
-  std::vector<int32_t> neg;
+  std::vector<int32_t> neg, n16;
 };
 
 void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
@@ -75,6 +90,7 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
   r.d.resize(M * nb);
   r.s.resize(M * nb);
   r.neg.resize(M * nb);
+  r.n16.resize(M * nb * 2);
   at::parallel_for(0, M, 8, [&](int64_t m0, int64_t m1) {
     for (int64_t m = m0; m < m1; ++m)
       for (int64_t b = 0; b < nb; ++b) {
@@ -82,13 +98,16 @@ void round_rows(const float* x, int64_t M, int64_t K, Rounded& r) {
         float amax = 0.f;
         for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(xb[i]));
         const float d = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-        int sum = 0;
+        int sum = 0, half = 0;
         for (int i = 0; i < 32; ++i) {
           const float scaled = xb[i] * inv;
           const int q = static_cast<int>(std::nearbyint(scaled));  // in [-127, 127]
           r.q[m * K + b * 32 + i] = static_cast<int8_t>(q);
           sum += q;
+          if (i == 15) half = sum;
         }
+        r.n16[(m * nb + b) * 2] = -32 * half;
+        r.n16[(m * nb + b) * 2 + 1] = -32 * (sum - half);
         r.d[m * nb + b] = d;
         r.s[m * nb + b] = d * static_cast<float>(sum);
         r.neg[m * nb + b] = -128 * sum;
@@ -260,9 +279,26 @@ inline void rows_step(__m512 (&acc)[R], __m512 (&off)[R], const __m512i (&c)[8],
   }
 }
 
+// Q6_K: one sub-block t (16 weights; its index over the row) of a group for R rows: codes c (16 features x 16,
+// as 4 vectors of 4 codes each), D = d * sc per feature; the dots start at n16 = -32 * sum(xq) (the file's comment)
+template <int R>
+inline void rows_step16(__m512 (&acc)[R], const __m512i (&c)[4], __m512 D, const Rounded& x, int64_t K, int64_t nb,
+                        int64_t r0, int64_t t) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const int8_t* xr = x.q.data() + row * K + t * 16;
+    __m512i s0 = _mm512_set1_epi32(x.n16[row * nb * 2 + t]);
+    for (int j = 0; j < 4; ++j) s0 = _mm512_dpbusd_epi32(s0, c[j], _mm512_set1_epi32(word(xr + 4 * j)));
+    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(D, _mm512_set1_ps(x.d[row * nb + t / 2])), acc[r]);
+  }
+}
+
 inline __m512 half16(const uint8_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
 inline __m512 bytes16(const uint8_t* p) {  // 16 unsigned bytes as floats
   return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m512 signed16(const uint8_t* p) {  // 16 signed bytes as floats
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
 }
 
 template <int Type, int R>
@@ -288,6 +324,35 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
         const __m512 D = _mm512_mul_ps(d, bytes16(p + 64 + 16 * s));
         const __m512 M = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, bytes16(p + 192 + 16 * s)));
         rows_step<Type, R>(acc, off, c, D, M, x, K, nb, r0, B * 8 + s);
+      }
+    }
+  } else if constexpr (Type == kQ5_K) {  // Q4_K's head, whole-byte codes per sub-block
+    constexpr int64_t kStride = kGroup * kQ5KRowBytes;
+    for (int64_t B = 0; B < nb / 8; ++B) {
+      const uint8_t* p = grp + B * kStride;
+      if constexpr (R >= kPrefetchRows)
+        for (int64_t o = 0; o < kStride; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kStride + o), _MM_HINT_T0);
+      const __m512 d = half16(p), dmin = half16(p + 32);
+      for (int s = 0; s < 8; ++s) {
+        for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(p + kQ4KCodes + 512 * s + 64 * j);
+        const __m512 D = _mm512_mul_ps(d, bytes16(p + 64 + 16 * s));
+        const __m512 M = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, bytes16(p + 192 + 16 * s)));
+        rows_step<Type, R>(acc, off, c, D, M, x, K, nb, r0, B * 8 + s);
+      }
+    }
+  } else if constexpr (Type == kQ6_K) {  // 16 d, 16 x 16 signed scales, whole-byte codes per sub-block of 16
+    constexpr int64_t kStride = kGroup * kQ6KRowBytes;
+    __m512i c4[4];
+    for (int64_t B = 0; B < nb / 8; ++B) {
+      const uint8_t* p = grp + B * kStride;
+      if constexpr (R >= kPrefetchRows)
+        for (int64_t o = 0; o < kStride; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kStride + o), _MM_HINT_T0);
+      const __m512 d = half16(p);
+      for (int t = 0; t < 16; ++t) {
+        for (int j = 0; j < 4; ++j) c4[j] = _mm512_loadu_si512(p + 288 + 256 * t + 64 * j);
+        rows_step16<R>(acc, c4, _mm512_mul_ps(d, signed16(p + 32 + 16 * t)), x, K, nb, r0, B * 16 + t);
       }
     }
   } else {
@@ -343,9 +408,31 @@ inline void rows_step(__m256 (&acc)[R], __m256 (&off)[R], const uint8_t (&codes)
   }
 }
 
+// Q6_K: one sub-block t of a half group for R rows: codes (8 features x 16, as 4 vectors of 4 codes each)
+template <int R>
+inline void rows_step16(__m256 (&acc)[R], const uint8_t (&codes)[8][32], __m256 D, const Rounded& x, int64_t K,
+                        int64_t nb, int64_t r0, int64_t t) {
+  for (int r = 0; r < R; ++r) {
+    const int64_t row = r0 + r;
+    const int8_t* xr = x.q.data() + row * K + t * 16;
+    __m256i s0 = _mm256_set1_epi32(x.n16[row * nb * 2 + t]), s1 = _mm256_setzero_si256();
+    for (int j = 0; j < 4; j += 2) {
+      const __m256i c0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j]));
+      const __m256i c1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes[j + 1]));
+      s0 = dot_u8s8(s0, c0, _mm256_set1_epi32(word(xr + 4 * j)));
+      s1 = dot_u8s8(s1, c1, _mm256_set1_epi32(word(xr + 4 * j + 4)));
+    }
+    const __m256 f = _mm256_cvtepi32_ps(_mm256_add_epi32(s0, s1));
+    acc[r] = _mm256_fmadd_ps(f, _mm256_mul_ps(D, _mm256_set1_ps(x.d[row * nb + t / 2])), acc[r]);
+  }
+}
+
 inline __m256 half8(const uint8_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
 inline __m256 bytes8(const uint8_t* p) {  // 8 unsigned bytes as floats
   return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+inline __m256 signed8(const uint8_t* p) {  // 8 signed bytes as floats
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
 }
 
 template <int Type, int R>
@@ -370,6 +457,26 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
           const __m256 D = _mm256_mul_ps(d, bytes8(p + 64 + 16 * s + 8 * h));
           const __m256 M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, bytes8(p + 192 + 16 * s + 8 * h)));
           rows_step<Type, R>(acc, off, codes, D, M, x, K, nb, r0, B * 8 + s);
+        }
+      }
+    } else if constexpr (Type == kQ5_K) {
+      for (int64_t B = 0; B < nb / 8; ++B) {
+        const uint8_t* p = grp + B * kGroup * kQ5KRowBytes;
+        const __m256 d = half8(p + 16 * h), dmin = half8(p + 32 + 16 * h);
+        for (int s = 0; s < 8; ++s) {
+          for (int j = 0; j < 8; ++j) std::memcpy(codes[j], p + kQ4KCodes + 512 * s + 64 * j + 32 * h, 32);
+          const __m256 D = _mm256_mul_ps(d, bytes8(p + 64 + 16 * s + 8 * h));
+          const __m256 M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, bytes8(p + 192 + 16 * s + 8 * h)));
+          rows_step<Type, R>(acc, off, codes, D, M, x, K, nb, r0, B * 8 + s);
+        }
+      }
+    } else if constexpr (Type == kQ6_K) {
+      for (int64_t B = 0; B < nb / 8; ++B) {
+        const uint8_t* p = grp + B * kGroup * kQ6KRowBytes;
+        const __m256 d = half8(p + 16 * h);
+        for (int t = 0; t < 16; ++t) {
+          for (int j = 0; j < 4; ++j) std::memcpy(codes[j], p + 288 + 256 * t + 64 * j + 32 * h, 32);
+          rows_step16<R>(acc, codes, _mm256_mul_ps(d, signed8(p + 32 + 16 * t + 8 * h)), x, K, nb, r0, B * 16 + t);
         }
       }
     } else {
@@ -446,6 +553,56 @@ void q4k_features(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, in
     }
 }
 
+// Q5_K / Q6_K features [a, b) in the file's layout (past an interleaved copy's last group, rows rb bytes apart):
+// the group kernel's operations per (row, feature), each sub-block's codes decoded to whole bytes first
+// (specdec/formats.py's dequantize_q5_k / dequantize_q6_k say where each weight's bits are)
+template <int Type>
+void k_features(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, int64_t M, int64_t K, float* y,
+                int64_t N, int64_t a, int64_t b) {
+  alignas(32) uint8_t codes[32];
+  for (int64_t n = a; n < b; ++n)
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f, off = 0.f;
+      for (int64_t B = 0; B < nb / 8; ++B) {
+        const uint8_t* blk = w + n * rb + B * block_bytes(Type);
+        for (int k = 0; k < 8; ++k) {  // the block's k-th 32 weights: sub-block k (Q5_K), 2k and 2k + 1 (Q6_K)
+          const int64_t sb = B * 8 + k;
+          const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x.q.data() + m * K + sb * 32));
+          if constexpr (Type == kQ5_K) {
+            const uint8_t *sp = blk + 4, *qh = blk + 16, *qs = blk + 48;
+            for (int l = 0; l < 32; ++l)
+              codes[l] = static_cast<uint8_t>(((qs[32 * (k / 2) + l] >> (4 * (k % 2))) & 15) | (((qh[l] >> k) & 1) << 4));
+            const int sc = k < 4 ? sp[k] & 63 : (sp[k + 4] & 15) | ((sp[k - 4] >> 6) << 4);
+            const int mn = k < 4 ? sp[k + 4] & 63 : (sp[k + 4] >> 4) | ((sp[k] >> 6) << 4);
+            const float d = f16(blk), dmin = f16(blk + 2);
+            const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
+            const float f = static_cast<float>(sum1(dot_u8s8(_mm256_setzero_si256(), cv, xv)));
+            const float D = d * static_cast<float>(sc), Mv = 0.f - dmin * static_cast<float>(mn);
+            acc = std::fma(f, D * x.d[m * nb + sb], acc);
+            off = std::fma(Mv, x.s[m * nb + sb], off);
+          } else {
+            const uint8_t *ql = blk, *qh = blk + 128;
+            const int half = k / 4, quarter = k % 4;
+            for (int l = 0; l < 32; ++l)
+              codes[l] = static_cast<uint8_t>(((ql[64 * half + 32 * (quarter % 2) + l] >> (4 * (quarter / 2))) & 15) |
+                                              (((qh[32 * half + l] >> (2 * quarter)) & 3) << 4));
+            const float d = f16(blk + 208);
+            for (int u = 0; u < 2; ++u) {  // the sub-block of 16: its codes, zeros beside them
+              alignas(32) uint8_t one[32] = {};
+              std::memcpy(one + 16 * u, codes + 16 * u, 16);
+              const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(one));
+              const int64_t t = B * 16 + 2 * k + u;
+              const int32_t dot = sum1(dot_u8s8(_mm256_setzero_si256(), cv, xv)) + x.n16[m * nb * 2 + t];
+              const float D = d * static_cast<float>(static_cast<int8_t>(blk[192 + 2 * k + u]));
+              acc = std::fma(static_cast<float>(dot), D * x.d[m * nb + sb], acc);
+            }
+          }
+        }
+      }
+      y[m * N + n] = acc + off;
+    }
+}
+
 // features [16 u, 16 u + count) of one weight (a unit: an interleaved group, or file-layout features)
 template <int Type>
 void unit(const uint8_t* w, int64_t rb, int64_t nb, bool interleaved, const Rounded& x, int64_t M, int64_t K,
@@ -453,6 +610,8 @@ void unit(const uint8_t* w, int64_t rb, int64_t nb, bool interleaved, const Roun
   if (!interleaved || count < kGroup) {
     if constexpr (Type == kQ4_K)
       q4k_features(w, rb, nb, x, M, K, y, N, first, first + count);
+    else if constexpr (Type == kQ5_K || Type == kQ6_K)
+      k_features<Type>(w, rb, nb, x, M, K, y, N, first, first + count);
     else
       feature_range<Type>(w, rb, nb, x, M, K, y, N, first, first + count);
     return;
@@ -465,7 +624,7 @@ void unit(const uint8_t* w, int64_t rb, int64_t nb, bool interleaved, const Roun
 #endif  // __AVX2__
 
 // x [M, K] (float32) through the weights ``blocks`` (uint8 [N_p, row_bytes_p] of GGML types ``fmts``: Q4_0,
-// Q4_1, Q8_0, each optionally | kInterleaved) -> [M, sum of N_p] float32, their outputs side by side, in
+// Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, each optionally | kInterleaved) -> [M, sum of N_p] float32, their outputs side by side, in
 // int8 numerics (the file's comment)
 at::Tensor quant_linear_i8(const at::Tensor& x, at::TensorList blocks, at::IntArrayRef fmts) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.size(1) % 32 == 0,
@@ -478,9 +637,9 @@ at::Tensor quant_linear_i8(const at::Tensor& x, at::TensorList blocks, at::IntAr
     const int64_t t = fmts[p] & ~kInterleaved;
     const bool inter = (fmts[p] & kInterleaved) != 0;
     TORCH_CHECK((fmts[p] & ~(kInterleaved | 0xFF)) == 0 && (t == kQ4_0 || t == kQ4_1 || t == kQ8_0 ||
-                                                          (t == kQ4_K && K % 256 == 0)),
-                "quant_linear_i8: format ", fmts[p], " is not Q4_0, Q4_1, Q8_0 or (K a multiple of 256) Q4_K, ",
-                "optionally interleaved");
+                                                          (k_type(t) && K % 256 == 0)),
+                "quant_linear_i8: format ", fmts[p], " is not Q4_0, Q4_1, Q8_0 or (K a multiple of 256) Q4_K, Q5_K, ",
+                "Q6_K, optionally interleaved");
     TORCH_CHECK(blocks[p].scalar_type() == at::kByte && blocks[p].dim() == 2 && blocks[p].is_contiguous()
                 && blocks[p].size(1) == row_bytes(t, inter, K), "quant_linear_i8: part ", p, " is not uint8 [N, ",
                 row_bytes(t, inter, K), "]");
@@ -507,6 +666,8 @@ at::Tensor quant_linear_i8(const at::Tensor& x, at::TensorList blocks, at::IntAr
         case kQ4_0: unit<kQ4_0>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
         case kQ4_1: unit<kQ4_1>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
         case kQ4_K: unit<kQ4_K>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
+        case kQ5_K: unit<kQ5_K>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
+        case kQ6_K: unit<kQ6_K>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
         default: unit<kQ8_0>(w, rb, nb, inter, rx, M, K, yq, N, first, count); break;
       }
     }
