@@ -181,3 +181,53 @@ def test_concurrent_requests_with_different_constraints_get_their_alone_answers(
     for i, content in enumerate(got):
         _, lib = asks[i % len(asks)]
         assert content == text_of(server, plain(server, chat(f"q{i}"), max_new=30, **lib)), i
+
+
+def metric(server, name: str) -> float:
+    """One unlabelled sample from /metrics."""
+    lines = httpx.get(server.url + "/metrics", timeout=30).text.splitlines()
+    return float(next(line for line in lines if line.startswith(name + " ")).split()[1])
+
+
+def test_concurrent_requests_with_one_schema_share_its_grammar_and_answer_as_uncached_decoding(
+        server, client, monkeypatch):
+    """Two requests at once with a schema no other test sends: each answer is plain decoding's with a
+    grammar compiled for it alone; the schema is compiled once (twice if both missed at once), and a third
+    request with it compiles nothing."""
+    import concurrent.futures
+
+    schema = {"type": "object", "properties": {"tag": {"type": "string", "maxLength": 5}, "k": {"type": "integer"}},
+              "required": ["tag", "k"], "additionalProperties": False}
+    asks = ("one", "two two")
+    want = [text_of(server, plain(server, chat(q), max_new=30, constraint=Constraint.json_schema(schema)))
+            for q in asks]
+    compiles = []
+    compile_ = Constraint.compile
+    monkeypatch.setattr(Constraint, "compile", lambda self, vocab: compiles.append(self) or compile_(self, vocab))
+    hits = metric(server, "specdec_grammar_cache_hits_total")
+    rf = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+
+    def ask(q: str) -> str:
+        return client.chat.completions.create(model="tiny", messages=chat(q), temperature=0, max_tokens=30,
+                                              response_format=rf).choices[0].message.content
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(ask, asks)) == want
+    assert 1 <= len(compiles) <= 2
+    first = len(compiles)
+    assert ask(asks[0]) == want[0] and len(compiles) == first
+    assert metric(server, "specdec_grammar_cache_hits_total") >= hits + 3 - first
+    assert metric(server, "specdec_grammar_cache_entries") == len(server.service.grammars)
+
+
+def test_a_bad_schema_gets_its_400_every_time(server):
+    body = {"model": "tiny", "messages": chat("x"), "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}}
+    cache = server.service.grammars
+    held, misses = len(cache), cache.misses
+    errors = [httpx.post(server.url + "/v1/chat/completions", json=body, timeout=60) for _ in range(2)]
+    assert [r.status_code for r in errors] == [400, 400]
+    assert errors[0].json()["error"] == errors[1].json()["error"]
+    assert errors[0].json()["error"]["param"] == "response_format"
+    assert "does not compile" in errors[0].json()["error"]["message"] and "nope" in errors[0].json()["error"]["message"]
+    assert (len(cache), cache.misses) == (held, misses + 2)

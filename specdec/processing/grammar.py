@@ -6,6 +6,8 @@
     state.allowed()                      # [V] bool: tokens the grammar allows next
     state.consume([17, 4])               # committed tokens (each must have been allowed)
     state.forced()                       # tokens the grammar forces next (free drafts)
+    cache = GrammarCache(64)             # a server's: one compile per (constraint, vocabulary), then shared
+    cache.compile(c, grammar.vocabulary) # a Grammar, the same one for every request that repeats c
 
 The engine is llguidance (why, and what xgrammar measured: docs/decisions/020-constraints.md); no
 grammar is parsed here. A JSON schema, JSON object mode, a regular expression, a Lark grammar and a
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 import functools
 import json
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +90,17 @@ class Constraint:
     def gbnf(cls, grammar: str) -> "Constraint":
         return cls("gbnf", str(grammar))
 
+    def text(self) -> str:
+        """The constraint's exact text: the regex or grammar as given, or the schema's JSON without whitespace,
+        its keys in their given order (not sorted: the order of ``properties``, and of a ``const`` object, is
+        the order of the answer's keys, so two schemas that differ only there answer differently)."""
+        if isinstance(self.source, str):
+            return self.source
+        try:
+            return json.dumps(self.source, separators=(",", ":"), ensure_ascii=False)
+        except (TypeError, ValueError) as e:  # a schema built in Python with a value JSON has no form for
+            raise ConstraintError(f"the {self.kind} constraint is not JSON: {e}") from None
+
     def grammar_text(self) -> str:
         """llguidance's grammar for this constraint (its own serialised form)."""
         llg = _llguidance()
@@ -144,6 +159,51 @@ class Grammar:
 
     def start(self) -> "GrammarState":
         return GrammarState(self._start.deep_copy(), self.vocabulary.vocab_size)
+
+
+class GrammarCache:
+    """Compiled grammars kept for the requests that repeat a constraint, keyed by (kind, ``Constraint.text``,
+    compact, the vocabulary object); past ``max_entries`` (0: none kept) the least recently used is dropped.
+
+    A ``Grammar`` is safe to share: its start matcher is never moved (each sequence's state is a copy,
+    ``start()``), the rest is read-only. Thread-safe: the routes compile on worker threads. A compile runs
+    outside the lock (a slow grammar holds up no other lookup), so two first requests for one constraint at
+    once may both compile it; one of the two is kept. A constraint that does not compile is never kept: its
+    ConstraintError is raised again each time. Why and what it saves: docs/decisions/020-constraints.md."""
+
+    def __init__(self, max_entries: int = 64) -> None:
+        if max_entries < 0:
+            raise ValueError(f"a grammar cache holds max_entries >= 0 grammars, got {max_entries}")
+        self.max_entries = max_entries
+        self._grammars: OrderedDict[tuple, Grammar] = OrderedDict()  # least recently used first
+        self._lock = threading.Lock()
+        self.hits = 0  # lookups answered from the cache
+        self.misses = 0  # lookups that compiled (a constraint refused too)
+        self.evictions = 0  # grammars dropped for the bound
+
+    def __len__(self) -> int:
+        return len(self._grammars)
+
+    def compile(self, constraint: Constraint, vocabulary: Vocabulary) -> Grammar:
+        """``constraint.compile(vocabulary)``, or the grammar it gave before."""
+        key = (constraint.kind, constraint.text(), constraint.compact, vocabulary)  # vocabulary: by identity
+        with self._lock:
+            grammar = self._grammars.get(key)
+            if grammar is not None:
+                self._grammars.move_to_end(key)
+                self.hits += 1
+                return grammar
+            self.misses += 1
+        grammar = constraint.compile(vocabulary)  # a ConstraintError leaves the cache as it was
+        if self.max_entries == 0:
+            return grammar
+        with self._lock:
+            grammar = self._grammars.setdefault(key, grammar)  # another thread's compile of it may have landed first
+            self._grammars.move_to_end(key)
+            while len(self._grammars) > self.max_entries:
+                self._grammars.popitem(last=False)
+                self.evictions += 1
+        return grammar
 
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
