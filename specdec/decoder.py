@@ -41,7 +41,9 @@ from specdec.processing import Constraint, Grammar, Processing, TokenLogprob, Vo
 from specdec.prompting import eos_ids
 from specdec.sampling import SamplingParams
 # the step core; its names stay importable from here
-from specdec.session import PREFILL_TOKENS, Acceptance, DecodeSession, StepEvent, StepOutcome, StepStats, learn_step  # noqa: F401
+from specdec.judging import Acceptance
+from specdec.session import PREFILL_TOKENS, DecodeSession  # noqa: F401
+from specdec.steps import StepEvent, StepOutcome, StepStats, learn_step  # noqa: F401
 
 ATTENTION = ("pad", "split", "auto")
 # a target computing in these rounds each layer's output to 8 or 11 bits: another summation order (the

@@ -12,8 +12,9 @@ committed text (``begin`` + ``accept`` of the pending tokens: the state a text-m
 self-speculating drafter would hold anyway) at the next step that drafts, not at the join. A drafter
 that reads the target's hidden states (EAGLE) cannot restart so: ``joins`` is False for it and a
 caller adds only to an empty session. Sequences stop on their own EOS or max_new and leave
-(compaction: later rows move down in place); ``remove`` drops rows the same way. Each row is judged by ``judge``'s rule for it: one rule for a ``generate`` run
-(``Acceptance``), or one per row for a server (``specdec.serve.acceptance``).
+(compaction: later rows move down in place); ``remove`` drops rows the same way. Each row is judged
+by ``judge``'s rule for it: one rule for a ``generate`` run (``specdec.judging.Acceptance``), or one per
+row for a server (``specdec.serve.acceptance``).
 
 Invariant between steps: the target's BMC store holds every committed token of each live sequence
 but the last one, the *pending* token, which opens the next verify block (row 0), followed by the
@@ -22,221 +23,33 @@ length together, in forwards of at most PREFILL_TOKENS tokens), and gives the fi
 prefix cache (``specdec.kv.prefix``) each prompt takes its longest cached prefix and prefills the rest
 in aligned blocks, hit or miss, so a reused prefix changes no bit (docs/decisions/021-prefix-cache.md).
 
+The session is the loop; its parts live beside it: ``specdec.steps`` (what a step yields, the table of
+live sequences, what the controller learns) and ``specdec.judging`` (the acceptance rule and the pure
+helpers around a verify block: the grammar's cut, processed logits, the commit).
+
 Dimensions: B live rows, P prompt columns, N draft nodes, A accepted drafts, D hidden size, V vocab.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
-from collections.abc import Sequence
-from typing import Hashable, Protocol
 
 import torch
 
-from specdec.controller import DraftLengthController, period
+from specdec.controller import period
 from specdec.drafters.base import Commit, Prompt
-from specdec.drafters.chooser import Shadow, draft_step
+from specdec.drafters.chooser import draft_step
 from specdec.forward import forward_block, prefill, prefill_aligned
 from specdec.introspect import attention_shape
+from specdec.judging import Judge, constrain, is_chain, judge_processed, make_commit
 from specdec.kv.bmc import BMCCache
 from specdec.kv.static import StaticCache
-from specdec.processing import Processing, RowProcessor, TokenLogprob
-from specdec.runtime import kernels
-from specdec.sampling import SamplingParams, target_probs
-from specdec.tree import DraftTree, ancestor_mask, node_depths, path_along
-from specdec.verifiers.sampling import verify_sampling
-from specdec.verifiers.tree import Verification, verify_greedy
+from specdec.processing import Processing, RowProcessor
+from specdec.steps import Batch, SequenceResult, StepEvent, StepOutcome, StepStats, learn_step
+from specdec.tree import DraftTree, ancestor_mask, node_depths
+from specdec.verifiers.tree import Verification
 
 PREFILL_TOKENS = 4096  # prompt tokens per prefill forward (prompts of one length go together up to this)
-
-
-@dataclass(frozen=True)
-class StepStats:
-    num_drafted: list[int]  # per live sequence: real draft nodes verified this step
-    num_accepted: list[int]  # per live sequence: drafted tokens kept (the step yields this + 1)
-    draft_time: float  # seconds in drafter.propose
-    verify_time: float  # seconds in the target forward, verification and commit
-    sequences: list[int] = field(default_factory=lambda: [0])  # which sequence each entry is
-    split: bool = False  # the step's attention ran per sequence (SPLIT) rather than padded (PAD)
-    key: object = None  # the draft class verified this step (None: nothing drafted)
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """What one step appended to one sequence, for streaming UIs."""
-
-    tokens: list[int]  # the new tokens, after max_new_tokens / EOS truncation
-    from_draft: int  # how many of the leading tokens were accepted drafts (the rest: the target's)
-    stats: StepStats
-    sequence: int = 0  # the sequence's id (``generate``: its index in the batch given)
-    finished: bool = False  # the sequence stopped this step (EOS or max_new) and left the batch
-    finish: str | None = None  # why it stopped: "stop" (its EOS) or "length" (max_new); None while it goes on
-    # one per token when the sequence asked for them (``Processing.logprobs``), else None
-    logprobs: list[TokenLogprob] | None = None
-
-
-@dataclass(frozen=True)
-class SequenceResult:
-    """What one sequence of a session generated (``DecodeSession.result``)."""
-
-    tokens: list[int]  # its new tokens, EOS included where it stopped on one
-    steps: int  # target forwards that gave it tokens (its prefill's included)
-    accepted: int  # drafted tokens it kept
-
-
-class Judge(Protocol):
-    """A session's acceptance rule for its live rows: ``Acceptance`` (one rule for a run) or the server's
-    ``RowAcceptance`` (one per row)."""
-
-    sampling: SamplingParams | None  # what drafters are told (None: draft deterministically)
-    generator: torch.Generator | None  # the drafters' randomness when sampling
-
-    def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
-        """The verdict on logits [B, 1 + N, V] at the pending row and every node."""
-
-    @property
-    def greedy(self) -> bool:
-        """Every row greedy (shadow drafts are scored only then)."""
-
-    def sampling_of(self, row: int) -> SamplingParams | None:
-        """Row ``row``'s sampling (None: greedy)."""
-
-    def select(self, rows: list[int]) -> None:
-        """Keep only these live rows (ascending)."""
-
-    def joined(self, other: "Judge") -> "Judge":
-        """The rule once ``other``'s rows joined after the live ones."""
-
-
-@dataclass(frozen=True)
-class Acceptance:
-    """One rule for every row of a run: the greedy walk, or rejection sampling against the target's
-    processed distribution (``sampling`` set), with the run's one generator."""
-
-    sampling: SamplingParams | None = None
-    generator: torch.Generator | None = None
-
-    def __call__(self, logits: torch.Tensor, tree: DraftTree) -> Verification:
-        """logits [B, 1 + N, V] at the pending row and every node."""
-        # judged where the logits are (a draft is small, logits [B, Q, V] are not); the verdict comes
-        # to the host, where the loop reads it
-        tree = tree.to(logits.device)
-        if self.sampling is None:  # argmax over float32 scores, as HF's greedy search takes it
-            ver = verify_greedy(logits.float(), tree, kernels.argmax)
-        else:
-            ver = verify_sampling(target_probs(logits, self.sampling), tree, self.generator)
-        return ver.cpu()
-
-    @property
-    def greedy(self) -> bool:
-        """Every row greedy (shadow drafts are scored only then)."""
-        return self.sampling is None
-
-    def sampling_of(self, row: int) -> SamplingParams | None:
-        """Row ``row``'s sampling (None: greedy): how its logprobs are read."""
-        return self.sampling
-
-    def select(self, rows: list[int]) -> None:
-        """One rule for every row: nothing per row to drop."""
-
-    def joined(self, other: "Acceptance") -> "Acceptance":
-        """The rule once ``other``'s rows joined: rows of one run share one rule."""
-        if other is not self:
-            raise ValueError("rows judged by another acceptance rule cannot join this batch")
-        return self
-
-
-class _Batch:
-    """The live sequences: which sequence each live row is, and what each has generated so far
-    (keyed by sequence id: a session's sequences come and go)."""
-
-    def __init__(self, eos: set[int]) -> None:
-        self.rows: list[int] = []  # live row -> sequence id
-        self.prompt: dict[int, list[int]] = {}
-        self.new: dict[int, list[int]] = {}
-        self.max_new: dict[int, int] = {}
-        self.steps: dict[int, int] = {}  # target forwards per sequence
-        self.accepted: dict[int, int] = {}  # drafted tokens kept per sequence
-        self.processors: dict[int, RowProcessor] = {}  # the sequences that process their logits
-        self.cached: dict[int, int] = {}  # prompt tokens each sequence took from the prefix cache
-        self.eos = eos
-
-    def add(self, s: int, prompt: list[int], max_new: int, processor: RowProcessor | None = None) -> None:
-        self.prompt[s], self.new[s], self.max_new[s] = prompt, [], max_new
-        self.steps[s] = self.accepted[s] = 0
-        if processor is not None:
-            self.processors[s] = processor
-
-    def forget(self, s: int) -> None:
-        for d in (self.prompt, self.new, self.max_new, self.steps, self.accepted, self.processors, self.cached):
-            d.pop(s, None)
-
-    def live_processors(self) -> list[RowProcessor | None]:
-        """Each live row's processor (None: its logits go to the verifier as they are)."""
-        return [self.processors.get(s) for s in self.rows]
-
-    def wanted(self) -> int:
-        """Draft tokens still useful to some live sequence (after its bonus token)."""
-        return max(self.max_new[s] - len(self.new[s]) - 1 for s in self.rows)
-
-    def extend(self, seqs: list[int], commit: Commit, stats: StepStats,
-               logprobs: list[list[TokenLogprob] | None] | None = None) -> tuple[list[StepEvent], list[int]]:
-        """Append each sequence's new tokens (commit row i is sequence ``seqs[i]``; truncated at its
-        max_new and EOS), with their logprobs where asked: one event per sequence, and the rows that go on."""
-        events, keep = [], []
-        for row, s in enumerate(seqs):
-            toks = commit.new_tokens(row)[: self.max_new[s] - len(self.new[s])]
-            stop = next((i for i, t in enumerate(toks) if t in self.eos), None)
-            if stop is not None:
-                toks = toks[: stop + 1]
-            lps = logprobs[row][: len(toks)] if logprobs is not None and logprobs[row] is not None else None
-            if s in self.processors:
-                self.processors[s].advance(toks)
-            self.new[s].extend(toks)
-            self.steps[s] += 1
-            drafted = min(len(toks), int(commit.num_accepted[row]))
-            self.accepted[s] += drafted
-            goes_on = stop is None and len(self.new[s]) < self.max_new[s]
-            finish = None if goes_on else ("stop" if stop is not None else "length")
-            events.append(StepEvent(toks, drafted, stats, s, finished=not goes_on, finish=finish, logprobs=lps))
-            if goes_on:
-                keep.append(row)
-        return events, keep
-
-    def text(self, s: int) -> list[int]:
-        """Sequence s's committed tokens: its prompt, then what it generated."""
-        return self.prompt[s] + self.new[s]
-
-
-@dataclass(frozen=True)
-class StepOutcome:
-    """What a verified step tells the controller (the decoder's step 5, and the replays')."""
-
-    key: Hashable  # the class of its draft
-    tree: DraftTree  # what was drafted
-    accepted: list[list[int]]  # per row the verified tree's accepted path (node indices, -1 padded)
-    verify_time: float | None  # the step's seconds (None: a replay without a cost curve)
-    draft_time: float | None
-    shadows: Sequence[Shadow] = ()  # drafts made beside it and not verified, scored against ``texts``
-    texts: Sequence[list[int]] = ()  # the tokens each row committed
-    # whether it grew the target's store, and the drafter's catch-up seconds (``DraftLengthController.update``)
-    grew: bool = False
-    resume: float = 0.0
-    catch_up: float = 0.0
-
-
-def learn_step(controller: DraftLengthController, step: StepOutcome) -> None:
-    """What the controller learns from a verified step: the drafted and accepted counts with the step's
-    seconds, the accepted path per row, and each shadow draft scored against the committed tokens."""
-    drafted = step.tree.num_nodes.tolist()
-    controller.update(drafted, [sum(a >= 0 for a in acc) for acc in step.accepted], step.verify_time,
-                      step.draft_time, step.key, grew=step.grew, resume=step.resume, catch_up=step.catch_up)
-    if any(drafted):
-        controller.observe_tree(step.tree.real_nodes()[0], step.accepted, step.key)
-    for sh in step.shadows:
-        paths = [path_along(p, t, x) for p, t, x in zip(sh.parents, sh.tokens, step.texts)]
-        controller.observe_shadow(sh.parents, paths, [len(x) for x in step.texts], sh.seconds, sh.key)
 
 
 class DecodeSession:
@@ -246,7 +59,7 @@ class DecodeSession:
     def __init__(self, decoder, eos: set[int], record_steps: bool = True) -> None:
         self.decoder = decoder
         self.record_steps = record_steps  # keep every StepStats in ``steps`` (a server's would grow forever)
-        self.batch = _Batch(eos)
+        self.batch = Batch(eos)
         self.cache: BMCCache | None = None  # None while no row is live
         self.pending: torch.Tensor | None = None  # [B, 1] each live row's pending token
         self.judge: Judge | None = None  # the acceptance rule of the live rows
@@ -562,80 +375,7 @@ class DecodeSession:
         self.pending = self.pending[keep]
 
 
-def is_chain(tree: DraftTree) -> bool:
-    N = tree.width
-    return bool((tree.parents == torch.arange(-1, N - 1, device=tree.parents.device)).all())
-
-
-def make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None) -> Commit:
-    """Accepted drafted tokens then the target's token, per row: tokens [B, A + 1]."""
-    B = tree.batch_size
-    A = ver.accepted.shape[1]
-    tokens = torch.zeros(B, A + 1, dtype=torch.long)
-    if A:
-        path_tokens = tree.tokens.cpu().gather(1, ver.accepted.clamp(min=0))
-        tokens[:, :A] = torch.where(ver.accepted >= 0, path_tokens, 0)
-    tokens[torch.arange(B), ver.num_accepted] = ver.next_token.cpu()
-    return Commit(tokens, ver.num_accepted + 1, ver.num_accepted, hidden)
-
-
 def _period_model(target):
     """The BMC period model for the target's attention shape (calibrated once per process)."""
     _, kv_heads, head_dim = attention_shape(target)
     return period.machine_model(kv_heads, head_dim, target.dtype)
-
-
-def constrain(tree: DraftTree, procs: list[RowProcessor | None]) -> tuple[DraftTree, list[torch.Tensor | None]]:
-    """The draft with the nodes each row's grammar forbids on their path cut (and their subtrees), so no
-    verify row is spent on them; a sampled draft's q masked the same way (the verifier renormalises it:
-    drafting from q and cutting what the grammar forbids is drafting from q restricted to what it
-    allows). Returns the tree and, per row, the grammar's allowed tokens after each block row
-    [1 + N, V] (None for a row without a grammar)."""
-    masks: list[torch.Tensor | None] = [None] * tree.batch_size
-    if not any(p is not None and p.grammar is not None for p in procs):
-        return tree, masks
-    parents, tokens = tree.real_nodes()
-    keep = []
-    for b, p in enumerate(procs):
-        ok, masks[b] = p.check_tree(parents[b], tokens[b]) if p is not None else ([True] * len(tokens[b]), None)
-        keep.append(ok)
-    if not all(all(k) for k in keep):
-        tree = tree.pruned(keep)
-        masks = [m if m is None else m[[0] + [1 + i for i, k in enumerate(ok) if k]] for m, ok in zip(masks, keep)]
-    if tree.probs is not None:
-        probs = tree.probs.clone()
-        for b, m in enumerate(masks):
-            n = int(tree.num_nodes[b])
-            if m is not None and n:
-                allowed = m.to(probs.device)[tree.parents[b, :n].to(probs.device) + 1]  # [n, V] at each parent
-                probs[b, :n] = probs[b, :n] * allowed
-        tree = DraftTree(tree.tokens, tree.parents, tree.num_nodes, probs)
-    return tree, masks
-
-
-def judge_processed(judge, procs: list[RowProcessor | None], logits: torch.Tensor, tree: DraftTree,
-                    masks: list) -> tuple[Verification, list | None]:
-    """``judge``'s verdict on the logits [B, 1 + N, V] as each row's processor makes them on each node's
-    path (``specdec.processing.rows``), and the logprobs of every kept token for the rows that ask."""
-    if any(p is not None and p.options.changes_scores for p in procs):
-        parents, tokens = tree.real_nodes()
-        scores = logits.to(torch.float32).clone()
-        for b, p in enumerate(procs):
-            if p is not None and p.options.changes_scores:
-                scores[b] = p.scores(logits[b].cpu(), parents[b], tokens[b], masks[b]).to(scores.device)
-        logits = scores
-    ver = judge(logits, tree)
-    if not any(p is not None and p.options.logprobs is not None for p in procs):
-        return ver, None
-    kept, out = ver.kept_rows(), []
-    path_tokens = make_commit(tree, ver, None)
-    for b, p in enumerate(procs):
-        if p is None or p.options.logprobs is None:
-            out.append(None)
-            continue
-        rows = logits[b, kept[b]].to(device="cpu", dtype=torch.float32)  # [K, V] the rows that chose them
-        sampling = judge.sampling_of(b)
-        dist = (target_probs(rows[None], sampling)[0].log() if sampling is not None
-                else torch.log_softmax(rows.to(torch.float64), dim=-1))
-        out.append(p.logprobs(dist, path_tokens.new_tokens(b)))
-    return ver, out

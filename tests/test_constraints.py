@@ -23,9 +23,9 @@ from specdec.drafters.model import ModelDrafter
 from specdec.drafters.prompt_lookup import PromptLookupDrafter
 from specdec.drafters.self_spec import StreamingDrafter
 from specdec.drafters.suffix import SuffixDrafter
+from specdec.judging import constrain
 from specdec.processing import Constraint, ConstraintError, Processing, RowProcessor, Vocabulary
 from specdec.sampling import SamplingParams, target_probs
-from specdec.session import constrain
 from specdec.tree import DraftTree
 
 SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},

@@ -209,7 +209,8 @@ def test_in_a_batch_the_rows_share_the_cache_and_answer_as_without(name):
 
 
 def test_a_session_joining_rows_reuses_prefixes_too():
-    from specdec.session import Acceptance, DecodeSession
+    from specdec.judging import Acceptance
+    from specdec.session import DecodeSession
 
     cache = PrefixCache(MB, block=BLOCK)
     decoder = SpecDecoder(TARGET, PromptLookupDrafter(), _config(), prefix_cache=cache)

@@ -16,11 +16,12 @@ from specdec import SpecDecoder, SpecDecoderConfig
 from specdec import forward as fw
 from specdec.bench.device import exactness
 from specdec.drafters import PromptLookupDrafter
+from specdec.judging import Acceptance
 from specdec.kv.static import StaticCache, StaticShapes
 from specdec.quant import quantize_model
 from specdec.quant.numerics import set_numerics
 from specdec.runtime.graphs import StepGraphs
-from specdec.session import Acceptance, DecodeSession
+from specdec.session import DecodeSession
 
 TRACED = StaticShapes(capture="trace")
 # every greedy case of the suite; ragged batches traced for two drafters (a trace per batch size and
