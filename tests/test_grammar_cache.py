@@ -163,3 +163,14 @@ def test_the_bound_must_not_be_negative():
         ServeConfig(grammar_cache_size=-1)
     with pytest.raises(ValueError, match="max_entries >= 0"):
         GrammarCache(-1)
+
+
+def test_a_bitmask_unpacks_bit_j_of_word_w_as_token_32w_plus_j():
+    import torch
+
+    from specdec.processing.grammar import unpack_bitmask
+
+    assert unpack_bitmask(torch.tensor([[0b101]], dtype=torch.int32), 3).tolist() == [[True, False, True]]
+    words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
+    want = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(3, -1)[:, :150].bool()
+    assert torch.equal(unpack_bitmask(words, 150), want)  # sign bits (word < 0) included

@@ -26,6 +26,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
@@ -208,9 +209,12 @@ class GrammarCache:
 
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask [R, ceil(V / 32)] int32 (bit j of word w = token 32 w + j) -> [R, V] bool.
-    Example: one word 0b101, V 3 -> [[True, False, True]]."""
-    shifts = torch.arange(32, dtype=torch.int32)
-    return ((bits[:, :, None] >> shifts) & 1).reshape(bits.shape[0], -1)[:, :vocab_size].bool()
+    Example: one word 0b101, V 3 -> [[True, False, True]]. numpy's unpackbits over the words' little-endian
+    bytes, not torch's shifts: 7 against 25-28 us at 49k tokens (one call per draft node of a constrained
+    row; torch's parallel elementwise ops also stall where another process holds a core)."""
+    words = bits.contiguous().numpy().astype("<i4", copy=False)  # little-endian: byte k holds bits 8k..8k+7
+    flags = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
+    return torch.from_numpy(flags.astype(bool))
 
 
 class GrammarState:
