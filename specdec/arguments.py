@@ -116,7 +116,7 @@ def add_numerics_argument(p, default: str = "exact") -> None:
                         ("exact: " if default == "auto" else "") +
                         "the blocks' fp32 values, fp32 products, token-identical to HF; int8: activations rounded "
                         "to 8 bits, integer products, faster, batch-invariant (speculation exact against this "
-                        "target's own plain decoding, not HF's); Q4_0/Q4_1/Q8_0/Q4_K weights")
+                        "target's own plain decoding, not HF's); Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K weights")
 
 
 def weights_for(model: str, weights: Weights | str) -> Weights:
