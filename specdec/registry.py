@@ -81,7 +81,7 @@ def make_auto(target, eagle3: bool = False, quant_self: bool | None = None) -> S
     heads = [n for n in ("eagle", "eagle3") if n in sources]
     learned = [n for n in (*heads, "quant-self") if n in sources]  # keyed by prompt lookup's match
     return Sources(sources, min_prompt={"streaming": streaming_from}, max_prompt=dict.fromkeys(heads, EAGLE_MAX_PROMPT),
-                   by_match=tuple(learned))
+                   by_match=tuple(learned), subsumes={"grammar": ("lookup",)})
 
 
 DRAFTERS: dict[str, DrafterFactory] = {

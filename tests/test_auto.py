@@ -329,3 +329,29 @@ def test_auto_drafts_from_the_stored_answers_only_for_their_vocabulary(target):
     smol_vocab = tiny_llama(0, vocab=STORED_ANSWERS_VOCAB, layers=1)
     suffix = make_drafter("auto", smol_vocab).sources["suffix"]
     assert suffix.corpus is not None and len(suffix.corpus.docs) > 1000  # data/eagle_answers.jsonl
+
+
+class _Scripted(PromptLookupDrafter):
+    """Prompt lookup whose draft class this step is set by the test (0: nothing to draft)."""
+
+    def __init__(self, cls) -> None:
+        super().__init__()
+        self.cls = cls
+
+    def draft_class(self):
+        return self.cls
+
+
+def test_a_subsuming_source_leaves_out_the_sources_it_holds_while_it_drafts():
+    """{"grammar": ("lookup",)}: while the grammar has a chain, lookup is neither a candidate nor shadowed;
+    without one, lookup competes again; other sources are untouched; unknown names are refused."""
+    grammar, lookup, suffix = _Scripted(2), _Scripted(3), _Scripted(1)
+    sources = Sources({"grammar": grammar, "lookup": lookup, "suffix": suffix}, subsumes={"grammar": ("lookup",)})
+    assert sources.candidates() == [("grammar", 2), ("suffix", 1)]
+    grammar.cls = 0  # no constrained row this step
+    assert sources.candidates() == [("lookup", 3), ("suffix", 1)]
+    plain = Sources({"grammar": _Scripted(2), "lookup": _Scripted(3)})
+    assert plain.candidates() == [("grammar", 2), ("lookup", 3)]
+    with pytest.raises(ValueError, match=r"subsumes names no source: \['eagle'\]"):
+        Sources({"grammar": grammar, "lookup": lookup}, subsumes={"grammar": ("eagle",)})
+    assert make_drafter("auto", tiny_llama(0)).subsumes == {"grammar": ("lookup",)}

@@ -157,7 +157,8 @@ class Sources(Chooser, Corpus):
     """Named drafters, one per step; keys are (source name, its draft class)."""
 
     def __init__(self, sources: dict[str, Drafter], min_prompt: dict[str, int | Callable[[int], int]] | None = None,
-                 max_prompt: dict[str, int] | None = None, by_match: tuple[str, ...] = ()) -> None:
+                 max_prompt: dict[str, int] | None = None, by_match: tuple[str, ...] = (),
+                 subsumes: dict[str, tuple[str, ...]] | None = None) -> None:
         if not sources:
             raise ValueError("Sources needs at least one source drafter")
         if by_match and "lookup" not in sources:
@@ -165,6 +166,10 @@ class Sources(Chooser, Corpus):
         unknown = set(by_match) - set(sources)
         if unknown:
             raise ValueError(f"by_match names no source: {sorted(unknown)}")
+        self.subsumes = {k: tuple(v) for k, v in (subsumes or {}).items()}
+        unknown = (set(self.subsumes) | {n for v in self.subsumes.values() for n in v}) - set(sources)
+        if unknown:
+            raise ValueError(f"subsumes names no source: {sorted(unknown)}")
         self.sources = dict(sources)
         self.vocab_size  # the sources agree on the vocabulary, or ValueError now
         _hidden_layers(self.sources)  # ... and on the hidden states they read
@@ -187,7 +192,11 @@ class Sources(Chooser, Corpus):
 
     def candidates(self) -> list[Hashable]:
         """(source, its draft class) for every started source with something to draft; a source in
-        ``by_match`` is keyed ("match", prompt lookup's n-gram length: 0, 1, 2 = 2 or more)."""
+        ``by_match`` is keyed ("match", prompt lookup's n-gram length: 0, 1, 2 = 2 or more). A source
+        that ``subsumes`` others and has something to draft leaves them out this step (its drafts hold
+        theirs: the grammar's chain is prompt lookup's guess, cut where the grammar forbids, and its
+        forced tokens), so they are neither chosen nor shadowed. Example, {"grammar": ("lookup",)}: under a
+        constraint only grammar and suffix compete; without one, lookup and suffix."""
         self._classes = classes = {name: self.sources[name].draft_class() for name in self.active}
         match = min(int(classes.get("lookup") or 0), 2)
         out = []
@@ -196,7 +205,9 @@ class Sources(Chooser, Corpus):
                 out.append((name, ("match", match)))
             elif cls not in (0, ("none", 0)):  # lookup without a match, suffix without a tree
                 out.append((name, cls))
-        return out
+        present = {k[0] for k in out}
+        left_out = {n for s in present for n in self.subsumes.get(s, ())}
+        return [k for k in out if k[0] not in left_out]
 
     def choose(self, controller, wanted: int, shadow: bool) -> tuple[Plan, list[Hashable]]:
         options = self.candidates()
