@@ -111,7 +111,7 @@ def add_numerics_argument(p, default: str = "exact") -> None:
     answer (generate, chat, serve) default to auto, the benchmarks to exact."""
     choices = ("auto", "exact", "int8") if default == "auto" else ("exact", "int8")
     p.add_argument("--numerics", default=default, choices=choices,
-                   help=("auto (default): int8 where every linear layer is Q4_0/Q4_1/Q8_0/Q4_K blocks (the default "
+                   help=("auto (default): int8 where every linear layer is Q4_0/Q4_1/Q8_0/Q4_K/Q5_K/Q6_K blocks (the default "
                          "model), else exact; " if default == "auto" else "exact (default): ") +
                         ("exact: " if default == "auto" else "") +
                         "the blocks' fp32 values, fp32 products, token-identical to HF; int8: activations rounded "

@@ -74,3 +74,20 @@ def test_only_the_config_module_touches_the_environment():
                if name != "specdec.config" and ("os.environ" in (text := f.read_text(encoding="utf-8"))
                                                       or "getenv" in text)]
     assert not readers, f"os.environ outside specdec/config.py: {readers}"
+
+
+def test_a_command_that_offers_numerics_loads_its_target_in_them():
+    """A command's option is honoured or refused, never ignored: every module that adds ``--numerics``
+    (``add_weights_argument`` / ``add_numerics_argument``) passes a ``numerics`` to each ``load_model`` call
+    (bench-structured once took the option and loaded in exact numerics whatever it said)."""
+    missing = []
+    for f in PACKAGE.rglob("*.py"):
+        if f.name == "arguments.py":
+            continue
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)]
+        if not any(c.func.id in ("add_weights_argument", "add_numerics_argument") for c in calls):
+            continue
+        missing += [f"{f.relative_to(ROOT)}:{c.lineno}" for c in calls
+                    if c.func.id == "load_model" and not any(k.arg == "numerics" for k in c.keywords)]
+    assert not missing, f"load_model without numerics in a command that offers --numerics: {missing}"

@@ -105,7 +105,7 @@ def run(args) -> int:
     from specdec.registry import make_drafter
 
     console = Console()
-    loaded = load_model(args.model, weights=weights_for(args.model, args.weights))
+    loaded = load_model(args.model, weights=weights_for(args.model, args.weights), numerics=args.numerics)
     model, tok = loaded.model, loaded.tokenizer
     questions = load_questions(args.questions)
     plain, spec = SpecDecoder(model, None), SpecDecoder(model, make_drafter(args.drafter, model))
