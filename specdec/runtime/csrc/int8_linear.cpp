@@ -252,8 +252,7 @@ void feature_range(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, i
 // ---- the interleaved layout: a group of 16 features, R rows ----
 
 constexpr int64_t scale_bytes(int type) { return type == kQ4_1 ? 64 : 32; }  // the group's f16 d (and m)
-constexpr int64_t kQ4KGroupBytes = 16 * kQ4KRowBytes;  // a group's 256-weight block: d, dmin, sc, mn, codes
-constexpr int64_t kQ4KCodes = 320;                     // offset of its codes (4 pairs of sub-blocks x 512)
+constexpr int64_t kQ4KCodes = 320;  // a Q4_K / Q5_K group block's codes start past its d, dmin, sc, mn
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 
@@ -308,26 +307,8 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512i c[8];
-  if constexpr (Type == kQ4_K) {
-    for (int64_t B = 0; B < nb / 8; ++B) {
-      const uint8_t* p = grp + B * kQ4KGroupBytes;
-      if constexpr (R >= kPrefetchRows)
-        for (int64_t o = 0; o < kQ4KGroupBytes; o += 64)
-          _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kQ4KGroupBytes + o), _MM_HINT_T0);
-      const __m512 d = half16(p), dmin = half16(p + 32);
-      for (int s = 0; s < 8; ++s) {  // sub-block s: the low nibbles of pair s / 2, or its high ones
-        const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2);
-        for (int j = 0; j < 8; ++j) {
-          const __m512i v = _mm512_loadu_si512(cp + 64 * j);
-          c[j] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, low);
-        }
-        const __m512 D = _mm512_mul_ps(d, bytes16(p + 64 + 16 * s));
-        const __m512 M = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, bytes16(p + 192 + 16 * s)));
-        rows_step<Type, R>(acc, off, c, D, M, x, K, nb, r0, B * 8 + s);
-      }
-    }
-  } else if constexpr (Type == kQ5_K) {  // Q4_K's head, whole-byte codes per sub-block
-    constexpr int64_t kStride = kGroup * kQ5KRowBytes;
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {  // one head; Q4_K's nibbles, Q5_K's whole bytes
+    constexpr int64_t kStride = kGroup * interleaved_bytes(Type);
     for (int64_t B = 0; B < nb / 8; ++B) {
       const uint8_t* p = grp + B * kStride;
       if constexpr (R >= kPrefetchRows)
@@ -335,7 +316,15 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
           _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kStride + o), _MM_HINT_T0);
       const __m512 d = half16(p), dmin = half16(p + 32);
       for (int s = 0; s < 8; ++s) {
-        for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(p + kQ4KCodes + 512 * s + 64 * j);
+        if constexpr (Type == kQ4_K) {  // sub-block s: the low nibbles of pair s / 2, or its high ones
+          const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2);
+          for (int j = 0; j < 8; ++j) {
+            const __m512i v = _mm512_loadu_si512(cp + 64 * j);
+            c[j] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+          }
+        } else {
+          for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(p + kQ4KCodes + 512 * s + 64 * j);
+        }
         const __m512 D = _mm512_mul_ps(d, bytes16(p + 64 + 16 * s));
         const __m512 M = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, bytes16(p + 192 + 16 * s)));
         rows_step<Type, R>(acc, off, c, D, M, x, K, nb, r0, B * 8 + s);
@@ -443,28 +432,21 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R], off[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), off[r] = _mm256_setzero_ps();
-    if constexpr (Type == kQ4_K) {
+    if constexpr (Type == kQ4_K || Type == kQ5_K) {  // one head; Q4_K's nibbles, Q5_K's whole bytes
       for (int64_t B = 0; B < nb / 8; ++B) {
-        const uint8_t* p = grp + B * kQ4KGroupBytes;
+        const uint8_t* p = grp + B * kGroup * interleaved_bytes(Type);
         const __m256 d = half8(p + 16 * h), dmin = half8(p + 32 + 16 * h);
         for (int s = 0; s < 8; ++s) {
-          const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2) + 32 * h;
-          for (int j = 0; j < 8; ++j) {
-            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
-            _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]),
-                               _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low));
+          if constexpr (Type == kQ4_K) {
+            const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2) + 32 * h;
+            for (int j = 0; j < 8; ++j) {
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
+              _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]),
+                                 _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low));
+            }
+          } else {
+            for (int j = 0; j < 8; ++j) std::memcpy(codes[j], p + kQ4KCodes + 512 * s + 64 * j + 32 * h, 32);
           }
-          const __m256 D = _mm256_mul_ps(d, bytes8(p + 64 + 16 * s + 8 * h));
-          const __m256 M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, bytes8(p + 192 + 16 * s + 8 * h)));
-          rows_step<Type, R>(acc, off, codes, D, M, x, K, nb, r0, B * 8 + s);
-        }
-      }
-    } else if constexpr (Type == kQ5_K) {
-      for (int64_t B = 0; B < nb / 8; ++B) {
-        const uint8_t* p = grp + B * kGroup * kQ5KRowBytes;
-        const __m256 d = half8(p + 16 * h), dmin = half8(p + 32 + 16 * h);
-        for (int s = 0; s < 8; ++s) {
-          for (int j = 0; j < 8; ++j) std::memcpy(codes[j], p + kQ4KCodes + 512 * s + 64 * j + 32 * h, 32);
           const __m256 D = _mm256_mul_ps(d, bytes8(p + 64 + 16 * s + 8 * h));
           const __m256 M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, bytes8(p + 192 + 16 * s + 8 * h)));
           rows_step<Type, R>(acc, off, codes, D, M, x, K, nb, r0, B * 8 + s);
