@@ -43,7 +43,7 @@ APPROXIMATES: dict[tuple[str | None, str], bool] = {}
 _approximate: ContextVar[bool] = ContextVar("specdec_approximate", default=False)
 INTERLEAVED = 0x100  # a format code's flag to quant_linear_i8: the part's blocks are ``interleave``d
 # an interleaved K-format copy's bytes per feature and 256 weights (the file's: 144, 176, 210)
-K_INTERLEAVED_BYTES = {"Q4_K": 148, "Q5_K": 276, "Q6_K": 274}
+K_INTERLEAVED_BYTES = {"Q4_K": 148, "Q5_K": 276, "Q6_K": 210}
 INTERLEAVE_FEATURES = 1024  # features rearranged at a time: the temporaries stay a few MB whatever the weight
 
 
@@ -53,8 +53,9 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     holding 4 codes of each feature (Q8_0's codes plus 128); Q4_K's 256-weight blocks as the 16 d, the 16
     dmin, the 8 sub-blocks' scales and mins as bytes (16 a sub-block), then the codes, 4 pairs of sub-blocks
     of 8 vectors each; Q5_K's as Q4_K's head, then whole-byte codes (0..31), 8 vectors a sub-block; Q6_K's
-    as the 16 d, the 16 sub-blocks' signed scales (16 bytes each), then whole-byte codes (0..63), 4 vectors
-    a sub-block of 16; [N, K / 256 * K_INTERLEAVED_BYTES]. The features past the last whole group as they
+    as the 16 d, the 16 sub-blocks' signed scales (16 bytes each), then the codes (0..63) in two planes of
+    such vectors: low nibbles (a pair of sub-blocks of 16 a vector set, the first low), then top 2 bits (4
+    sub-blocks a set, sub-block u at bits 2u); [N, K / 256 * K_INTERLEAVED_BYTES]. The features past the last whole group as they
     were (a K format's rows then padded with zeros to that size). ``csrc/int8_linear.cpp``'s comment says why."""
     if fmt.name not in INT8_FORMATS:
         raise ValueError(f"the int8 kernel multiplies {', '.join(INT8_FORMATS)} blocks, not {fmt.name}")
@@ -118,8 +119,13 @@ def _k_groups(head: torch.Tensor, name: str) -> torch.Tensor:
         fields = [head[..., 208:210].reshape(G, nb, 32), head[..., 192:208].transpose(-1, -2).reshape(G, nb, 256)]
         subs, size = 16, 16
     # [G, nb, 16 features, subs, size / 4 vectors, 4] -> [G, nb, subs, vectors, 16 features, 4]
-    codes = codes.reshape(G, nb, 16, subs, size // 4, 4).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, subs * size * 16)
-    return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES[name])
+    codes = codes.reshape(G, nb, 16, subs, size // 4, 4).permute(0, 1, 3, 4, 2, 5)
+    if name == "Q6_K":  # planes: low nibbles of sub-blocks 2i, 2i + 1; top bits of 4i .. 4i + 3
+        low, top = codes & 15, codes >> 4
+        codes = torch.cat([(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(G, nb, -1),
+                           (top[:, :, 0::4] | (top[:, :, 1::4] << 2) | (top[:, :, 2::4] << 4)
+                            | (top[:, :, 3::4] << 6)).reshape(G, nb, -1)], dim=-1)
+    return torch.cat([*fields, codes.reshape(G, nb, -1)], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES[name])
 
 
 def linear(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],

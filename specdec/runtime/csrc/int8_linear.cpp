@@ -30,9 +30,10 @@
 //     Q4_K's 256-weight block: 16 d, 16 dmin (f16), its 8 sub-blocks' scales then mins as bytes (16 per
 //     sub-block), then per pair of sub-blocks 8 such vectors (low nibbles: the pair's first sub-block).
 //     Q5_K's: the same head, then per sub-block 8 vectors of whole-byte codes (0..31: the fifth bit joined
-//     at load). Q6_K's: 16 d (f16), its 16 sub-blocks' signed scales (16 bytes each), then per sub-block of
-//     16 weights 4 vectors of whole-byte codes (0..63). Whole bytes: no bit work in the loop, for 276 / 274
-//     bytes a feature and 256 weights against the file's 176 / 210.
+//     at load; 276 bytes a feature and 256 weights against the file's 176). Q6_K's: 16 d (f16), its 16
+//     sub-blocks' signed scales (16 bytes each), then its codes (0..63) as planes of the same vectors: per
+//     pair of sub-blocks of 16 weights 4 vectors of low nibbles (the pair's first sub-block low), then per 4
+//     sub-blocks 4 vectors of the codes' top 2 bits (sub-block t of the 4 at bits 2t); the file's 210 bytes.
 //     Features past the last whole group keep the file's layout at their own offsets. One 512-bit
 //     vpdpbusd against a broadcast of 4 of the row's codes then adds 4 products for each of 16 features:
 //     the block's 16 dot products come out per lane, with no horizontal sum, and the float work of a
@@ -59,7 +60,8 @@ constexpr int kInterleaved = 0x100;                         // format flag: the 
 constexpr int kGroup = 16;                                  // features per interleaved group
 constexpr int64_t kQ4KRowBytes = 148;  // an interleaved Q4_K copy's bytes per feature and 256 weights (file: 144)
 constexpr int64_t kQ5KRowBytes = 276;  // Q5_K's (file: 176)
-constexpr int64_t kQ6KRowBytes = 274;  // Q6_K's (file: 210)
+constexpr int64_t kQ6KRowBytes = 210;  // Q6_K's (file: 210)
+constexpr int64_t kQ6KLow = 288, kQ6KTop = 288 + 2048;  // a Q6_K group block's low-nibble and top-bit planes
 
 constexpr bool k_type(int type) { return type == kQ4_K || type == kQ5_K || type == kQ6_K; }  // 256-weight blocks
 constexpr int64_t block_bytes(int type) {  // the file's bytes per block (32 weights, or 256 for the K types)
@@ -330,8 +332,9 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
         rows_step<Type, R>(acc, off, c, D, M, x, K, nb, r0, B * 8 + s);
       }
     }
-  } else if constexpr (Type == kQ6_K) {  // 16 d, 16 x 16 signed scales, whole-byte codes per sub-block of 16
+  } else if constexpr (Type == kQ6_K) {  // 16 d, 16 x 16 signed scales, the codes' planes
     constexpr int64_t kStride = kGroup * kQ6KRowBytes;
+    const __m512i three = _mm512_set1_epi8(3);
     __m512i c4[4];
     for (int64_t B = 0; B < nb / 8; ++B) {
       const uint8_t* p = grp + B * kStride;
@@ -340,7 +343,12 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
           _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kStride + o), _MM_HINT_T0);
       const __m512 d = half16(p);
       for (int t = 0; t < 16; ++t) {
-        for (int j = 0; j < 4; ++j) c4[j] = _mm512_loadu_si512(p + 288 + 256 * t + 64 * j);
+        for (int j = 0; j < 4; ++j) {  // code = low nibble | top 2 bits << 4 (no carry between bytes: both masked)
+          const __m512i lo = _mm512_loadu_si512(p + kQ6KLow + 256 * (t / 2) + 64 * j);
+          const __m512i top = _mm512_loadu_si512(p + kQ6KTop + 256 * (t / 4) + 64 * j);
+          c4[j] = _mm512_or_si512(_mm512_and_si512(t % 2 ? _mm512_srli_epi16(lo, 4) : lo, low),
+                                  _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(top, 2 * (t % 4)), three), 4));
+        }
         rows_step16<R>(acc, c4, _mm512_mul_ps(d, signed16(p + 32 + 16 * t)), x, K, nb, r0, B * 16 + t);
       }
     }
@@ -457,7 +465,14 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
         const uint8_t* p = grp + B * kGroup * kQ6KRowBytes;
         const __m256 d = half8(p + 16 * h);
         for (int t = 0; t < 16; ++t) {
-          for (int j = 0; j < 4; ++j) std::memcpy(codes[j], p + 288 + 256 * t + 64 * j + 32 * h, 32);
+          for (int j = 0; j < 4; ++j) {
+            const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kQ6KLow + 256 * (t / 2) + 64 * j + 32 * h));
+            const __m256i top = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kQ6KTop + 256 * (t / 4) + 64 * j + 32 * h));
+            const __m256i c = _mm256_or_si256(
+                _mm256_and_si256(t % 2 ? _mm256_srli_epi16(lo, 4) : lo, low),
+                _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(top, 2 * (t % 4)), _mm256_set1_epi8(3)), 4));
+            _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]), c);
+          }
           rows_step16<R>(acc, codes, _mm256_mul_ps(d, signed8(p + 32 + 16 * t + 8 * h)), x, K, nb, r0, B * 16 + t);
         }
       }
