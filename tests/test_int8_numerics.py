@@ -69,13 +69,17 @@ def test_interleave_rearranges_the_bytes_of_whole_groups(name):
             codes = wi[16 * g:16 * g + 16].reshape(2, 16 * 148)[:, 320:]
             had = w[16 * g:16 * g + 16].reshape(16, 2, 144)[..., 16:]
             assert torch.equal(codes.flatten().sort().values, had.flatten().sort().values)
-    elif name in ("Q5_K", "Q6_K"):  # Q5_K: whole-byte codes, 276 bytes a feature and 256 weights; Q6_K: planes, 210
-        size, wide = fmt.block_bytes, {"Q5_K": 276, "Q6_K": 210}[name]
+    elif name in ("Q5_K", "Q6_K"):  # their codes in planes: 180 / 210 bytes a feature and 256 weights
+        size, wide = fmt.block_bytes, {"Q5_K": 180, "Q6_K": 210}[name]
         assert wi.shape == (37, 2 * wide) and torch.equal(wi[32:, :2 * size], w[32:]) and not wi[32:, 2 * size:].any()
         for g in range(2):
             blocks = w[16 * g:16 * g + 16].reshape(-1, size)
             had = _q6_codes(blocks) + 32 if name == "Q6_K" else _int8_parts(blocks, "Q5_K", 256)[0]
             codes = wi[16 * g:16 * g + 16].reshape(2, 16 * wide)[:, 320 if name == "Q5_K" else 288:]
+            if name == "Q5_K":  # each code from its nibble and its fifth bit
+                low, top = codes[:, :2048].reshape(2, 4, 8, 64), codes[:, 2048:].reshape(2, 8, 64)
+                codes = torch.stack([((low[:, s // 2] >> 4 * (s % 2)) & 15) | (((top >> s) & 1) << 4)
+                                     for s in range(8)], 1)
             if name == "Q6_K":  # each code from its low nibble and its top 2 bits
                 low, top = codes[:, :2048].reshape(2, 8, 4, 64), codes[:, 2048:].reshape(2, 4, 4, 64)
                 codes = torch.stack([((low[:, t // 2] >> 4 * (t % 2)) & 15) | (((top[:, t // 4] >> 2 * (t % 4)) & 3) << 4)

@@ -43,7 +43,7 @@ APPROXIMATES: dict[tuple[str | None, str], bool] = {}
 _approximate: ContextVar[bool] = ContextVar("specdec_approximate", default=False)
 INTERLEAVED = 0x100  # a format code's flag to quant_linear_i8: the part's blocks are ``interleave``d
 # an interleaved K-format copy's bytes per feature and 256 weights (the file's: 144, 176, 210)
-K_INTERLEAVED_BYTES = {"Q4_K": 148, "Q5_K": 276, "Q6_K": 210}
+K_INTERLEAVED_BYTES = {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 INTERLEAVE_FEATURES = 1024  # features rearranged at a time: the temporaries stay a few MB whatever the weight
 
 
@@ -52,7 +52,8 @@ def interleave(blocks: torch.Tensor, fmt: BlockFormat) -> torch.Tensor:
     groups of 16, each block of a group as the 16 scales (f16), Q4_1's 16 mins, then vectors of 64 bytes
     holding 4 codes of each feature (Q8_0's codes plus 128); Q4_K's 256-weight blocks as the 16 d, the 16
     dmin, the 8 sub-blocks' scales and mins as bytes (16 a sub-block), then the codes, 4 pairs of sub-blocks
-    of 8 vectors each; Q5_K's as Q4_K's head, then whole-byte codes (0..31), 8 vectors a sub-block; Q6_K's
+    of 8 vectors each; Q5_K's as Q4_K's (its codes' low nibbles), then 8 vectors of their fifth bits (sub-block
+    s at bit s); Q6_K's
     as the 16 d, the 16 sub-blocks' signed scales (16 bytes each), then the codes (0..63) in two planes of
     such vectors: low nibbles (a pair of sub-blocks of 16 a vector set, the first low), then top 2 bits (4
     sub-blocks a set, sub-block u at bits 2u); [N, K / 256 * K_INTERLEAVED_BYTES]. The features past the last whole group as they
@@ -120,6 +121,10 @@ def _k_groups(head: torch.Tensor, name: str) -> torch.Tensor:
         subs, size = 16, 16
     # [G, nb, 16 features, subs, size / 4 vectors, 4] -> [G, nb, subs, vectors, 16 features, 4]
     codes = codes.reshape(G, nb, 16, subs, size // 4, 4).permute(0, 1, 3, 4, 2, 5)
+    if name == "Q5_K":  # Q4_K's nibbles (sub-blocks 2i, 2i + 1 in one vector set), then the fifth bits
+        low, top = codes & 15, codes >> 4
+        codes = torch.cat([(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(G, nb, -1),
+                           sum(top[:, :, s] << s for s in range(8)).reshape(G, nb, -1)], dim=-1)
     if name == "Q6_K":  # planes: low nibbles of sub-blocks 2i, 2i + 1; top bits of 4i .. 4i + 3
         low, top = codes & 15, codes >> 4
         codes = torch.cat([(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(G, nb, -1),

@@ -29,8 +29,8 @@
 //     are weights 4j..4j+3 and high ones 16+4j..; Q8_0: codes 4j..4j+3 plus 128, as unsigned bytes).
 //     Q4_K's 256-weight block: 16 d, 16 dmin (f16), its 8 sub-blocks' scales then mins as bytes (16 per
 //     sub-block), then per pair of sub-blocks 8 such vectors (low nibbles: the pair's first sub-block).
-//     Q5_K's: the same head, then per sub-block 8 vectors of whole-byte codes (0..31: the fifth bit joined
-//     at load; 276 bytes a feature and 256 weights against the file's 176). Q6_K's: 16 d (f16), its 16
+//     Q5_K's: the same head and low nibbles, then 8 vectors of the codes' fifth bits (sub-block s at bit s;
+//     180 bytes a feature and 256 weights against the file's 176). Q6_K's: 16 d (f16), its 16
 //     sub-blocks' signed scales (16 bytes each), then its codes (0..63) as planes of the same vectors: per
 //     pair of sub-blocks of 16 weights 4 vectors of low nibbles (the pair's first sub-block low), then per 4
 //     sub-blocks 4 vectors of the codes' top 2 bits (sub-block t of the 4 at bits 2t); the file's 210 bytes.
@@ -59,7 +59,7 @@ constexpr int kQ4_0 = 2, kQ4_1 = 3, kQ8_0 = 8, kQ4_K = 12, kQ5_K = 13, kQ6_K = 1
 constexpr int kInterleaved = 0x100;                         // format flag: the part's blocks are interleaved
 constexpr int kGroup = 16;                                  // features per interleaved group
 constexpr int64_t kQ4KRowBytes = 148;  // an interleaved Q4_K copy's bytes per feature and 256 weights (file: 144)
-constexpr int64_t kQ5KRowBytes = 276;  // Q5_K's (file: 176)
+constexpr int64_t kQ5KRowBytes = 180;  // Q5_K's (file: 176)
 constexpr int64_t kQ6KRowBytes = 210;  // Q6_K's (file: 210)
 constexpr int64_t kQ6KLow = 288, kQ6KTop = 288 + 2048;  // a Q6_K group block's low-nibble and top-bit planes
 
@@ -309,8 +309,9 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps(), off[r] = _mm512_setzero_ps();
   const __m512i low = _mm512_set1_epi8(0x0F);
   __m512i c[8];
-  if constexpr (Type == kQ4_K || Type == kQ5_K) {  // one head; Q4_K's nibbles, Q5_K's whole bytes
+  if constexpr (Type == kQ4_K || Type == kQ5_K) {  // one head and nibbles; Q5_K's fifth bits after them
     constexpr int64_t kStride = kGroup * interleaved_bytes(Type);
+    const __m512i one = _mm512_set1_epi8(1);
     for (int64_t B = 0; B < nb / 8; ++B) {
       const uint8_t* p = grp + B * kStride;
       if constexpr (R >= kPrefetchRows)
@@ -318,14 +319,14 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
           _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kStride + o), _MM_HINT_T0);
       const __m512 d = half16(p), dmin = half16(p + 32);
       for (int s = 0; s < 8; ++s) {
-        if constexpr (Type == kQ4_K) {  // sub-block s: the low nibbles of pair s / 2, or its high ones
-          const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2);
-          for (int j = 0; j < 8; ++j) {
-            const __m512i v = _mm512_loadu_si512(cp + 64 * j);
-            c[j] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+        const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2);  // sub-block s: the low nibbles of pair s / 2, or its high ones
+        for (int j = 0; j < 8; ++j) {
+          const __m512i v = _mm512_loadu_si512(cp + 64 * j);
+          c[j] = _mm512_and_si512(s % 2 ? _mm512_srli_epi16(v, 4) : v, low);
+          if constexpr (Type == kQ5_K) {  // | fifth bit << 4 (masked first: no carry between bytes)
+            const __m512i hb = _mm512_loadu_si512(p + kQ4KCodes + 2048 + 64 * j);
+            c[j] = _mm512_or_si512(c[j], _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(hb, s), one), 4));
           }
-        } else {
-          for (int j = 0; j < 8; ++j) c[j] = _mm512_loadu_si512(p + kQ4KCodes + 512 * s + 64 * j);
         }
         const __m512 D = _mm512_mul_ps(d, bytes16(p + 64 + 16 * s));
         const __m512 M = _mm512_sub_ps(_mm512_setzero_ps(), _mm512_mul_ps(dmin, bytes16(p + 192 + 16 * s)));
@@ -440,20 +441,20 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
   for (int h = 0; h < 2; ++h) {
     __m256 acc[R], off[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps(), off[r] = _mm256_setzero_ps();
-    if constexpr (Type == kQ4_K || Type == kQ5_K) {  // one head; Q4_K's nibbles, Q5_K's whole bytes
+    if constexpr (Type == kQ4_K || Type == kQ5_K) {  // one head and nibbles; Q5_K's fifth bits after them
       for (int64_t B = 0; B < nb / 8; ++B) {
         const uint8_t* p = grp + B * kGroup * interleaved_bytes(Type);
         const __m256 d = half8(p + 16 * h), dmin = half8(p + 32 + 16 * h);
         for (int s = 0; s < 8; ++s) {
-          if constexpr (Type == kQ4_K) {
-            const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2) + 32 * h;
-            for (int j = 0; j < 8; ++j) {
-              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
-              _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]),
-                                 _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low));
+          const uint8_t* cp = p + kQ4KCodes + 512 * (s / 2) + 32 * h;
+          for (int j = 0; j < 8; ++j) {
+            const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cp + 64 * j));
+            __m256i c = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low);
+            if constexpr (Type == kQ5_K) {
+              const __m256i hb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + kQ4KCodes + 2048 + 64 * j + 32 * h));
+              c = _mm256_or_si256(c, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, s), _mm256_set1_epi8(1)), 4));
             }
-          } else {
-            for (int j = 0; j < 8; ++j) std::memcpy(codes[j], p + kQ4KCodes + 512 * s + 64 * j + 32 * h, 32);
+            _mm256_store_si256(reinterpret_cast<__m256i*>(codes[j]), c);
           }
           const __m256 D = _mm256_mul_ps(d, bytes8(p + 64 + 16 * s + 8 * h));
           const __m256 M = _mm256_sub_ps(_mm256_setzero_ps(), _mm256_mul_ps(dmin, bytes8(p + 192 + 16 * s + 8 * h)));
