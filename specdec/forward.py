@@ -141,16 +141,16 @@ def static_block(model, cache: StaticCache, input_ids: torch.Tensor, block_mask:
         return static_step(model, path, cache, ids, starts, mask, offsets, keep, head, rows)
 
     key = (B, Qb, keep, id(head), path is not None, rows)
-    logits, hidden = cache.graphs.run(key, step, (ids, starts, mask, offsets))
-    return BlockOutput(logits[:, :Q], None if keep is None else hidden[:, :Q])
+    logits, *hidden = cache.graphs.run(key, step, (ids, starts, mask, offsets))
+    return BlockOutput(logits[:, :Q], hidden[0][:, :Q] if hidden else None)
 
 
 def static_step(model, path, cache: StaticCache, ids: torch.Tensor, starts: torch.Tensor, mask: torch.Tensor,
                 offsets: torch.Tensor, keep: tuple[int, ...] | None, head, rows: bool) -> tuple[torch.Tensor, ...]:
     """One target forward of a static store, every changing value a tensor (what a graph captures):
     ids [B, Q] tokens, starts [B] each row's first block row, mask [B, Q, Q] the block's visibility,
-    offsets [B, Q] its rows' position offsets. Returns (logits [B, Q, V], hidden [B, Q, *] or logits
-    again where none is wanted: a graph's outputs are tensors)."""
+    offsets [B, Q] its rows' position offsets. Returns (logits [B, Q, V],), with ``keep`` (logits, hidden
+    [B, Q, *]): a graph's outputs are a tuple of tensors."""
     B, Q = ids.shape
     cache._plan.row_index = starts[:, None] + torch.arange(Q, device=starts.device)  # [B, Q]: where the block goes
     bias = block_bias(starts, mask, cache.capacity_rows, cache.dtype)  # [B, 1, Q, C]
@@ -159,7 +159,7 @@ def static_step(model, path, cache: StaticCache, ids: torch.Tensor, starts: torc
     with block_scope(None, rows):
         if path is not None:
             logits, hidden = path(cache, ids, position_ids, bias, grouped_attention, keep=layers, head=head)
-            return logits, (logits if keep is None else hidden)
+            return (logits,) if keep is None else (logits, hidden)
         config = model.config
         saved, config._attn_implementation = config._attn_implementation, PAD
         try:
@@ -167,7 +167,7 @@ def static_step(model, path, cache: StaticCache, ids: torch.Tensor, starts: torc
         finally:
             config._attn_implementation = saved
         out = _restricted(out, head)
-        return out.logits, (out.logits if keep is None else out.hidden)
+        return (out.logits,) if keep is None else (out.logits, out.hidden)
 
 
 def _restricted(out: BlockOutput, head) -> BlockOutput:
