@@ -180,3 +180,20 @@ def test_static_shapes_say_what_they_refuse():
         SpecDecoderConfig(static=StaticShapes(), attention="split")
     with pytest.raises(ValueError, match="capture='cuda' needs a CUDA device"):
         StepGraphs("cuda", torch.device("cpu"))
+
+
+def test_static_steps_take_prompts_from_the_prefix_cache(monkeypatch):
+    """Prompts prefilled through a prefix cache (aligned blocks in a BMC store of their own, then loaded into the
+    static store): the same tokens as the target's greedy decoding, a second prompt reusing the first's rows."""
+    from specdec.kv.prefix import PrefixCache
+
+    seen = _spy_stores(monkeypatch)
+    target = tiny_llama(4)
+    cache = PrefixCache(2**20, block=4)
+    decoder = SpecDecoder(target, PromptLookupDrafter(), SpecDecoderConfig(static=TRACED), prefix_cache=cache)
+    first, second = _prompts()[1], torch.cat([_prompts()[1][:12], _prompts()[0]])
+    for prompt in (first, second):
+        got = decoder.generate([prompt], max_new_tokens=10, eos_token_id=None).generated(0).tolist()
+        assert got == hf_greedy(target, prompt[None], 10)[0, len(prompt):].tolist()
+    assert cache.stats.tokens_prefilled < len(first) + len(second), "the second prompt reused the first's blocks"
+    assert seen and seen[-1].graphs.replays > 0
