@@ -30,7 +30,8 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from specdec.introspect import attention_shape, float_dtype
-from specdec.kv.bmc import BlockInputs, BMCCache, BMCConfig, block_bias
+from specdec.kv.blocks import BlockInputs, block_bias
+from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.kv.static import StaticCache
 from specdec import fastpath
 from specdec.quant.numerics import numerics_of

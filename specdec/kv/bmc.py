@@ -37,6 +37,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.introspect import text_config
+from specdec.kv.blocks import BlockInputs, WritePlan, block_bias, causal, causal_bias
 
 
 @dataclass(frozen=True)
@@ -46,56 +47,6 @@ class BMCConfig:
     def __post_init__(self) -> None:
         if self.period < 1:
             raise ValueError(f"BMC period T must be >= 1, got {self.period}")
-
-
-@dataclass(frozen=True)
-class BlockInputs:
-    """What one forward over a block needs besides the token ids."""
-
-    position_ids: torch.Tensor  # [B, Q] int64
-    attention_mask: torch.Tensor  # [B, 1, Q, L] additive bias over the attended view of L rows
-
-
-class _WritePlan:
-    """Where the block of the forward in flight goes: set by ``prepare``, read by every layer."""
-
-    __slots__ = ("starts", "q", "end", "row_index")
-
-    def __init__(self, starts: list[int], q: int, device: torch.device, index: bool = True) -> None:
-        self.starts = starts  # per batch row, first row of the block
-        self.q = q
-        self.end = max(starts) + q  # rows of the attended view
-        # ragged rows need a scatter; equal starts (always the case at B = 1) take a slice write;
-        # index=False: the forward computes it (a static step: kv.static)
-        if len(set(starts)) == 1 or not index:
-            self.row_index = None
-        else:
-            s = torch.tensor(starts, device=device)[:, None]
-            self.row_index = s + torch.arange(q, device=device)  # [B, Q]
-
-
-def _causal(q: int, device) -> torch.Tensor:
-    return torch.ones(q, q, dtype=torch.bool, device=device).tril()
-
-
-def _causal_bias(q: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """[Q, Q] additive causal bias: 0 on and below the diagonal, dtype-min above."""
-    return torch.full((q, q), torch.finfo(dtype).min, dtype=dtype, device=device).triu(1)
-
-
-def block_bias(starts: torch.Tensor, block_mask: torch.Tensor, L: int, dtype: torch.dtype) -> torch.Tensor:
-    """The additive bias [B, 1, Q, L] of a block of Q rows per batch row written at rows ``starts``
-    [B] (a tensor: a captured step computes it on the device, ``kv.static``) of a store attended over
-    L rows. Column c of batch row b: c < start: committed (visible); start <= c < start + Q: the
-    block, as ``block_mask`` [B, Q, Q] says; c >= start + Q: padding, or rows another batch row is
-    using (hidden). Example: start 5, Q 2 (causal), L 8 -> row 0 sees 0..5, row 1 sees 0..6."""
-    B, Q, _ = block_mask.shape
-    rel = torch.arange(L, device=starts.device)[None, :] - starts[:, None]  # [B, L]
-    in_block = (rel >= 0) & (rel < Q)
-    block_cols = block_mask.gather(2, rel.clamp(0, Q - 1)[:, None, :].expand(B, Q, L))  # [B, Q, L]
-    visible = (rel < 0)[:, None, :] | (in_block[:, None, :] & block_cols)
-    bias = torch.zeros(B, 1, Q, L, dtype=dtype, device=starts.device)
-    return bias.masked_fill_(~visible[:, None], torch.finfo(dtype).min)
 
 
 class BMCLayer(CacheLayerMixin):
@@ -280,7 +231,7 @@ class BMCCache(Cache):
         # asked at every reallocation with the rows held, returns T for it (specdec.controller.period: T grows
         # with the sequence); None keeps T fixed
         self.period_policy = None
-        self._plan: _WritePlan | None = None
+        self._plan: WritePlan | None = None
         super().__init__(layers=[self.layer_class(self, i) for i in range(num_layers)])
 
     @classmethod
@@ -320,7 +271,7 @@ class BMCCache(Cache):
         assert B == self.batch_size, f"block batch {B} != cache batch {self.batch_size}"
         assert depth.shape == (B, Q), f"depth {tuple(depth.shape)} != {(B, Q)}"
         block_mask = block_mask.to(self.device)  # drafters build trees where they like (the host, mostly)
-        self._plan = plan = _WritePlan(self.lengths, Q, self.device)
+        self._plan = plan = WritePlan(self.lengths, Q, self.device)
         starts = torch.tensor(self.lengths, device=self.device)  # [B]
         bias = block_bias(starts, block_mask, plan.end, self.dtype)
         position_ids = starts[:, None] + depth.to(self.device)
@@ -336,12 +287,12 @@ class BMCCache(Cache):
         B = self.batch_size
         if len(set(self.lengths)) != 1:  # ragged rows: the general path (never a subclass's prepare:
             # CompressedCache shifts the positions of both, and through its prepare it shifted twice)
-            return self._prepare_block(_causal(q, self.device).expand(B, q, q), torch.arange(q).expand(B, q))
-        self._plan = plan = _WritePlan(self.lengths, q, self.device)
+            return self._prepare_block(causal(q, self.device).expand(B, q, q), torch.arange(q).expand(B, q))
+        self._plan = plan = WritePlan(self.lengths, q, self.device)
         s, L = self.lengths[0], plan.end
         bias = torch.zeros(1, 1, q, L, dtype=self.dtype, device=self.device)
         if q > 1:
-            bias[0, 0, :, s:] = _causal_bias(q, self.dtype, self.device)
+            bias[0, 0, :, s:] = causal_bias(q, self.dtype, self.device)
         position_ids = torch.arange(s, s + q, device=self.device)[None]
         return BlockInputs(position_ids.expand(B, q), bias.expand(B, 1, q, L))
 

@@ -36,7 +36,8 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from specdec.kv.bmc import BlockInputs, BMCCache, BMCConfig
+from specdec.kv.blocks import BlockInputs
+from specdec.kv.bmc import BMCCache, BMCConfig
 
 # ---------------------------------------------------------------------------------------------
 # Selection rules (pure). L = rows of a cache, H = KV heads, Hq = query heads, n = rows kept.

@@ -37,7 +37,8 @@ from dataclasses import dataclass
 import torch
 
 from specdec.introspect import text_config
-from specdec.kv.bmc import BlockInputs, BMCCache, BMCConfig, BMCLayer, _WritePlan, block_bias
+from specdec.kv.blocks import BlockInputs, WritePlan, block_bias
+from specdec.kv.bmc import BMCCache, BMCConfig, BMCLayer
 from specdec.runtime.graphs import CAPTURES, StepGraphs
 
 
@@ -121,7 +122,7 @@ class StaticCache(BMCCache):
         need = self.max_length + q
         if need > self.capacity_rows:
             self.reserve(need)
-        self._plan = _WritePlan(self.lengths, q, self.device, index=False)
+        self._plan = WritePlan(self.lengths, q, self.device, index=False)
 
     def reserve(self, rows: int) -> None:
         """Room for ``rows`` rows in every batch row (new buffers, the committed rows copied)."""
