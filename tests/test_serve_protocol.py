@@ -2,7 +2,8 @@
 
 import pytest
 
-from specdec.serve.protocol import ApiError, TextStream, parse_json, parse_request
+from specdec.serve.protocol import ApiError, parse_json, parse_request
+from specdec.serve.responses import TextStream
 
 MODELS = ("tiny",)
 

@@ -40,10 +40,11 @@ from starlette.staticfiles import StaticFiles
 
 from specdec.processing import Processing
 from specdec.runtime.memory import malloc_trim
-from specdec.serve import protocol
+from specdec.serve import protocol, responses
 from specdec.serve.engine import Update
 from specdec.serve.live import SAMPLE_EVERY, Sample, snapshot
-from specdec.serve.protocol import ApiError, Generation, TextStream
+from specdec.serve.protocol import ApiError, Generation
+from specdec.serve.responses import TextStream
 from specdec.serve.provenance import Provenance
 from specdec.serve.service import Service
 
@@ -117,7 +118,7 @@ class _Progress:
 
     def usage(self, prompt_tokens: int) -> dict:
         ttft = None if self.first_token is None else round(self.first_token, 6)
-        return protocol.usage(prompt_tokens, self.tokens, {"drafted_tokens": self.drafted,
+        return responses.usage(prompt_tokens, self.tokens, {"drafted_tokens": self.drafted,
                                                            "accepted_tokens": self.accepted,
                                                            "time_to_first_token_s": ttft, "steps": self.steps,
                                                            "cached_tokens": self.cached}, self.cached)
@@ -216,20 +217,20 @@ async def _whole(service: Service, request: HttpRequest, g: Generation, ids: lis
     entries = None
     if g.options.logprobs is not None:  # the tokens the answer's text holds (a stop string cuts the rest)
         entries = await run_in_threadpool(service.logprob_entries, logprobs[: text.tokens_within()])
-    return JSONResponse(protocol.completion(g, protocol.new_id(g.chat), service.models[0], text.text, finish, use,
+    return JSONResponse(responses.completion(g, responses.new_id(g.chat), service.models[0], text.text, finish, use,
                                             entries))
 
 
 async def _stream(service: Service, g: Generation, ids: list[int], handle: int, updates: asyncio.Queue,
                   progress: _Progress, deadline: _Deadline):
-    rid, model = protocol.new_id(g.chat), service.models[0]
+    rid, model = responses.new_id(g.chat), service.models[0]
     text = TextStream(service.decode, g.stop)
     logprobs, sent_logprobs, offset = [], 0, 0  # every token's so far; how many went out; their text's length
     marks = Provenance(service.decode)  # who wrote each piece: the chunks' "specdec" extension
     finish = None
     try:
         if g.chat:
-            yield _sse(protocol.chunk(g, rid, model, "", first=True))
+            yield _sse(responses.chunk(g, rid, model, "", first=True))
         while finish is None:
             try:
                 u = await asyncio.wait_for(updates.get(), deadline.left())
@@ -251,14 +252,14 @@ async def _stream(service: Service, g: Generation, ids: list[int], handle: int, 
                     upto = text.tokens_within()
                     entries = service.logprob_entries(logprobs[sent_logprobs:upto])
                     sent_logprobs = upto
-                c = protocol.chunk(g, rid, model, delta, finish if finish != "cancelled" else "stop",
+                c = responses.chunk(g, rid, model, delta, finish if finish != "cancelled" else "stop",
                                    logprobs=entries, offset=offset)
                 offset += sum(len(e[0]) for e in entries or [])
                 if delta:  # an extension field: OpenAI's clients keep it as an extra and otherwise ignore it
                     c["specdec"] = {"pieces": marks.pieces(text.sent - len(delta), delta)}
                 yield _sse(c)
         if g.include_usage:
-            yield _sse(protocol.chunk(g, rid, model, None, use=progress.usage(len(ids))))
+            yield _sse(responses.chunk(g, rid, model, None, use=progress.usage(len(ids))))
         yield "data: [DONE]\n\n"
     finally:  # also when the client closed the stream: its row leaves at the next step
         if finish is None or text.stopped:
