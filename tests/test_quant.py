@@ -257,6 +257,24 @@ def test_q4_k_quantizer_bytes_read_the_same_through_the_gguf_package():
     assert raw.shape == (16, 2 * 144) and np.array_equal(theirs.view(np.uint32), ours.view(np.uint32))
 
 
+def test_q6_k_quantizer_is_within_half_a_step_and_reads_the_same_through_the_gguf_package():
+    from gguf import GGMLQuantizationType, quants
+
+    from specdec.quant.q6k import quantize_q6_k
+
+    x = q4_k_input(np.random.default_rng(3))  # [16, 512]: outliers, an all-zero sub-block
+    raw = quantize_q6_k(x)
+    ours = dequantize(torch.from_numpy(raw), FORMATS["Q6_K"]).numpy()
+    theirs = quants.dequantize(raw, GGMLQuantizationType.Q6_K)
+    assert raw.shape == (16, 2 * 210) and np.array_equal(theirs.view(np.uint32), ours.view(np.uint32))
+    sub = np.abs(x).reshape(-1, 16, 16).max(axis=2)  # [super-blocks, 16]
+    bound = 0.5 * sub / 31 + sub.max(axis=1, keepdims=True) / 31 / 127 / 2 * 32 + 1e-7  # half a step, sc's ceil
+    err = np.abs(ours - x).reshape(-1, 16, 16).max(axis=2)
+    assert (err <= bound).all(), float((err / bound).max())
+    with pytest.raises(ValueError, match="a row of 96 weights is not a whole number of 256-weight super-blocks"):
+        quantize_q6_k(np.zeros((2, 96), dtype=np.float32))
+
+
 def test_q4_k_quantizer_refuses_rows_of_partial_super_blocks():
     from specdec.quant.q4k import quantize_q4_k
 

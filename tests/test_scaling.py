@@ -16,12 +16,13 @@ from specdec.config import RuntimeConfig, use
 from specdec.drafters import PromptLookupDrafter
 from specdec.models import default_gguf_path
 from specdec.quant import QuantEmbedding, QuantLinear
+from specdec.quant.numerics import numerics_of
 from specdec.quant.write import (SHAPES, WRITABLE, LlamaShape, cached_random_gguf, gguf_opens, write_f32_gguf,
                                  write_random_gguf)
 
 UNCALIBRATED = RuntimeConfig(calibrate=False)  # the kernel for every few-row forward: no full-size self-check here
 # one file holding every writable type, with a separate output layer: tiny, but every path of a large one
-MIXED = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q4_0",
+MIXED = {"token_embd": "Q8_0", "attn_q": "Q4_0", "attn_k": "Q4_1", "attn_v": "Q8_0", "attn_output": "Q6_K",
          "ffn_gate": "Q4_1", "ffn_up": "Q4_0", "ffn_down": "Q4_K", "output": "Q4_K"}
 
 
@@ -109,8 +110,9 @@ def test_a_write_that_fails_midway_leaves_no_file(tmp_path, monkeypatch):
 
 
 def test_writer_names_an_unwritable_type_and_a_shape_of_partial_blocks(tmp_path):
-    with pytest.raises(ValueError, match="cannot write 'Q6_K' weights: writable types are Q8_0, Q4_0, Q4_1, Q4_K"):
-        write_random_gguf(tmp_path / "x.gguf", SHAPES["tiny"], "q6_k", tokenizer_from=default_gguf_path())
+    with pytest.raises(ValueError, match=r"cannot write 'Q5_K' weights: writable types are Q8_0, Q4_0, Q4_1, Q4_K, "
+                                         r"Q6_K \(mixes: Q4_K_M\)"):
+        write_random_gguf(tmp_path / "x.gguf", SHAPES["tiny"], "q5_k", tokenizer_from=default_gguf_path())
     odd = LlamaShape(hidden=896, layers=1, intermediate=4864, heads=14, kv_heads=2, tied=True)
     with pytest.raises(ValueError, match="Q4_K needs rows of whole 256-weight blocks: hidden 896"):
         write_random_gguf(tmp_path / "x.gguf", odd, "Q4_K", tokenizer_from=default_gguf_path())
@@ -165,3 +167,27 @@ def test_bench_scaling_self_draft_writes_the_costs_of_a_tiny_bf16_target(tmp_pat
     assert e["c"] == pytest.approx(e["draft_ms"] / e["target_ms"])
     assert e["predicted_speedup"] == pytest.approx(3 * e["target_ms"] / (3 * e["draft_ms"] + e["verify_ms"]))
     assert main(argv) == 0 and "already in" in capsys.readouterr().out  # resumed, not measured again
+
+
+def test_a_q4_k_m_file_mixes_q6_k_as_llama_cpp_does_and_runs_int8_exactly(tmp_path):
+    """"Q4_K_M": Q4_K, with Q6_K for attn_v, ffn_down and the (tied: embedding's) output layer; the file says
+    MOSTLY_Q4_K_M; loaded with the commands' numerics rule it runs int8, and speculation equals its own plain
+    decoding."""
+    from gguf import GGUFReader
+
+    from specdec.models import load_model
+
+    path = cached_random_gguf("tiny", "Q4_K_M", tmp_path, tokenizer_from=default_gguf_path())
+    reader = GGUFReader(str(path))
+    types = {t.name.split(".")[-2]: t.tensor_type.name for t in reader.tensors if t.name.endswith("weight")}
+    assert {k: v for k, v in types.items() if v == "Q6_K"}.keys() == {"attn_v", "ffn_down", "token_embd"}
+    assert {v for k, v in types.items() if "norm" not in k and v != "Q6_K"} == {"Q4_K"}
+    assert int(reader.fields["general.file_type"].contents()) == 15
+    model = load_model(str(path), weights="packed", numerics="auto").model
+    assert numerics_of(model) == "int8"
+    base = torch.randint(17, 49152, (5,), generator=torch.Generator().manual_seed(0))
+    prompt = torch.cat([base, base, base[:2]])
+    config = SpecDecoderConfig(runtime=UNCALIBRATED)
+    plain = SpecDecoder(model, None, config).generate(prompt[None], max_new_tokens=10, eos_token_id=[])
+    out = SpecDecoder(model, PromptLookupDrafter(), config).generate(prompt[None], max_new_tokens=10, eos_token_id=[])
+    assert out.generated(0).tolist() == plain.generated(0).tolist()

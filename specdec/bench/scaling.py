@@ -164,7 +164,8 @@ def entry_for(shape: str, quant: str, gguf: Path, prompt: list[int], tokens: int
 
 def add_arguments(p) -> None:
     p.add_argument("--shapes", type=name_list, default="0.5b,1.5b", help="named shapes (specdec.quant.write.SHAPES)")
-    p.add_argument("--quants", type=name_list, default="q4_0,q4_k", help="q8_0, q4_0, q4_1, q4_k")
+    p.add_argument("--quants", type=name_list, default="q4_0,q4_k", help="q8_0, q4_0, q4_1, q4_k, q6_k, q4_k_m (Q4_K with Q6_K "
+                   "attn_v, ffn_down and output, as llama.cpp's mix)")
     p.add_argument("--tokens", type=positive_int, default=64, help="new tokens decoded (EOS ignored)")
     p.add_argument("--numerics", default="exact", help="comma-separated: exact, int8 (int8: Q4_0/Q4_1/Q8_0/Q4_K files)")
     p.add_argument("--prompt-tokens", type=positive_int, default=128, help="random prompt ids before them")
@@ -201,15 +202,16 @@ def run(args) -> int:
     from rich.console import Console
 
     from specdec.models import default_gguf_path
-    from specdec.quant.write import SHAPES, WRITABLE, cached_random_gguf
+    from specdec.quant.write import MIXES, SHAPES, WRITABLE, cached_random_gguf
 
     for s in args.shapes:
         if s not in SHAPES:
             raise ValueError(f"unknown shape {s!r}: known shapes are {', '.join(SHAPES)}")
     quants = [q.upper() for q in args.quants]
     for q in quants:
-        if q not in WRITABLE:
-            raise ValueError(f"--quants {q.lower()!r}: expected some of {', '.join(w.lower() for w in WRITABLE)}")
+        if q not in WRITABLE and q not in MIXES:
+            raise ValueError(f"--quants {q.lower()!r}: expected some of "
+                             f"{', '.join(w.lower() for w in (*WRITABLE, *MIXES))}")
     cache = Path(args.cache_dir).expanduser() if args.cache_dir else args.runtime.cache_dir / "random-gguf"
     out, console, started = Path(args.out), Console(), time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -63,10 +63,14 @@ def quantize_q4_k(weight: np.ndarray) -> np.ndarray:
 
 
 def quantize_rows(weight: np.ndarray, quant: str) -> np.ndarray:
-    """float32 [N, K] -> uint8 [N, row bytes] of GGUF type ``quant``: Q4_K here, the rest by the gguf
-    package's quantizers (llama.cpp's reference rules, ported to numpy)."""
+    """float32 [N, K] -> uint8 [N, row bytes] of GGUF type ``quant``: Q4_K here, Q6_K by ``quant.q6k``, the
+    rest by the gguf package's quantizers (llama.cpp's reference rules, ported to numpy)."""
     if quant == "Q4_K":
         return quantize_q4_k(weight)
+    if quant == "Q6_K":
+        from specdec.quant.q6k import quantize_q6_k
+
+        return quantize_q6_k(weight)
     from gguf import GGMLQuantizationType, quants
 
     return quants.quantize(np.ascontiguousarray(weight, dtype=np.float32), GGMLQuantizationType[quant])

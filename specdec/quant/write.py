@@ -4,8 +4,10 @@ package ships (``specdec bench-scaling``).
 A file carries the default model's tokenizer (its ``tokenizer.*`` keys copied, vocabulary 49,152), so
 transformers, specdec and llama.cpp all open it as a Llama with that tokenizer; the weights are
 seeded N(0, std) (norms 1), quantized per tensor: Q8_0 / Q4_0 / Q4_1 by the gguf package's
-quantizers, Q4_K by ``specdec.quant.q4k`` (norms stay F32). llama.cpp's Q4_K_M mixes Q6_K into some
-tensors; with no Q6_K quantizer here every tensor is Q4_K, and the file says Q4_K.
+quantizers, Q4_K by ``specdec.quant.q4k``, Q6_K by ``specdec.quant.q6k`` (norms stay F32). ``Q4_K_M``
+is a mix as llama.cpp's: Q4_K, with Q6_K for attn_v, ffn_down and the output layer (the embedding where
+it is tied). llama.cpp gives Q6_K to attn_v / ffn_down in about half the layers; here all of them (the
+writer types tensors by kind, not by layer): a little more Q6_K than its files hold.
 
     path = cached_random_gguf("0.5b", "Q4_0", cache_dir, tokenizer_from=default_gguf_path())  # written once, reused
     write_f32_gguf(default_gguf_path(), Path("smollm2-f32.gguf"))     # the same weights, every tensor F32
@@ -30,9 +32,11 @@ from specdec.quant.gguf import open_reader
 from specdec.quant.q4k import quantize_rows
 
 WRITER_VERSION = 1  # bump when what a file holds for the same (shape, quant, seed) changes
-WRITABLE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K")
+WRITABLE = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q6_K")
+# a named mix: its tensors' type, and the kinds that take another ("output" is the embedding where tied)
+MIXES = {"Q4_K_M": ("Q4_K", {"attn_v": "Q6_K", "ffn_down": "Q6_K", "output": "Q6_K"})}
 # general.file_type: llama.cpp's names; it has no all-Q4_K type, MOSTLY_Q4_K_S (14) is the nearest
-FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 14}
+FILE_TYPES = {"Q8_0": 7, "Q4_0": 2, "Q4_1": 3, "Q4_K": 14, "Q6_K": 18, "Q4_K_M": 15}
 
 
 @dataclass(frozen=True)
@@ -111,7 +115,8 @@ def _reader_fields(reader, prefix: str = "") -> tuple:
 def _check_type(quant: str, shape: LlamaShape) -> str:
     quant = quant.upper()
     if quant not in WRITABLE:
-        raise ValueError(f"cannot write {quant!r} weights: writable types are {', '.join(WRITABLE)}")
+        raise ValueError(f"cannot write {quant!r} weights: writable types are {', '.join(WRITABLE)} "
+                         f"(mixes: {', '.join(MIXES)})")
     fmt = block_format(quant)
     if shape.hidden % fmt.block_weights or shape.intermediate % fmt.block_weights:
         raise ValueError(f"{quant} needs rows of whole {fmt.block_weights}-weight blocks: hidden {shape.hidden} "
@@ -125,14 +130,19 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
     atomically (a temp file beside it, then a rename: a crash leaves no partial file under ``path``).
     tokenizer_from: the GGUF whose ``tokenizer.*`` keys the file copies (the default model's:
     ``models.default_gguf_path()``); overrides: a tensor kind ("token_embd", "attn_q", "ffn_down",
-    "output", ...) -> its own type."""
+    "output", ...) -> its own type. ``quant`` may name a mix (``MIXES``: "Q4_K_M"), its own overrides
+    first."""
     from gguf import GGMLQuantizationType
 
     shape.check()
-    quant = _check_type(quant, shape)
-    types = {kind: _check_type(t, shape) for kind, t in (overrides or {}).items()}
+    name = quant.upper()
+    base, mixed = MIXES.get(name, (name, {}))
+    if shape.tied and "output" in mixed:  # the output layer reads the embedding's blocks
+        mixed = {("token_embd" if k == "output" else k): t for k, t in mixed.items()}
+    quant = _check_type(base, shape)
+    types = {kind: _check_type(t, shape) for kind, t in {**mixed, **(overrides or {})}.items()}
     with _gguf_writer(path, "llama") as writer:
-        writer.add_name(f"random Llama {shape.params() / 1e9:.2f}B {quant} seed {seed}")
+        writer.add_name(f"random Llama {shape.params() / 1e9:.2f}B {name} seed {seed}")
         writer.add_context_length(shape.context)
         writer.add_embedding_length(shape.hidden)
         writer.add_block_count(shape.layers)
@@ -143,7 +153,7 @@ def write_random_gguf(path: Path, shape: LlamaShape, quant: str, seed: int = 0, 
         writer.add_layer_norm_rms_eps(1e-5)
         writer.add_rope_dimension_count(shape.head_dim)
         writer.add_vocab_size(shape.vocab)
-        writer.add_file_type(FILE_TYPES[quant])
+        writer.add_file_type(FILE_TYPES[name if name in MIXES else quant])
         writer.add_quantization_version(2)
         for key, value, vtype, sub in _fields(Path(tokenizer_from), "tokenizer."):
             writer.add_key_value(key, value, vtype, sub_type=sub)
