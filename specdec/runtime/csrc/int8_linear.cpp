@@ -262,6 +262,9 @@ constexpr int kGroupRows = 8;
 // tiles of this many rows or more fetch a group's blocks kAhead ahead of the one multiplied (Q4_K: 2 of 256
 // weights); 1-row tiles, memory-bound, leave it to the hardware (docs/decisions/019-int8-numerics.md)
 constexpr int kPrefetchRows = 4;
+// ... but Q5_K's and Q6_K's at every tile size: more work per byte leaves too few loads in flight (019: a
+// 1-row Q6_K call 184-191 against 250-266 us, Q5_K 172-179 against 225-228; Q4_K slower with it)
+constexpr int prefetch_rows(int type) { return type == kQ5_K || type == kQ6_K ? 1 : kPrefetchRows; }
 constexpr int64_t kAhead = 8;
 
 // one 32-weight block b of a group for R rows: codes c (16 features x 32, as 8 vectors of 4 codes each),
@@ -314,7 +317,7 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
     const __m512i one = _mm512_set1_epi8(1);
     for (int64_t B = 0; B < nb / 8; ++B) {
       const uint8_t* p = grp + B * kStride;
-      if constexpr (R >= kPrefetchRows)
+      if constexpr (R >= prefetch_rows(Type))
         for (int64_t o = 0; o < kStride; o += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kStride + o), _MM_HINT_T0);
       const __m512 d = half16(p), dmin = half16(p + 32);
@@ -339,7 +342,7 @@ inline void group_tile(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t
     __m512i c4[4];
     for (int64_t B = 0; B < nb / 8; ++B) {
       const uint8_t* p = grp + B * kStride;
-      if constexpr (R >= kPrefetchRows)
+      if constexpr (R >= prefetch_rows(Type))
         for (int64_t o = 0; o < kStride; o += 64)
           _mm_prefetch(reinterpret_cast<const char*>(p + 2 * kStride + o), _MM_HINT_T0);
       const __m512 d = half16(p);
