@@ -7,7 +7,8 @@
   at 1, 8 and 64 rows: GMAC/s and GB/s of blocks. The weights are reused call after call, so they sit in
   cache: a ceiling of the arithmetic, not of the memory.
 - ``kformats``: Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M files hold) at a 0.5B model's MLP down shape, 1 and
-  8 rows, the exact kernel against the int8 one, weights streamed (copies past 96 MB, one a call).
+  8 rows, the exact kernel against the int8 one, weights streamed (30 copies or more, past 96 MB, one a call; each
+  timed for 3 s).
 - ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step) and 24
   (an 8-row verify), 3 KV heads x 64, over 208 keys with a causal draft block: microseconds a call.
 - ``prompt``: torch's SDPA over a 7,000-token prompt, 9 query heads on 3 KV heads of 64 (the default
@@ -46,6 +47,17 @@ def timed(fn, calls: int) -> float:
     return (time.perf_counter() - t) / calls
 
 
+def timed_for(fn, seconds: float) -> float:
+    """Seconds a call of ``fn``, calling it for ``seconds`` after a pass to warm up."""
+    for _ in range(3):
+        fn()
+    n, t = 0, time.perf_counter()
+    while time.perf_counter() - t < seconds:
+        fn()
+        n += 1
+    return (time.perf_counter() - t) / n
+
+
 def int8(ops) -> list[dict]:
     from specdec.formats import FORMATS, random_blocks  # here: the other parts run from older checkouts too
     try:
@@ -81,7 +93,7 @@ def kformats(ops) -> list[dict]:
     for name in ("Q4_K", "Q5_K", "Q6_K"):
         fmt = FORMATS[name]
         one = random_blocks(fmt, n, k, g)
-        copies = max(2, -(-96 * 2**20 // one.numel()))
+        copies = max(30, -(-96 * 2**20 // one.numel()))
         files = [random_blocks(fmt, n, k, g) for _ in range(copies)]
         inter = [interleave(w, fmt) for w in files]
         for m in (1, 8):
@@ -96,7 +108,7 @@ def kformats(ops) -> list[dict]:
                 turn["int8"] = (turn["int8"] + 1) % copies
                 ops.quant_linear_i8(x, [inter[turn["int8"]]], [fmt.ggml_type | INTERLEAVED])
 
-            e, i = timed(exact, 4 * copies), timed(int8_call, 4 * copies)
+            e, i = timed_for(exact, 3.0), timed_for(int8_call, 3.0)  # seconds-long: shorter loops hid a 1.4x
             out.append({"format": name, "rows": m, "exact_us": e * 1e6, "int8_us": i * 1e6, "exact_over_int8": e / i,
                         "file_bytes": one.numel(), "int8_bytes": inter[0].numel()})
     return out
