@@ -30,7 +30,7 @@ import torch
 from transformers import AttentionInterface, DynamicCache
 
 from specdec.introspect import attention_shape, float_dtype
-from specdec.kv.blocks import BlockInputs, block_bias
+from specdec.kv.blocks import BlockInputs, block_bias, causal
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.kv.static import StaticCache
 from specdec import fastpath
@@ -129,8 +129,7 @@ def static_block(model, cache: StaticCache, input_ids: torch.Tensor, block_mask:
     ids = torch.zeros(B, Qb, dtype=torch.long, device=device)
     ids[:, :Q] = input_ids.to(device)
     mask = torch.eye(Qb, dtype=torch.bool, device=device).repeat(B, 1, 1)  # [B, Qb, Qb]
-    mask[:, :Q, :Q] = (torch.ones(Q, Q, dtype=torch.bool, device=device).tril() if block_mask is None
-                       else block_mask.to(device))
+    mask[:, :Q, :Q] = causal(Q, device) if block_mask is None else block_mask.to(device)
     offsets = torch.zeros(B, Qb, dtype=torch.long, device=device)
     offsets[:, :Q] = torch.arange(Q, device=device) if depth is None else depth.to(device)
     cache.plan_block(Qb)

@@ -355,8 +355,11 @@ class BMCCache(Cache):
         for layer in self.layers:
             layer.select(rows)
         self.lengths = [self.lengths[b] for b in rows]
-        # a long sequence gone: buffers far longer than the rows still held shrink (memory stays
-        # bounded by the live rows, not by the longest sequence the batch ever held)
+        self._fit_buffers()
+
+    def _fit_buffers(self) -> None:
+        """After rows left: a long sequence gone, buffers far longer than the rows still held shrink (memory
+        stays bounded by the live rows, not by the longest sequence the batch ever held)."""
         fit = (math.ceil(self.max_length / self.period) + 1) * self.period
         if self.capacity > 2 * fit:
             with torch.inference_mode():

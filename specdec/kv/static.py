@@ -12,7 +12,7 @@ an additive bias, ``commit`` by gather, ``select`` / ``append`` for a server's b
 things:
 - its capacity C is fixed when it is made (the prompt, the answer and the largest block, rounded up to
   ``StaticShapes.capacity_step``); it grows only when a sequence outlives it (a server's), and every
-  move of its buffers bumps ``generation``, which drops the graphs captured on the old ones;
+  move of its buffers drops the graphs captured on the old ones;
 - a forward attends over all C rows (the bias hides what is not its own) and writes its block by a
   scatter at a row index computed on the device from the rows' starts;
 - a block of Q rows runs as a block of ``StaticShapes.bucket(Q)`` rows (``forward.forward_block`` pads
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.introspect import text_config
-from specdec.kv.blocks import BlockInputs, WritePlan, block_bias
+from specdec.kv.blocks import BlockInputs, WritePlan, block_bias, causal
 from specdec.kv.bmc import BMCCache, BMCConfig, BMCLayer
 from specdec.runtime.graphs import CAPTURES, StepGraphs
 
@@ -103,7 +103,6 @@ class StaticCache(BMCCache):
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
         self.shapes = shapes
         self.capacity_rows = shapes.capacity(rows)  # C, what buffers are made with
-        self.generation = 0  # bumped whenever a layer's buffers move
         self.graphs = StepGraphs(shapes.capture, torch.device(device))
         super().__init__(num_layers, batch_size, BMCConfig(period=shapes.capacity_step), dtype, device)
 
@@ -113,7 +112,7 @@ class StaticCache(BMCCache):
         return cls(text_config(model).num_hidden_layers, batch_size, rows, shapes, model.dtype, model.device)
 
     def moved(self) -> None:
-        self.generation += 1
+        """A layer's buffers moved: the graphs captured on the old ones go."""
         self.graphs.clear()
 
     def plan_block(self, q: int) -> None:
@@ -142,8 +141,7 @@ class StaticCache(BMCCache):
         return BlockInputs(starts[:, None] + depth.to(self.device), bias)
 
     def prepare_chain(self, q: int) -> BlockInputs:
-        causal = torch.ones(q, q, dtype=torch.bool, device=self.device).tril()
-        return self.prepare(causal.expand(self.batch_size, q, q), torch.arange(q).expand(self.batch_size, q))
+        return self.prepare(causal(q, self.device).expand(self.batch_size, q, q), torch.arange(q).expand(self.batch_size, q))
 
     def direct_buffers(self):
         return None  # the lean forward's one call writes at host offsets: it takes the layer loop here
@@ -152,12 +150,8 @@ class StaticCache(BMCCache):
         self.capacity_rows = max(self.capacity_rows, self.shapes.capacity(capacity))
         super().load_prefill(b, layers, self.capacity_rows)
 
-    def select(self, rows: list[int]) -> None:
-        """``BMCCache.select`` without its shrink: the buffers stay where the graphs expect them."""
-        assert self._plan is None, "select() between forwards only"
-        for layer in self.layers:
-            layer.select(rows)
-        self.lengths = [self.lengths[b] for b in rows]
+    def _fit_buffers(self) -> None:
+        """No shrink when rows leave (``BMCCache.select``): the buffers stay where the graphs expect them."""
 
     def append(self, other: "BMCCache") -> None:
         self.capacity_rows = max(self.capacity_rows, other.capacity)  # both multiples of the step
