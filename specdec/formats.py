@@ -69,13 +69,19 @@ def _nibbles(q: torch.Tensor, groups: int) -> torch.Tensor:
     return torch.cat([q & 15, q >> 4], dim=-1)
 
 
-def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[n, 12] uint8 -> (sc, mn), each [n, 8] float32 (the 6-bit packing in the module doc)."""
+def k_scale_bytes(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., 12] uint8 -> (sc, mn), each [..., 8] int64 in 0..63 (the 6-bit packing in the module doc)."""
     s = s.to(torch.int64)
-    lo_sc, lo_mn = s[:, 0:4] & 63, s[:, 4:8] & 63
-    hi_sc = (s[:, 8:12] & 15) | ((s[:, 0:4] >> 6) << 4)
-    hi_mn = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
-    return torch.cat([lo_sc, hi_sc], 1).to(torch.float32), torch.cat([lo_mn, hi_mn], 1).to(torch.float32)
+    lo_sc, lo_mn = s[..., 0:4] & 63, s[..., 4:8] & 63
+    hi_sc = (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)
+    hi_mn = (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)
+    return torch.cat([lo_sc, hi_sc], -1), torch.cat([lo_mn, hi_mn], -1)
+
+
+def _k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, 12] uint8 -> (sc, mn), each [n, 8] float32."""
+    sc, mn = k_scale_bytes(s)
+    return sc.to(torch.float32), mn.to(torch.float32)
 
 
 def dequantize_q8_0(b: torch.Tensor) -> torch.Tensor:
@@ -109,23 +115,34 @@ def dequantize_q4_k(b: torch.Tensor) -> torch.Tensor:
     return _k_dequantize(_f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16], q)
 
 
-def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+def q5_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q5_K blocks [n, 176] -> their codes [n, 8 sub-blocks, 32] uint8 in 0..31."""
     low = _nibbles(b[:, 48:176], 4).reshape(-1, 8, 32)  # [n, 8 sub-blocks, 32]
     qh = b[:, 16:48]  # [n, 32]: bit s = sub-block s's fifth bit
     high = (qh[:, None, :] >> torch.arange(8, dtype=torch.uint8)[None, :, None]) & 1
-    q = (low | (high << 4)).to(torch.float32)
+    return low | (high << 4)
+
+
+def q6_k_codes(b: torch.Tensor) -> torch.Tensor:
+    """Q6_K blocks [n, 210] -> their codes [n, 16 sub-blocks, 16] uint8 in 0..63 (the weight is d sc (q - 32))."""
+    n = b.shape[0]
+    ql = b[:, 0:128].reshape(n, 2, 2, 32)  # [n, half, first/second 32 bytes, l]
+    qh = b[:, 128:192].reshape(n, 2, 1, 32)  # [n, half, 1, l]
+    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [n, half, 4 quarters, 32]: l, l+32, l+64, l+96
+    top = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[None, None, :, None]) & 3
+    return (low | (top << 4)).reshape(n, 16, 16)
+
+
+def dequantize_q5_k(b: torch.Tensor) -> torch.Tensor:
+    q = q5_k_codes(b).to(torch.float32)
     return _k_dequantize(_f16(b[:, 0:2]), _f16(b[:, 2:4]), b[:, 4:16], q)
 
 
 def dequantize_q6_k(b: torch.Tensor) -> torch.Tensor:
     n = b.shape[0]
-    ql = b[:, 0:128].reshape(n, 2, 2, 32)  # [n, half, first/second 32 bytes, l]
-    qh = b[:, 128:192].reshape(n, 2, 1, 32)  # [n, half, 1, l]
     scales = b[:, 192:208].contiguous().view(torch.int8).to(torch.float32)  # [n, 16]
     d = _f16(b[:, 208:210])
-    low = torch.cat([ql & 15, ql >> 4], dim=2)  # [n, half, 4 quarters, 32]: l, l+32, l+64, l+96
-    top = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[None, None, :, None]) & 3
-    q = ((low | (top << 4)).to(torch.float32) - 32).reshape(n, 16, 16)  # 16 sub-blocks of 16; q - 32 exact
+    q = q6_k_codes(b).to(torch.float32) - 32  # 16 sub-blocks of 16; q - 32 exact
     return ((d * scales)[:, :, None] * q).reshape(n, QK_K)
 
 

@@ -14,7 +14,7 @@ from specdec.config import RuntimeConfig, use
 from specdec.controller.draft_length import DraftLengthConfig
 from specdec.drafters import ModelDrafter
 from specdec.quant import FORMATS, QuantLinear
-from specdec.formats import _k_scales, dequantize, random_blocks
+from specdec.formats import _k_scales, dequantize, q5_k_codes, q6_k_codes, random_blocks
 from specdec import fastpath
 from specdec.runtime import int8_linear, kernels, qlinear, state
 from specdec.runtime.state import CHUNK_ROWS, MAX_ROWS
@@ -443,11 +443,7 @@ def _int8_parts(w: torch.Tensor, name: str, K: int) -> tuple[torch.Tensor, torch
         b = w.reshape(N, K // 256, 176)
         d, dmin = (b[..., f:f + 2].contiguous().view(torch.float16).double() for f in (0, 2))  # [N, nb, 1]
         sc, mn = (t.double().reshape(N, K // 256, 8) for t in _k_scales(b[..., 4:16].reshape(-1, 12)))
-        low = b[..., 48:176].reshape(N, K // 256, 4, 32).long()
-        low = torch.stack([low & 15, low >> 4], 3).reshape(N, K // 256, 8, 32)
-        qh = b[..., 16:48].long()[:, :, None, :]  # [N, nb, 1, 32]: bit s = sub-block s's fifth bit
-        high = (qh >> torch.arange(8)[None, None, :, None]) & 1
-        q = (low | (high << 4)).reshape(N, K // 32, 32).double()
+        q = q5_k_codes(b.reshape(-1, 176)).reshape(N, K // 32, 32).double()
         return q, (d * sc).reshape(N, -1), (-(dmin * mn)).reshape(N, -1)
     if name == "Q4_K":
         b = w.reshape(N, K // 256, 144)
@@ -468,12 +464,8 @@ def _int8_parts(w: torch.Tensor, name: str, K: int) -> tuple[torch.Tensor, torch
 
 
 def _q6_codes(b: torch.Tensor) -> torch.Tensor:
-    """Q6_K blocks [n, 210] -> their codes minus 32 [n, 16, 16], float64, read from the bits (as the file's
-    comment in specdec/formats.py lays them out)."""
-    ql, qh = b[:, 0:128].reshape(-1, 2, 2, 32).long(), b[:, 128:192].reshape(-1, 2, 1, 32).long()
-    low = torch.cat([ql & 15, ql >> 4], dim=2)
-    top = (qh >> torch.tensor([0, 2, 4, 6])[None, None, :, None]) & 3
-    return ((low | (top << 4)) - 32).reshape(-1, 16, 16).double()
+    """Q6_K blocks [n, 210] -> their codes minus 32 [n, 16, 16], float64."""
+    return q6_k_codes(b).double() - 32
 
 
 def _rounded_as(x: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -23,7 +23,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
-from specdec.formats import BlockFormat, dequantize, random_blocks
+from specdec.formats import BlockFormat, dequantize, k_scale_bytes, q5_k_codes, q6_k_codes, random_blocks
 from specdec.runtime import state, verdicts
 from specdec.runtime.state import Active
 
@@ -76,13 +76,8 @@ def _groups(blocks: torch.Tensor, fmt: BlockFormat, nb: int) -> torch.Tensor:
     G, size = blocks.shape[0] // 16, fmt.block_bytes
     head = blocks.reshape(G, 16, nb, size).permute(0, 2, 1, 3)  # [G, nb, 16 features, block bytes]
     if fmt.name == "Q4_K":
-        s = head[..., 4:16].to(torch.int16)  # [G, nb, 16, 12]: 6-bit scales and mins (formats._k_scales)
-        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-        mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-        fields = [head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32),  # 16 d, 16 dmin
-                  *(t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn))]  # [sub][feature]
         codes = head[..., 16:].reshape(G, nb, 16, 4, 8, 4).permute(0, 1, 3, 4, 2, 5).reshape(G, nb, 2048)
-        return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES["Q4_K"])
+        return torch.cat([*_k_head(head), codes], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES["Q4_K"])
     if fmt.name in ("Q5_K", "Q6_K"):
         return _k_groups(head, fmt.name)
     scales = 4 if fmt.name == "Q4_1" else 2  # d (and m): f16 each
@@ -95,42 +90,38 @@ def _groups(blocks: torch.Tensor, fmt: BlockFormat, nb: int) -> torch.Tensor:
     return torch.cat([*fields, codes], dim=-1).reshape(G * 16, nb * size)
 
 
+def _k_head(head: torch.Tensor) -> list[torch.Tensor]:
+    """Q4_K's / Q5_K's group head from blocks [G, nb, 16 features, block bytes]: the 16 d, the 16 dmin (f16
+    bytes), then the 8 sub-blocks' 6-bit scales and mins as bytes, 16 a sub-block ([sub][feature])."""
+    G, nb = head.shape[:2]
+    sc, mn = k_scale_bytes(head[..., 4:16])  # [G, nb, 16, 8] each
+    return [head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32),
+            *(t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn))]
+
+
 def _k_groups(head: torch.Tensor, name: str) -> torch.Tensor:
-    """``_groups`` of Q5_K / Q6_K: head [G, nb, 16 features, block bytes] -> [16 G, nb * K_INTERLEAVED_BYTES],
-    each block's codes decoded to whole bytes (as ``formats.dequantize_q5_k`` / ``dequantize_q6_k`` read
-    them) and laid out as vectors of 4 codes of each of the 16 features."""
+    """``_groups`` of Q5_K / Q6_K: head [G, nb, 16 features, block bytes] -> [16 G, nb * K_INTERLEAVED_BYTES]:
+    the head fields, then each block's codes (``formats.q5_k_codes`` / ``q6_k_codes``) as vectors of 4 codes of
+    each of the 16 features, split in two planes: low nibbles (sub-blocks 2i, 2i + 1 in one vector set, Q4_K's
+    layout), then the top bits (Q5_K's fifth bit of sub-block s at bit s; Q6_K's top 2 bits of sub-block
+    4i + u at bits 2u)."""
     G, nb = head.shape[:2]
     flat = head.reshape(-1, head.shape[-1])  # [G nb 16, bytes]: one block per row
     if name == "Q5_K":
-        low = torch.cat([flat[:, 48:176].reshape(-1, 4, 32) & 15, flat[:, 48:176].reshape(-1, 4, 32) >> 4], -1)
-        high = (flat[:, None, 16:48] >> torch.arange(8, dtype=torch.uint8)[None, :, None]) & 1  # [n, 8, 32]
-        codes = low.reshape(-1, 8, 32) | (high << 4)  # [n, 8 sub-blocks, 32]
-        s = head[..., 4:16].to(torch.int16)  # the 6-bit scales and mins as bytes (formats._k_scales)
-        sc = torch.cat([s[..., 0:4] & 63, (s[..., 8:12] & 15) | ((s[..., 0:4] >> 6) << 4)], -1)
-        mn = torch.cat([s[..., 4:8] & 63, (s[..., 8:12] >> 4) | ((s[..., 4:8] >> 6) << 4)], -1)
-        fields = [head[..., 0:2].reshape(G, nb, 32), head[..., 2:4].reshape(G, nb, 32),
-                  *(t.to(torch.uint8).transpose(-1, -2).reshape(G, nb, 128) for t in (sc, mn))]
-        subs, size = 8, 32
+        codes, fields = q5_k_codes(flat), _k_head(head)  # [n, 8 sub-blocks, 32]
     else:
-        ql = flat[:, 0:128].reshape(-1, 2, 2, 32)  # [n, half, first / second 32 bytes, l]
-        qh = flat[:, 128:192].reshape(-1, 2, 1, 32)
-        low = torch.cat([ql & 15, ql >> 4], dim=2)  # [n, half, quarter, l]
-        top = (qh >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8)[None, None, :, None]) & 3
-        codes = (low | (top << 4)).reshape(-1, 16, 16)  # [n, 16 sub-blocks, 16]
+        codes = q6_k_codes(flat)  # [n, 16 sub-blocks, 16]
         fields = [head[..., 208:210].reshape(G, nb, 32), head[..., 192:208].transpose(-1, -2).reshape(G, nb, 256)]
-        subs, size = 16, 16
+    subs, size = codes.shape[1:]
     # [G, nb, 16 features, subs, size / 4 vectors, 4] -> [G, nb, subs, vectors, 16 features, 4]
     codes = codes.reshape(G, nb, 16, subs, size // 4, 4).permute(0, 1, 3, 4, 2, 5)
-    if name == "Q5_K":  # Q4_K's nibbles (sub-blocks 2i, 2i + 1 in one vector set), then the fifth bits
-        low, top = codes & 15, codes >> 4
-        codes = torch.cat([(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(G, nb, -1),
-                           sum(top[:, :, s] << s for s in range(8)).reshape(G, nb, -1)], dim=-1)
-    if name == "Q6_K":  # planes: low nibbles of sub-blocks 2i, 2i + 1; top bits of 4i .. 4i + 3
-        low, top = codes & 15, codes >> 4
-        codes = torch.cat([(low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(G, nb, -1),
-                           (top[:, :, 0::4] | (top[:, :, 1::4] << 2) | (top[:, :, 2::4] << 4)
-                            | (top[:, :, 3::4] << 6)).reshape(G, nb, -1)], dim=-1)
-    return torch.cat([*fields, codes.reshape(G, nb, -1)], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES[name])
+    low, top = codes & 15, codes >> 4
+    nibbles = (low[:, :, 0::2] | (low[:, :, 1::2] << 4)).reshape(G, nb, -1)
+    if name == "Q5_K":
+        top = sum(top[:, :, s] << s for s in range(8))
+    else:
+        top = top[:, :, 0::4] | (top[:, :, 1::4] << 2) | (top[:, :, 2::4] << 4) | (top[:, :, 3::4] << 6)
+    return torch.cat([*fields, nibbles, top.reshape(G, nb, -1)], dim=-1).reshape(G * 16, nb * K_INTERLEAVED_BYTES[name])
 
 
 def linear(x: torch.Tensor, blocks: list[torch.Tensor], fmts: list[BlockFormat],

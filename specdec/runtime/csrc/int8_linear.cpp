@@ -525,6 +525,10 @@ void group_rows(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int
   }
 }
 
+// sub-block s's 6-bit scale and min from a Q4_K / Q5_K block's 12 scale bytes sp (formats.k_scale_bytes)
+inline int k_scale(const uint8_t* sp, int s) { return s < 4 ? sp[s] & 63 : (sp[s + 4] & 15) | ((sp[s - 4] >> 6) << 4); }
+inline int k_min(const uint8_t* sp, int s) { return s < 4 ? sp[s + 4] & 63 : (sp[s + 4] >> 4) | ((sp[s] >> 6) << 4); }
+
 // Q4_K features [a, b) in the file's layout (past an interleaved copy's last group, rows rb bytes apart): the
 // same operations per (row, feature) as the group kernel, one sub-block of 32 at a time
 void q4k_features(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, int64_t M, int64_t K, float* y,
@@ -535,11 +539,10 @@ void q4k_features(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, in
       float acc = 0.f, off = 0.f;
       for (int64_t B = 0; B < nb / 8; ++B) {
         const uint8_t* blk = w + n * rb + B * 144;
-        const uint8_t* sp = blk + 4;  // 12 bytes: 8 scales and 8 mins of 6 bits (specdec/formats.py's _k_scales)
+        const uint8_t* sp = blk + 4;  // 12 bytes: 8 scales and 8 mins of 6 bits (k_scale, k_min)
         const float d = f16(blk), dmin = f16(blk + 2);
         for (int s = 0; s < 8; ++s) {
-          const int sc = s < 4 ? sp[s] & 63 : (sp[s + 4] & 15) | ((sp[s - 4] >> 6) << 4);
-          const int mn = s < 4 ? sp[s + 4] & 63 : (sp[s + 4] >> 4) | ((sp[s] >> 6) << 4);
+          const int sc = k_scale(sp, s), mn = k_min(sp, s);
           const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk + 16 + 32 * (s / 2)));
           const __m256i codes = _mm256_and_si256(s % 2 ? _mm256_srli_epi16(v, 4) : v, low);
           const int64_t sb = B * 8 + s;
@@ -573,8 +576,7 @@ void k_features(const uint8_t* w, int64_t rb, int64_t nb, const Rounded& x, int6
             const uint8_t *sp = blk + 4, *qh = blk + 16, *qs = blk + 48;
             for (int l = 0; l < 32; ++l)
               codes[l] = static_cast<uint8_t>(((qs[32 * (k / 2) + l] >> (4 * (k % 2))) & 15) | (((qh[l] >> k) & 1) << 4));
-            const int sc = k < 4 ? sp[k] & 63 : (sp[k + 4] & 15) | ((sp[k - 4] >> 6) << 4);
-            const int mn = k < 4 ? sp[k + 4] & 63 : (sp[k + 4] >> 4) | ((sp[k] >> 6) << 4);
+            const int sc = k_scale(sp, k), mn = k_min(sp, k);
             const float d = f16(blk), dmin = f16(blk + 2);
             const __m256i cv = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
             const float f = static_cast<float>(sum1(dot_u8s8(_mm256_setzero_si256(), cv, xv)));
