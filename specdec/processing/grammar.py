@@ -210,8 +210,8 @@ class GrammarCache:
 def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     """llguidance's bitmask [R, ceil(V / 32)] int32 (bit j of word w = token 32 w + j) -> [R, V] bool.
     Example: one word 0b101, V 3 -> [[True, False, True]]. numpy's unpackbits over the words' little-endian
-    bytes, not torch's shifts: 7 against 25-28 us at 49k tokens (one call per draft node of a constrained
-    row; torch's parallel elementwise ops also stall where another process holds a core)."""
+    bytes, not torch's shifts: it runs once per draft node of a constrained row (why:
+    docs/decisions/020-constraints.md)."""
     words = bits.contiguous().numpy().astype("<i4", copy=False)  # little-endian: byte k holds bits 8k..8k+7
     flags = np.unpackbits(words.view(np.uint8), axis=-1, bitorder="little")[:, :vocab_size]
     return torch.from_numpy(flags.astype(bool))

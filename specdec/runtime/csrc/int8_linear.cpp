@@ -262,8 +262,8 @@ constexpr int kGroupRows = 8;
 // tiles of this many rows or more fetch a group's blocks kAhead ahead of the one multiplied (Q4_K: 2 of 256
 // weights); 1-row tiles, memory-bound, leave it to the hardware (docs/decisions/019-int8-numerics.md)
 constexpr int kPrefetchRows = 4;
-// ... but Q5_K's and Q6_K's at every tile size: more work per byte leaves too few loads in flight (019: a
-// 1-row Q6_K call 184-191 against 250-266 us, Q5_K 172-179 against 225-228; Q4_K slower with it)
+// ... but Q5_K's and Q6_K's at every tile size: their loops do more work per byte and would leave too few loads
+// in flight (docs/decisions/019-int8-numerics.md, the Q4_K_M row; Q4_K is slower with it)
 constexpr int prefetch_rows(int type) { return type == kQ5_K || type == kQ6_K ? 1 : kPrefetchRows; }
 constexpr int64_t kAhead = 8;
 
