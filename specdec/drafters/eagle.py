@@ -60,6 +60,35 @@ class EagleConfig:
             raise ValueError(f"EAGLE needs total_tokens, depth, top_k >= 1, got {self}")
 
 
+def _draw_penalty(n: int, dtype, device) -> torch.Tensor:
+    """[n] a sampled node's place in its parent's draw order, as a score: the i-th draw ranks i ln 2 lower."""
+    return -LN2 * torch.arange(1, n + 1, dtype=dtype, device=device)
+
+
+@dataclass
+class _Pool:
+    """Every candidate node of a growing tree, in pool order: the root's children, then each fed level's
+    children (a parent always before its children). One [B, n] entry per level (n: nodes it added)."""
+    tok: list[torch.Tensor]  # [B, n] target token ids
+    score: list[torch.Tensor]  # [B, n] cumulative draft log-prob: the greedy ranking
+    sel: list[torch.Tensor]  # [B, n] selection score from the ancestors' draws: the sampled ranking
+    parent: list[torch.Tensor]  # [B, n] the parent's pool index, -1 under the root
+    dist: list[torch.Tensor]  # [B, n] host; sampling: the row of `dists` each node was drawn from
+    dists: list[torch.Tensor] | None  # sampling: q [B, F, M] of each fed level, the root's first; greedy None
+    size: int  # nodes in the pool
+
+
+@dataclass
+class _Frontier:
+    """The F nodes per row fed next, with T tree rows (the levels fed before them) in the store."""
+    pool: torch.Tensor  # [B, F] pool index
+    feat: torch.Tensor  # [B, F, D] the parent's head output
+    tok: torch.Tensor  # [B, F] target token ids
+    score: torch.Tensor  # [B, F] cumulative draft log-prob
+    sel: torch.Tensor  # [B, F] selection score
+    anc: torch.Tensor  # [B, F, T] bool: the fed tree rows that are the node's ancestors
+
+
 # ------------------------------------------------------------------------------------ the drafter
 
 class EagleDrafter(Drafter):
@@ -226,82 +255,93 @@ class EagleDrafter(Drafter):
         (T = 2), each offers 2 children (pool 2..5, scores = parent + child log-prob); the 2 best of
         those are fed (T = 4) and offer 4 more (pool 6..9). The tree = the best n_nodes of pool 0..9.
         """
-        cfg = self.config
-        cache = self.cache
-        B = self._root.shape[0]
-        dev = self._root.device
-        k = cfg.top_k
-        depth = min(cfg.depth, n_nodes)
-        stable = list(cache.lengths)  # pairs per row; tree rows go after them and are dropped at the end
-        S = torch.tensor(stable, device=dev)
+        stable = list(self.cache.lengths)  # pairs per row; tree rows go after them and are dropped at the end
+        S = torch.tensor(stable, device=self._root.device)  # [B]
+        pool, front = self._root_children()
+        for level in range(1, min(self.config.depth, n_nodes)):  # feed nodes of depth `level`, collect depth level + 1
+            front = self._expand(pool, front, level, S)
+        self.cache.rollback(stable)  # drop the tree rows: next step re-feeds accepted tokens as pairs
+        return self._rerank(pool, n_nodes)
 
-        score, idx, q_root = self._children(self._root[:, None], k)  # [B, 1, k1]
+    def _root_children(self) -> tuple[_Pool, _Frontier]:
+        """Level 1: the root's k best (sampling: first drawn) tokens, as the pool's first entries and the
+        first frontier."""
+        B, dev = self._root.shape[0], self._root.device
+        score, idx, q_root = self._children(self._root[:, None], self.config.top_k)  # [B, 1, k1]
         score, idx = score[:, 0], idx[:, 0]  # [B, k1]
         k1 = idx.shape[1]
-        # sampling: q of every fed node (row 0 the root's), and per pool node the row it was drawn from
-        dists = [q_root] if q_root is not None else None  # [B, F, M] each
-        pool_dist = [torch.zeros(B, k1, dtype=torch.long)]
-        pool_tok, pool_score = [self.head.to_target_ids(idx)], [score]
+        tok = self.head.to_target_ids(idx)  # [B, k1]
         # sampling: which nodes enter the tree may depend on their ancestors' draws only, never on their
         # own or their siblings' (the verifier conditions on the path; a node kept for its own q would
         # bias the output): a node's selection score is its parent's cumulative log q plus a fixed penalty
         # for its place in the draw order, capped by its parent's selection score (ancestors first)
-        sampling = q_root is not None
-        rank = -LN2 * torch.arange(1, k1 + 1, dtype=score.dtype, device=dev)  # [k1] the draw-order penalty
-        front_sel = torch.where(score > float("-inf"), rank.expand(B, k1), float("-inf"))  # [B, F]
-        pool_sel = [front_sel]
-        pool_parent = [torch.full((B, k1), -1, dtype=torch.long, device=dev)]
-        n_pool = k1
-        # the frontier: nodes to feed next, with their inputs and which fed rows are their ancestors
-        front_pool = torch.arange(k1, device=dev).expand(B, k1)  # [B, F] pool index
-        front_feat = self._root[:, None].expand(B, k1, -1)  # [B, F, D] parent's head output
-        front_tok, front_score = pool_tok[0], score  # [B, F]
-        front_anc = torch.zeros(B, k1, 0, dtype=torch.bool, device=dev)  # [B, F, T]
-        T = 0
-        for level in range(1, depth):  # feed nodes of depth `level`, collect depth level + 1
-            F = front_pool.shape[1]
-            inputs = cache.prepare(torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F),
-                                   torch.zeros(B, F, dtype=torch.long, device=dev))
-            bias = inputs.attention_mask  # [B, 1, F, L]; earlier tree rows sit at S + [0, T)
-            if T:  # they count as committed for the store; a node sees only its own ancestors
-                cols = (S[:, None] + torch.arange(T, device=dev))[:, None, :].expand(B, F, T)
-                vals = torch.zeros(B, F, T, dtype=bias.dtype, device=dev)
-                bias[:, 0].scatter_(2, cols, vals.masked_fill_(~front_anc, torch.finfo(bias.dtype).min))
-            pos = (S - 1 + level)[:, None].expand(B, F)
-            h = self.head.draft(front_feat, front_tok, pos, bias, cache)  # [B, F, D]
-            cache.commit([list(range(F))] * B)  # keep in place (no copy) for the deeper levels
-            child_lp, child_idx, q = self._children(h, k)  # [B, F, kc]
-            kc = child_idx.shape[-1]
-            if dists is not None:
-                first = sum(d.shape[1] for d in dists)  # dist row of this level's first fed node
-                pool_dist.append((first + torch.arange(F))[None, :, None].expand(B, F, kc).reshape(B, F * kc))
-                dists.append(q)
-            cu = front_score[:, :, None] + child_lp  # [B, F, kc] cumulative log-prob
-            sel = torch.minimum(front_sel[:, :, None], front_score[:, :, None]
-                                + (-LN2 * torch.arange(1, kc + 1, dtype=cu.dtype, device=dev)))
-            sel = torch.where(child_lp > float("-inf"), sel, float("-inf")).reshape(B, F * kc)  # [B, F * kc]
-            pool_sel.append(sel)
-            pool_tok.append(self.head.to_target_ids(child_idx).reshape(B, F * kc))
-            pool_score.append(cu.reshape(B, F * kc))
-            pool_parent.append(front_pool[:, :, None].expand(B, F, kc).reshape(B, F * kc))
-            # next frontier: the k best children of this level
-            nf = min(k, F * kc)
-            best, pick = cu.reshape(B, F * kc).topk(nf, dim=-1)  # [B, nf]
-            slot = pick // kc  # which fed node is the parent
-            own_row = torch.nn.functional.one_hot(T + slot, T + F).bool()  # [B, nf, T + F]
-            front_anc = torch.cat([front_anc.gather(1, slot[:, :, None].expand(B, nf, T)),
-                                   torch.zeros(B, nf, F, dtype=torch.bool, device=dev)], 2) | own_row
-            front_feat = h.gather(1, slot[:, :, None].expand(B, nf, h.shape[-1]))
-            front_tok = pool_tok[-1].gather(1, pick)
-            front_score = best
-            front_sel = sel.gather(1, pick)
-            front_pool = n_pool + pick
-            n_pool += F * kc
-            T += F
-        cache.rollback(stable)  # drop the tree rows: next step re-feeds accepted tokens as pairs
+        sel = torch.where(score > float("-inf"), _draw_penalty(k1, score.dtype, dev).expand(B, k1), float("-inf"))
+        pool = _Pool(tok=[tok], score=[score], sel=[sel],
+                     parent=[torch.full((B, k1), -1, dtype=torch.long, device=dev)],
+                     dist=[torch.zeros(B, k1, dtype=torch.long)], dists=None if q_root is None else [q_root], size=k1)
+        front = _Frontier(pool=torch.arange(k1, device=dev).expand(B, k1), feat=self._root[:, None].expand(B, k1, -1),
+                          tok=tok, score=score, sel=sel, anc=torch.zeros(B, k1, 0, dtype=torch.bool, device=dev))
+        return pool, front
 
-        tokens, parents = torch.cat(pool_tok, 1), torch.cat(pool_parent, 1)
-        scores = torch.cat(pool_sel if sampling else pool_score, 1)
+    def _feed_level(self, front: _Frontier, level: int, S: torch.Tensor) -> torch.Tensor:
+        """The frontier's head outputs [B, F, D]: its nodes enter the store after the T tree rows fed
+        before them (kept as committed), at position S - 1 + level, each seeing the pairs and its own
+        ancestors only."""
+        B, F = front.pool.shape
+        T = front.anc.shape[2]
+        dev = S.device
+        inputs = self.cache.prepare(torch.eye(F, dtype=torch.bool, device=dev).expand(B, F, F),
+                                    torch.zeros(B, F, dtype=torch.long, device=dev))
+        bias = inputs.attention_mask  # [B, 1, F, L]; earlier tree rows sit at S + [0, T)
+        if T:  # they count as committed for the store; a node sees only its own ancestors
+            cols = (S[:, None] + torch.arange(T, device=dev))[:, None, :].expand(B, F, T)
+            vals = torch.zeros(B, F, T, dtype=bias.dtype, device=dev)
+            bias[:, 0].scatter_(2, cols, vals.masked_fill_(~front.anc, torch.finfo(bias.dtype).min))
+        pos = (S - 1 + level)[:, None].expand(B, F)
+        h = self.head.draft(front.feat, front.tok, pos, bias, self.cache)  # [B, F, D]
+        self.cache.commit([list(range(F))] * B)  # keep in place (no copy) for the deeper levels
+        return h
+
+    def _expand(self, pool: _Pool, front: _Frontier, level: int, S: torch.Tensor) -> _Frontier:
+        """Feed the frontier (the nodes of depth ``level``), add each one's children to the pool, and
+        return the next frontier: the k best of those children."""
+        B, F = front.pool.shape
+        T = front.anc.shape[2]
+        dev = S.device
+        k = self.config.top_k
+        h = self._feed_level(front, level, S)  # [B, F, D]
+        child_lp, child_idx, q = self._children(h, k)  # [B, F, kc]
+        kc = child_idx.shape[-1]
+        if pool.dists is not None:
+            first = sum(d.shape[1] for d in pool.dists)  # dist row of this level's first fed node
+            pool.dist.append((first + torch.arange(F))[None, :, None].expand(B, F, kc).reshape(B, F * kc))
+            pool.dists.append(q)
+        cu = front.score[:, :, None] + child_lp  # [B, F, kc] cumulative log-prob
+        sel = torch.minimum(front.sel[:, :, None], front.score[:, :, None] + _draw_penalty(kc, cu.dtype, dev))
+        sel = torch.where(child_lp > float("-inf"), sel, float("-inf")).reshape(B, F * kc)  # [B, F * kc]
+        pool.sel.append(sel)
+        pool.tok.append(self.head.to_target_ids(child_idx).reshape(B, F * kc))
+        pool.score.append(cu.reshape(B, F * kc))
+        pool.parent.append(front.pool[:, :, None].expand(B, F, kc).reshape(B, F * kc))
+        # next frontier: the k best children of this level
+        nf = min(k, F * kc)
+        best, pick = cu.reshape(B, F * kc).topk(nf, dim=-1)  # [B, nf]
+        slot = pick // kc  # which fed node is the parent
+        own_row = torch.nn.functional.one_hot(T + slot, T + F).bool()  # [B, nf, T + F]
+        anc = torch.cat([front.anc.gather(1, slot[:, :, None].expand(B, nf, T)),
+                         torch.zeros(B, nf, F, dtype=torch.bool, device=dev)], 2) | own_row
+        nxt = _Frontier(pool=pool.size + pick, feat=h.gather(1, slot[:, :, None].expand(B, nf, h.shape[-1])),
+                        tok=pool.tok[-1].gather(1, pick), score=best, sel=sel.gather(1, pick), anc=anc)
+        pool.size += F * kc
+        return nxt
+
+    def _rerank(self, pool: _Pool, n_nodes: int) -> DraftTree:
+        """The tree: the best ``n_nodes`` of the pool (greedy: by cumulative log-prob; sampling: by
+        selection score), in pool order, parents as tree slots."""
+        B, dev = self._root.shape[0], self._root.device
+        n_pool = pool.size
+        tokens, parents = torch.cat(pool.tok, 1), torch.cat(pool.parent, 1)
+        scores = torch.cat(pool.sel if pool.dists is not None else pool.score, 1)
         N = min(n_nodes, n_pool)
         # stable sort: on equal scores the earlier pool entry (a parent before its child) wins
         order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :N]
@@ -315,17 +355,19 @@ class EagleDrafter(Drafter):
         par = torch.where(par_pool < 0, -1, slot_of.gather(1, par_pool.clamp(min=0)))
         par = torch.where(real, par, -1)
         assert bool(((par_pool < 0) | (par >= 0) | ~real).all()), "EAGLE tree lost a parent"
-        probs = None
-        if dists is not None:  # node i's row: the distribution it was drawn from, over the target vocab
-            rows = torch.cat(pool_dist, 1).gather(1, chosen.cpu())  # [B, N]
-            q = torch.cat(dists, 1)  # [B, R, M]
-            q = q.gather(1, rows[:, :, None].expand(B, N, q.shape[-1]))  # [B, N, M]
-            if self.head.draft_vocab is not None:
-                full = torch.zeros(B, N, self.vocab_size, dtype=q.dtype)
-                probs = full.index_copy_(2, self.head.draft_vocab.cpu(), q)
-            else:
-                probs = q
+        probs = None if pool.dists is None else self._node_probs(pool, chosen)
         return DraftTree(tokens.gather(1, chosen).cpu(), par.cpu(), real.sum(1).cpu(), probs)
+
+    def _node_probs(self, pool: _Pool, chosen: torch.Tensor) -> torch.Tensor:
+        """Sampling: node i's q [B, N, V], the distribution it was drawn from, over the target vocab."""
+        B, N = chosen.shape
+        rows = torch.cat(pool.dist, 1).gather(1, chosen.cpu())  # [B, N]
+        q = torch.cat(pool.dists, 1)  # [B, R, M]
+        q = q.gather(1, rows[:, :, None].expand(B, N, q.shape[-1]))  # [B, N, M]
+        if self.head.draft_vocab is None:
+            return q
+        full = torch.zeros(B, N, self.vocab_size, dtype=q.dtype)
+        return full.index_copy_(2, self.head.draft_vocab.cpu(), q)
 
 
 # --------------------------------------------------------------------------------- the registry
