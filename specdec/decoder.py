@@ -202,6 +202,27 @@ class SpecDecoder:
         if not hasattr(type(max_new_tokens), "__index__") or operator.index(max_new_tokens) < 0:
             raise ValueError(f"max_new_tokens must be a whole number >= 0, got {max_new_tokens!r}")
         ids, prompts = self._check_input(input_ids, attention_mask)
+        self._check_request(prompts, max_new_tokens, streamer, do_sample)
+        pad = _pad_id(pad_token_id, eos_token_id, self.target)
+        judge = self._acceptance(do_sample, temperature, top_k, top_p, generator, seed)
+        processing = self.processing(constraint, tokenizer, eos_token_id, repetition_penalty, frequency_penalty,
+                                     presence_penalty, logit_bias, logprobs)
+        if self.context_window is not None:
+            max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
+        session = DecodeSession(self, _eos_set(eos_token_id, self.target))
+        if streamer is not None:
+            streamer.put(prompts[0][None].cpu())
+        lps = [[] for _ in prompts] if processing is not None and processing.logprobs is not None else None
+        with self.running():
+            seqs, events = session.add(prompts, [max_new_tokens] * len(prompts), judge, [processing] * len(prompts))
+            _step_until_done(session, seqs, events, streamer, callback, lps)
+        if streamer is not None:
+            streamer.end()
+        return _output(ids, session, seqs, pad, lps)
+
+    def _check_request(self, prompts: list[torch.Tensor], max_new_tokens: int, streamer, do_sample: bool) -> None:
+        """Refuse what ``generate`` cannot do for these prompts: pass the sliding window, stream a batch,
+        or ask the drafter for a batch or for sampling it does not declare."""
         longest = max(len(p) for p in prompts) + max_new_tokens
         if self.sliding_window is not None and longest > self.sliding_window:
             raise ValueError(f"the target attends within a sliding window of {self.sliding_window} tokens, which "
@@ -217,44 +238,16 @@ class SpecDecoder:
         if do_sample and caps is not None and not caps.samples:
             raise ValueError(f"drafter {type(self.drafter).__name__} does not declare that it drafts under "
                              "sampling (Capabilities.samples); use it greedily (do_sample=False)")
-        pad = _pad_id(pad_token_id, eos_token_id, self.target)
+
+    def _acceptance(self, do_sample: bool, temperature: float | None, top_k: int | None, top_p: float | None,
+                    generator: torch.Generator | None, seed: int | None) -> Acceptance:
+        """Greedy acceptance, or sampling's with its generator: the one given, else one seeded with
+        ``seed``, else with a seed drawn from torch's global RNG."""
         sampling = SamplingParams.resolve(self.target, temperature, top_k, top_p) if do_sample else None
         if sampling is not None and generator is None:
             seed = int(torch.randint(2**62, ())) if seed is None else seed
             generator = torch.Generator().manual_seed(seed)  # CPU: uniforms drawn here, on any device
-        judge = Acceptance(sampling, generator)
-        processing = self.processing(constraint, tokenizer, eos_token_id, repetition_penalty, frequency_penalty,
-                                     presence_penalty, logit_bias, logprobs)
-        if self.context_window is not None:
-            max_new_tokens = min(max_new_tokens, self.context_window - max(len(p) for p in prompts))
-        session = DecodeSession(self, _eos_set(eos_token_id, self.target))
-        if streamer is not None:
-            streamer.put(prompts[0][None].cpu())
-        lps = [[] for _ in prompts] if processing is not None and processing.logprobs is not None else None
-        with self.running():
-            seqs, events = session.add(prompts, [max_new_tokens] * len(prompts), judge, [processing] * len(prompts))
-            row_of = {s: b for b, s in enumerate(seqs)}  # sequence id -> its row of the input
-            while True:
-                for e in events:
-                    if streamer is not None:  # batch size 1: the one sequence's tokens of this step
-                        streamer.put(torch.tensor(e.tokens))
-                    if callback is not None:
-                        callback(e)
-                    if lps is not None:
-                        lps[row_of[e.sequence]].extend(e.logprobs)
-                if not session.rows:
-                    break
-                events = session.step()
-        if streamer is not None:
-            streamer.end()
-        results = [session.result(s) for s in seqs]
-        new = [r.tokens for r in results]
-        width = max(len(n) for n in new)
-        tail = torch.full((len(prompts), width), pad, dtype=torch.long)
-        for b, n in enumerate(new):
-            tail[b, : len(n)] = torch.tensor(n, dtype=torch.long)
-        return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], session.steps, [len(n) for n in new],
-                              [r.steps for r in results], [r.accepted for r in results], lps)
+        return Acceptance(sampling, generator)
 
     def vocabulary(self, tokenizer, eos: set[int]) -> Vocabulary:
         """``tokenizer`` as the grammar engine reads it, built once per tokenizer (~0.4 s for 49k tokens)."""
@@ -350,6 +343,37 @@ class SpecDecoder:
             for b, p in enumerate(prompts):
                 ids[b, : ids.shape[1] - len(p)] = pad
         return ids, prompts
+
+
+def _step_until_done(session: DecodeSession, seqs: list[int], events: list[StepEvent], streamer, callback,
+                     lps: list[list[TokenLogprob]] | None) -> None:
+    """Step ``session`` until no row is live, handing each step's events (the prefill's first) to the
+    streamer, the callback and the per-row logprobs ``lps``."""
+    row_of = {s: b for b, s in enumerate(seqs)}  # sequence id -> its row of the input
+    while True:
+        for e in events:
+            if streamer is not None:  # batch size 1: the one sequence's tokens of this step
+                streamer.put(torch.tensor(e.tokens))
+            if callback is not None:
+                callback(e)
+            if lps is not None:
+                lps[row_of[e.sequence]].extend(e.logprobs)
+        if not session.rows:
+            break
+        events = session.step()
+
+
+def _output(ids: torch.Tensor, session: DecodeSession, seqs: list[int], pad: int,
+            lps: list[list[TokenLogprob]] | None) -> GenerateOutput:
+    """The finished session's sequences after their inputs ``ids`` [B, P], padded with ``pad``."""
+    results = [session.result(s) for s in seqs]
+    new = [r.tokens for r in results]
+    width = max(len(n) for n in new)
+    tail = torch.full((len(seqs), width), pad, dtype=torch.long)  # [B, new]
+    for b, n in enumerate(new):
+        tail[b, : len(n)] = torch.tensor(n, dtype=torch.long)
+    return GenerateOutput(torch.cat([ids, tail], dim=1), ids.shape[1], session.steps, [len(n) for n in new],
+                          [r.steps for r in results], [r.accepted for r in results], lps)
 
 
 def _eos_set(eos_token_id, target) -> set[int]:
