@@ -267,6 +267,55 @@ def _local_batch(head: Eagle3Head, data: ShardedData, train: list[Entry], step: 
     return dataclasses.replace(b, mask=torch.zeros_like(b.mask))
 
 
+def _start_head(target, ckpt: Path, train: list[Entry], config: Train3Config, schedule: dict,
+                resume: bool) -> Eagle3Head:
+    """The head to train, in training mode: the checkpoint's (its schedule checked against this run's),
+    else a new one seeded with ``config.seed`` and warm-started from the target."""
+    if resume:
+        _check_schedule(ckpt, schedule)
+        head = load_eagle3(ckpt, target)
+    else:
+        torch.manual_seed(config.seed)
+        V = target.get_output_embeddings().weight.shape[0]
+        vocab = top_tokens(train, V, config.draft_vocab) if config.draft_vocab else None
+        head = init_from_target(Eagle3Head(target, config.head, vocab), target)
+    head.train()
+    return head
+
+
+def _loss_module(head: Eagle3Head, config: Train3Config, ranks: Ranks) -> nn.Module:
+    """The training-time test's loss as a module, wrapped in DDP on W > 1 ranks."""
+    loss_of = _TTTLoss(head, config)
+    if ranks.world > 1:  # gradients averaged over ranks as backward runs (bucketed all-reduce); why DDP: docs/decisions/022-distributed-training.md
+        from torch.nn.parallel import DistributedDataParallel
+
+        loss_of = DistributedDataParallel(loss_of)
+    return loss_of
+
+
+def _train_step(loss_of: nn.Module, opt: torch.optim.Optimizer, params: list, batch: Batch3, counts: torch.Tensor,
+                step: int, config: Train3Config, ranks: Ranks) -> tuple[float, float]:
+    """One optimizer step on this rank's part of step ``step``'s batch (``counts`` [k]: the global batch's
+    positions per step); what the log shows: the whole batch's loss and step-0 top-1 accuracy."""
+    for group in opt.param_groups:
+        group["lr"] = lr_at(step, config)
+    # DDP averages the ranks' gradients: scaled by W, they sum to the global batch's gradient
+    loss, hits = loss_of(batch, counts, float(ranks.world))
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    nn.utils.clip_grad_value_(params, config.grad_clip)
+    opt.step()
+    # the whole batch's loss and step-0 hits: one small all-reduce, one host sync
+    seen = ranks.sum(torch.cat([loss.detach().float().reshape(1) / ranks.world, hits[:1]]).to(ranks.device)).cpu()
+    return float(seen[0]), float(seen[1]) / max(1, int(counts[0]))
+
+
+def _record(result: TrainResult, entry: dict, depth: list[float] | None) -> None:
+    """``entry`` and the held-out top-1 per depth into the history; the first depth's is the result's."""
+    result.history.append(entry | {"held_out_acc_per_depth": depth})
+    result.held_out_accuracy = None if depth is None else depth[0]
+
+
 def train_head3(target, data: str | os.PathLike | list[Conversation] | ShardedData, out_dir: str | os.PathLike,
                 config: Train3Config = Train3Config(), progress=None, log=print, clock=time.monotonic,
                 minutes: float | None = None, ranks: Ranks = SOLO) -> TrainResult:
@@ -291,25 +340,13 @@ def train_head3(target, data: str | os.PathLike | list[Conversation] | ShardedDa
         raise ValueError(f"rank {ranks.rank} of {ranks.world} holds none of the {len(train)} training conversations: "
                          "fewer ranks, or more data")
     schedule = schedule_of(train, config)
-    if resume:
-        _check_schedule(ckpt, schedule)
-        head = load_eagle3(ckpt, target)
-    else:
-        torch.manual_seed(config.seed)
-        V = target.get_output_embeddings().weight.shape[0]
-        vocab = top_tokens(train, V, config.draft_vocab) if config.draft_vocab else None
-        head = init_from_target(Eagle3Head(target, config.head, vocab), target)
-    head.train()
+    head = _start_head(target, ckpt, train, config, schedule, resume)
     params = [p for p in head.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, betas=config.betas, weight_decay=0.0)
     step, history = load_checkpoint(ckpt, head, opt) if resume else (0, [])
     if resume:
         log(f"resuming from step {step} ({ckpt})")
-    loss_of = _TTTLoss(head, config)
-    if ranks.world > 1:  # gradients averaged over ranks as backward runs (bucketed all-reduce); why DDP: docs/decisions/022-distributed-training.md
-        from torch.nn.parallel import DistributedDataParallel
-
-        loss_of = DistributedDataParallel(loss_of)
+    loss_of = _loss_module(head, config, ranks)
     result = TrainResult(step, None, history)
     task = progress.add_task("train", total=config.steps, completed=step, loss=float("nan"),
                              acc=float("nan")) if progress is not None else None
@@ -318,33 +355,19 @@ def train_head3(target, data: str | os.PathLike | list[Conversation] | ShardedDa
     while step < config.steps:
         if minutes is not None and ranks.any(clock() - start > 60 * minutes):
             log(f"stopped at step {step} of {config.steps} after {minutes:g} min")
-            depth = _evaluate_sharded(head, shard, held, config, ranks)
-            result.history.append({"step": step, "stopped": True, "held_out_acc_per_depth": depth})
-            result.held_out_accuracy = None if depth is None else depth[0]
+            _record(result, {"step": step, "stopped": True}, _evaluate_sharded(head, shard, held, config, ranks))
             if ranks.lead:
                 save()
             break
         batch = _local_batch(head, shard, train, step, config, ranks)
         counts = ranks.sum(step_counts(batch, config.ttt_steps))  # [k] the global batch's positions per step
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, config)
-        # DDP averages the ranks' gradients: scaled by W, they sum to the global batch's gradient
-        loss, hits = loss_of(batch, counts, float(ranks.world))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        nn.utils.clip_grad_value_(params, config.grad_clip)
-        opt.step()
+        loss_value, acc = _train_step(loss_of, opt, params, batch, counts, step, config, ranks)
         step += 1
-        # what the log shows: the whole batch's loss and step-0 hits (one small all-reduce, one host sync)
-        seen = ranks.sum(torch.cat([loss.detach().float().reshape(1) / ranks.world, hits[:1]]).to(ranks.device)).cpu()
-        loss_value, acc = float(seen[0]), float(seen[1]) / max(1, int(counts[0]))
         if task is not None:
             progress.update(task, completed=step, loss=loss_value, acc=acc)
         if step % config.eval_every == 0 or step == config.steps:
-            depth = _evaluate_sharded(head, shard, held, config, ranks)
-            result.history.append({"step": step, "loss": loss_value, "train_acc": acc,
-                                   "held_out_acc_per_depth": depth})
-            result.held_out_accuracy = None if depth is None else depth[0]
+            _record(result, {"step": step, "loss": loss_value, "train_acc": acc},
+                    _evaluate_sharded(head, shard, held, config, ranks))
         if ranks.any(clock() - saved >= 60 * config.save_minutes) or step == config.steps:
             if ranks.lead:
                 save()
