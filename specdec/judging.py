@@ -139,11 +139,10 @@ def judge_processed(judge, procs: list[RowProcessor | None], logits: torch.Tenso
     path (``specdec.processing.rows``), and the logprobs of every kept token for the rows that ask."""
     if any(p is not None and p.options.changes_scores for p in procs):
         parents, tokens = tree.real_nodes()
-        scores = logits.to(torch.float32).clone()
-        for b, p in enumerate(procs):
-            if p is not None and p.options.changes_scores:
-                scores[b] = p.scores(logits[b].cpu(), parents[b], tokens[b], masks[b]).to(scores.device)
-        logits = scores
+        rows = [p.scores(logits[b].cpu(), parents[b], tokens[b], masks[b]).to(logits.device)
+                if p is not None and p.options.changes_scores else logits[b].to(torch.float32)
+                for b, p in enumerate(procs)]  # each processed row a copy of its own
+        logits = rows[0][None] if len(rows) == 1 else torch.stack(rows)
     ver = judge(logits, tree)
     if not any(p is not None and p.options.logprobs is not None for p in procs):
         return ver, None

@@ -207,47 +207,77 @@ def test_plain_decoding_equals_hf_with_hf_processors(model, tok):
     assert out.generated(0).tolist() == hf[0, len(p):].tolist()
 
 
+def _check_paths_walked_alone(grammar, committed: list[int], parents: list[int], tokens: list[int]) -> int:
+    """``tree_masks`` from a state at ``committed``: each node's verdict and mask are what a fresh state
+    walking that node's path alone gives, and the state is back where it began. Returns the nodes checked."""
+    st = grammar.start()
+    st.consume(committed)
+    before = st.allowed()
+    masks, ok = st.tree_masks(parents, tokens)
+    assert torch.equal(st.allowed(), before)
+    assert torch.equal(masks[0], before)
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        path.reverse()
+        alone = grammar.start()
+        alone.consume(committed)
+        good = True
+        for k, t in enumerate(path):
+            if alone.done:  # an EOS may close a finished grammar, and nothing may follow it
+                good = t == EOS and k == len(path) - 1
+                break
+            if not bool(alone.allowed()[t]):
+                good = False
+                break
+            alone.consume([t])
+        assert ok[i] == good, (parents, tokens, i)
+        if ok[i] and not alone.done:
+            assert torch.equal(masks[1 + i], alone.allowed())
+        if not ok[i]:
+            assert not masks[1 + i].any()  # a cut node's row allows nothing
+    return len(tokens)
+
+
 def test_tree_masks_equal_each_path_walked_alone(tok, vocab):
-    """Seeded random trees over tokens near what the grammar allows: each node's verdict and mask are what
-    a fresh state walking that node's path alone gives, and the state is back where it began."""
+    """Seeded random trees over tokens near what the grammar allows."""
     rng = random.Random(0)
     grammar = CONSTRAINTS["json_schema"].compile(vocab)
     text = tok('{"name":"ab","age":12,"tags":["the","a"]}', add_special_tokens=False)["input_ids"] + [EOS]
     cases = 0
     for _ in range(150):
-        st = grammar.start()
         cut = rng.randrange(len(text))
-        st.consume(text[:cut])
         pool = list(set(text[cut: cut + 4] + [rng.randrange(len(tok)) for _ in range(2)] + [EOS]))
         parents, tokens = [], []
         for i in range(rng.randrange(1, 9)):
             parents.append(rng.randrange(-1, i))
             tokens.append(rng.choice(pool))
-        before = st.allowed()
-        masks, ok = st.tree_masks(parents, tokens)
-        assert torch.equal(st.allowed(), before)
-        for i in range(len(tokens)):
-            path, j = [], i
-            while j >= 0:
-                path.append(tokens[j])
-                j = parents[j]
-            path.reverse()
-            alone = grammar.start()
-            alone.consume(text[:cut])
-            good = True
-            for k, t in enumerate(path):
-                if alone.done:  # an EOS may close a finished grammar, and nothing may follow it
-                    good = t == EOS and k == len(path) - 1
-                    break
-                if not bool(alone.allowed()[t]):
-                    good = False
-                    break
-                alone.consume([t])
-            assert ok[i] == good, (parents, tokens, i)
-            if ok[i] and not alone.done:
-                assert torch.equal(masks[1 + i], alone.allowed())
-            cases += 1
+        cases += _check_paths_walked_alone(grammar, text[:cut], parents, tokens)
     assert cases > 500
+
+
+@pytest.mark.parametrize("kind,text", [("json_schema", '{"name":"ab","age":12,"tags":["the","a"]}'),
+                                       ("regex", "the cat on a mat in the sun."), ("lark", "ab,the,cde"),
+                                       ("json_object", '{"a":[1,{"b":"c"}]}')])
+def test_chain_masks_equal_each_path_walked_alone(tok, vocab, kind, text):
+    """Chains (the common draft) take the engine's one call for a chain's masks; seeded chains that follow
+    the text, stray from it part-way, or run past its end give what each path walked alone gives."""
+    rng = random.Random(1)
+    grammar = CONSTRAINTS[kind].compile(vocab)
+    ids = tok(text, add_special_tokens=False)["input_ids"] + [EOS, EOS]
+    cases = fast = 0
+    for _ in range(120):
+        cut = rng.randrange(len(ids) - 1)
+        tokens = ids[cut: cut + rng.randrange(0, 10)]
+        if tokens and rng.random() < 0.4:  # a guess that strays
+            tokens[rng.randrange(len(tokens))] = rng.choice([rng.randrange(len(tok)), EOS, ids[rng.randrange(len(ids))]])
+        st = grammar.start()
+        st.consume(ids[:cut])
+        fast += st._chain_masks(tokens) is not None
+        cases += _check_paths_walked_alone(grammar, ids[:cut], list(range(-1, len(tokens) - 1)), tokens)
+    assert cases > 200 and fast > 60  # the chain's own path decided most of them
 
 
 def test_pruned_tree_keeps_the_allowed_nodes_and_their_q(vocab, tok):

@@ -12,8 +12,8 @@
 The engine is llguidance (why, and what xgrammar measured: docs/decisions/020-constraints.md); no
 grammar is parsed here. A JSON schema, JSON object mode, a regular expression, a Lark grammar and a
 GBNF grammar are the five kinds. The grammar's state follows the *committed* tokens only: a draft
-tree is checked node by node by walking down each node's path and rolling back
-(``GrammarState.tree_masks``), so a rejected draft leaves no trace in it.
+tree is checked node by node by walking down each node's path and rolling back, a chain by the engine's
+one call for a draft's masks (``GrammarState.tree_masks``), so a rejected draft leaves no trace in it.
 
 Dimensions: V the target's vocabulary (the model's, which may exceed the tokenizer's), N draft nodes.
 """
@@ -48,6 +48,13 @@ def _llguidance():
     except ImportError as e:  # a dependency of the package: only a broken install lacks it
         raise ImportError("constraints need the llguidance package (pip install llguidance)") from e
     return llguidance
+
+
+@functools.cache
+def _executor():
+    """The engine's executor for a chain's masks: one thread (one matcher's masks are computed in order;
+    torch keeps the cores)."""
+    return _llguidance().LLExecutor(1)
 
 
 @dataclass(frozen=True)
@@ -159,7 +166,7 @@ class Grammar:
         self._start = _llguidance().LLMatcher(vocabulary.tokenizer, text)
 
     def start(self) -> "GrammarState":
-        return GrammarState(self._start.deep_copy(), self.vocabulary.vocab_size)
+        return GrammarState(self._start.deep_copy(), self.vocabulary.vocab_size, self.vocabulary.eos)
 
 
 class GrammarCache:
@@ -220,9 +227,10 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
 class GrammarState:
     """One sequence's place in its grammar (an llguidance matcher), at its committed tokens."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
+    def __init__(self, matcher, vocab_size: int, eos: list[int]) -> None:
         self.matcher = matcher
         self.vocab_size = vocab_size
+        self._eos = frozenset(eos)
         self._bits = _llguidance().torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
 
     @property
@@ -286,6 +294,10 @@ class GrammarState:
         and ok [N] (node i and all its ancestors allowed). The state ends where it began.
         Example: grammar "ab|ac", nothing committed, nodes a, b, x with parents -1, 0, 0 -> ok
         [True, True, False]; row 1 allows b and c."""
+        if all(p == i - 1 for i, p in enumerate(parents)):
+            chain = self._chain_masks(tokens)
+            if chain is not None:
+                return chain
         masks = torch.zeros(1 + len(tokens), self.vocab_size, dtype=torch.bool)
         masks[0] = self.allowed()
         ok: list[bool] = []
@@ -318,3 +330,21 @@ class GrammarState:
         if held:
             self.matcher.rollback(len(held))
         return masks, ok
+
+    def _chain_masks(self, tokens: list[int]) -> tuple[torch.Tensor, list[bool]] | None:
+        """``tree_masks`` for a chain (node i's parent is node i - 1), the common draft: the prefix the
+        grammar allows (``validate_tokens``) and the masks after each of its tokens in one call of the
+        engine's, not a consume and a mask per node. None where the walk must decide: a chain that
+        reaches the grammar's end (an EOS in the allowed prefix, or a state that has ended)."""
+        llg = _llguidance()
+        if self.matcher.is_stopped():
+            return None
+        n = self.matcher.validate_tokens(tokens) if tokens else 0
+        if any(t in self._eos for t in tokens[:n]):
+            return None
+        bits = torch.zeros(1 + len(tokens), self._bits.shape[1], dtype=torch.int32)  # cut nodes' rows: nothing allowed
+        if n:
+            llg.torch.fill_next_token_bitmask_par_with_draft_tokens(_executor(), [(self.matcher, 0, tokens[:n])], bits)
+        else:
+            llg.torch.fill_next_token_bitmask(self.matcher, bits, 0)
+        return unpack_bitmask(bits, self.vocab_size), [True] * n + [False] * (len(tokens) - n)

@@ -136,10 +136,9 @@ class RowProcessor:
         the real nodes are padding and left as they come) -> float32 scores [Q, V] processed on each row's
         path. masks: ``check_tree``'s, for these same nodes."""
         opts = self.options
-        scores = logits.to(torch.float32)
         if not opts.changes_scores:
-            return scores
-        scores = scores.clone()
+            return logits.to(torch.float32)
+        scores = logits.to(torch.float32, copy=True)  # one copy, then processed in place
         R = 1 + len(tokens)  # the real rows
         head = scores[:R]
         if opts.repetition_penalty != 1.0 or opts.frequency_penalty != 0.0 or opts.presence_penalty != 0.0:
@@ -150,16 +149,15 @@ class RowProcessor:
             if opts.repetition_penalty != 1.0:
                 seen = self.seen.expand(R, -1) | (counts > 0)
                 r = opts.repetition_penalty
-                head = torch.where(seen, torch.where(head < 0, head * r, head / r), head)
+                torch.where(seen, torch.where(head < 0, head * r, head / r), head, out=head)
             if opts.frequency_penalty != 0.0:
-                head = head - opts.frequency_penalty * counts
+                head.sub_(opts.frequency_penalty * counts)
             if opts.presence_penalty != 0.0:
-                head = head - opts.presence_penalty * (counts > 0).to(torch.float32)
+                head.sub_(opts.presence_penalty * (counts > 0).to(torch.float32))
         if self.bias is not None:
-            head = head + self.bias
+            head.add_(self.bias)
         if masks is not None:
-            head = head.masked_fill(~masks, float("-inf"))
-        scores[:R] = head
+            head.masked_fill_(~masks, float("-inf"))
         return scores
 
     def logprobs(self, logprob_rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
