@@ -97,7 +97,8 @@ async def run_load(url: str, bodies: list[dict], clients: int, per_client: int, 
 
 
 def summarize(samples: list[Sample], wall: float, skipped: int = 0) -> dict:
-    """A load's counts, tokens/s over ``wall`` seconds, p50 / p99 time to first token and per request, and every sample."""
+    """A load's counts, tokens/s over ``wall`` seconds, p50 / p99 time to first token and per request, and
+    every sample."""
     ok = [s for s in samples if s.error is None]
     ttft = [s.ttft for s in ok if s.ttft is not None]
     lat = [s.latency for s in ok]

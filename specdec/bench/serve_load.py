@@ -203,7 +203,8 @@ def _print_report(result: dict, out: str) -> None:
             r = result[key]
             print(f"{key:>18}: {r['requests']} turns, {r['errors']} errors, {r['tokens_per_s']:.1f} tokens/s, TTFT p50 "
                   f"first turn {_fmt(r['ttft_first_turn_p50_s'])} s, later turns {_fmt(r['ttft_later_turns_p50_s'])} s "
-                  f"({_fmt(r['later_over_first'])}x), {r['cached_tokens']} of {r['prompt_tokens']} prompt tokens cached")
+                  f"({_fmt(r['later_over_first'])}x), "
+                  f"{r['cached_tokens']} of {r['prompt_tokens']} prompt tokens cached")
     if "multiturn_throughput_ratio" in result:
         print(f"multiturn with / without the prefix cache, tokens/s: {result['multiturn_throughput_ratio']:.2f}x; "
               f"answers identical: {result.get('multiturn_answers_identical', 'n/a (sampling)')}")
