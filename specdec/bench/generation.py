@@ -263,25 +263,7 @@ def run(args) -> int:
     model, tok = loaded.model, loaded.tokenizer
     kernels.prepare()  # the kernel build and route self-check happen before any timed run
     eos = eos_ids(model) or None
-    methods = hf_methods(model, eos, args.temperature)
-    if args.no_hf_lookup:
-        methods = methods[:1]
-
-    def prepare(drafter):
-        prepare_corpus_drafter(drafter, questions, tok, args.suffix_exclude_questions, args.corpus, console.print)
-
-    methods += [specdec_method(model, d, eos, args.temperature, prepare) for d in args.drafters]
-    if args.packed_drafters:  # the same model at other weights, in the same rotation
-        packed = load_model(args.model, weights=args.weights).model
-        for d in args.packed_drafters.split(","):
-            method = specdec_method(packed, d, eos, args.temperature, prepare)
-            methods.append(dataclasses.replace(method, name=f"packed:{d}"))
-    if args.int8_drafters:  # the same model in int8 numerics: its own reference, its plain decoding
-        int8 = load_model(args.model, weights=args.weights, numerics="int8").model
-        names = ["none", *(d for d in args.int8_drafters.split(",") if d != "none")]
-        for d in names:
-            method = specdec_method(int8, d, eos, args.temperature, prepare)
-            methods.append(dataclasses.replace(method, name=f"int8:{d}", reference="int8:none"))
+    methods = _methods(args, model, tok, eos, questions, console)
     out = Path(args.out)
     remember = args.remember or args.repeat > 1
     session = None if peer is None else PeerSession(peer, _peer_request(questions, tok, eos, args), console.print)
@@ -306,6 +288,35 @@ def run(args) -> int:
     if session is not None:
         console.print(session.note())
     return 0
+
+
+def _methods(args, model, tokenizer, eos, questions, console) -> list[Method]:
+    """What the bench times, in rotation: HF generate (and, greedy, its prompt lookup unless --no-hf-lookup), then
+    each drafter on the model, then those of ``--packed-drafters`` and ``--int8-drafters`` on the same
+    model at other weights or in int8 numerics."""
+    from specdec.models import load_model
+
+    methods = hf_methods(model, eos, args.temperature)
+    if args.no_hf_lookup:
+        methods = methods[:1]
+
+    def prepare(drafter):
+        prepare_corpus_drafter(drafter, questions, tokenizer, args.suffix_exclude_questions, args.corpus,
+                               console.print)
+
+    methods += [specdec_method(model, d, eos, args.temperature, prepare) for d in args.drafters]
+    if args.packed_drafters:  # the same model at other weights, in the same rotation
+        packed = load_model(args.model, weights=args.weights).model
+        for d in args.packed_drafters.split(","):
+            method = specdec_method(packed, d, eos, args.temperature, prepare)
+            methods.append(dataclasses.replace(method, name=f"packed:{d}"))
+    if args.int8_drafters:  # the same model in int8 numerics: its own reference, its plain decoding
+        int8 = load_model(args.model, weights=args.weights, numerics="int8").model
+        names = ["none", *(d for d in args.int8_drafters.split(",") if d != "none")]
+        for d in names:
+            method = specdec_method(int8, d, eos, args.temperature, prepare)
+            methods.append(dataclasses.replace(method, name=f"int8:{d}", reference="int8:none"))
+    return methods
 
 
 def _summary(args, records: list[dict], baseline: str, model_name: str, remember: bool, session) -> dict:

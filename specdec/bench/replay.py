@@ -145,9 +145,8 @@ def read_curve(text: str) -> dict[int, float]:
     return curve
 
 
-def main(argv: list[str] | None = None) -> int:
-    from specdec.drafters.prompt_lookup import PromptLookupDrafter
-    from specdec.drafters.suffix import SuffixCorpus, SuffixDrafter, default_answers_path, read_token_jsonl
+def _parser() -> argparse.ArgumentParser:
+    from specdec.drafters.suffix import default_answers_path
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--answers", default=str(default_answers_path()), help="token-id JSONL of greedy answers")
@@ -164,15 +163,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="'controller' (needs --verify-curve), k=N (chains of N; trees whole) or n=N (trees "
                         "of N nodes): each drafter is replayed under each")
     p.add_argument("--max-new-tokens", type=positive_int, default=256)
-    args = p.parse_args(argv)
-    curve = None
-    if args.verify_curve:
-        try:
-            curve = read_curve(args.verify_curve)
-        except (ValueError, OSError) as e:
-            p.error(f"--verify-curve: {e}")
+    return p
+
+
+def _settings(p: argparse.ArgumentParser, settings: str,
+              curve: dict[int, float] | None) -> dict[str, DraftLengthConfig]:
+    """``--settings`` as draft-length configurations by name; a bad one ends the command (``p.error``)."""
     configs: dict[str, DraftLengthConfig] = {}
-    for setting in args.settings.split(","):
+    for setting in settings.split(","):
         if setting == "controller":
             if curve is None:
                 p.error("--settings controller: the controller prices drafts by verify times; give --verify-curve")
@@ -182,6 +180,22 @@ def main(argv: list[str] | None = None) -> int:
                 configs[setting] = fixed_setting(setting).draft_length
             except ValueError as e:
                 p.error(f"--settings: {e}")
+    return configs
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specdec.drafters.prompt_lookup import PromptLookupDrafter
+    from specdec.drafters.suffix import SuffixCorpus, SuffixDrafter, read_token_jsonl
+
+    p = _parser()
+    args = p.parse_args(argv)
+    curve = None
+    if args.verify_curve:
+        try:
+            curve = read_curve(args.verify_curve)
+        except (ValueError, OSError) as e:
+            p.error(f"--verify-curve: {e}")
+    configs = _settings(p, args.settings, curve)
     docs = read_token_jsonl(args.answers)
     held = _ranges(args.held_out, len(docs))
     held_prompts = {docs[i].ids[: docs[i].prompt_len] for i in held}

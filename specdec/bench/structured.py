@@ -96,6 +96,24 @@ def _hf_tokens_per_second(model, ids: torch.Tensor, n: int = 64) -> float:
     return (out.shape[1] - len(ids)) / (time.perf_counter() - t)
 
 
+def _table(rows: list[dict], title: str, drafter: str) -> Table:
+    """Per task and over all: tokens/s of both methods, the speedup, tau, answers identical, and valid
+    answers among those that ended within the token budget."""
+    table = Table(title=title)
+    for col in ("task", "questions", "tokens", "plain tok/s", f"{drafter} tok/s", "speedup", "tau",
+                "identical", "valid (ended)"):
+        table.add_column(col)
+    for name in (*TASKS, "all"):
+        rs = [r for r in rows if name in ("all", r["task"])]
+        tokens, ps, ss = sum(r["tokens"] for r in rs), sum(r["plain_s"] for r in rs), sum(r["spec_s"] for r in rs)
+        ended = [r for r in rs if r["ended"]]
+        table.add_row(name, str(len(rs)), str(tokens), f"{tokens / ps:.1f}", f"{tokens / ss:.1f}", f"{ps / ss:.2f}x",
+                      f"{sum(r['tau'] * r['tokens'] for r in rs) / max(1, tokens):.2f}",
+                      f"{sum(r['identical'] for r in rs)}/{len(rs)}",
+                      f"{sum(r['valid'] for r in ended)}/{len(ended)}")
+    return table
+
+
 def run(args) -> int:
     from specdec.bench.questions import load_questions
     from specdec.decoder import SpecDecoder
@@ -141,19 +159,8 @@ def run(args) -> int:
                 with open(out_path, "a", encoding="utf-8") as f:
                     f.write(json.dumps(row) + "\n")
     hf_after = _hf_tokens_per_second(model, probe)
-    table = Table(title=f"{loaded.name}: JSON-schema answers, plain decoding vs {args.drafter} (greedy)")
-    for col in ("task", "questions", "tokens", "plain tok/s", f"{args.drafter} tok/s", "speedup", "tau",
-                "identical", "valid (ended)"):
-        table.add_column(col)
-    for name in (*TASKS, "all"):
-        rs = [r for r in rows if name in ("all", r["task"])]
-        tokens, ps, ss = sum(r["tokens"] for r in rs), sum(r["plain_s"] for r in rs), sum(r["spec_s"] for r in rs)
-        ended = [r for r in rs if r["ended"]]
-        table.add_row(name, str(len(rs)), str(tokens), f"{tokens / ps:.1f}", f"{tokens / ss:.1f}", f"{ps / ss:.2f}x",
-                      f"{sum(r['tau'] * r['tokens'] for r in rs) / max(1, tokens):.2f}",
-                      f"{sum(r['identical'] for r in rs)}/{len(rs)}",
-                      f"{sum(r['valid'] for r in ended)}/{len(ended)}")
-    console.print(table)
+    console.print(_table(rows, f"{loaded.name}: JSON-schema answers, plain decoding vs {args.drafter} (greedy)",
+                         args.drafter))
     console.print(f"HF generate (unconstrained, greedy, 64 tokens): {hf_before:.1f} tokens/s before, "
                   f"{hf_after:.1f} after")
     return 0 if all(r["identical"] and (r["valid"] or not r["ended"]) for r in rows) else 1
