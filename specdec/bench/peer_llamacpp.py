@@ -9,6 +9,10 @@ RESULT   {"version": llama_cpp.__version__,
           "rss_kib": {"plain": {"before_load": kib, "after_load": kib, "after": kib}, ...}}
          or {"missing": "<the import error>"} when this interpreter cannot import llama_cpp.
 
+REQUEST  {"gguf": path, "texts": [[id, ...], ...], "threads": t, "modes": ["nll"]}  (perplexity)
+RESULT   {"version": ..., "nll": [{"sum": -sum log p(next token), "scored": T - 1}, ...]}: each text evaluated
+         in one pass with every position's logits kept, as ``specdec perplexity`` scores it.
+
 Each mode loads the file once, generates one untimed warm-up of a few tokens, then every prompt
 greedily (top_k=1, temperature 0, no repeat penalty) until an EOS id (kept, as HF keeps it) or
 ``max_new_tokens``; "lookup" drafts with llama-cpp-python's ``LlamaPromptLookupDecoding``. A
@@ -91,6 +95,26 @@ def run_mode(llama_cpp, request: dict, lookup: bool, rss: dict) -> list[dict]:
     return runs
 
 
+def run_nll(llama_cpp, request: dict) -> list[dict]:
+    """Each text's negative log-likelihood under llama.cpp, every position predicting the next one (numpy
+    ships with llama-cpp-python)."""
+    import numpy as np
+
+    texts = request["texts"]
+    llm = llama_cpp.Llama(model_path=request["gguf"], n_ctx=max(len(t) for t in texts) + CONTEXT_MARGIN,
+                          n_threads=request["threads"], n_threads_batch=request["threads"], n_batch=512,
+                          logits_all=True, verbose=False)
+    out = []
+    for ids in texts:
+        llm.reset()
+        llm.eval(ids)
+        logits = np.asarray(llm.scores[: len(ids) - 1], dtype=np.float64)  # [T - 1, V]
+        top = logits.max(axis=1)
+        lse = top + np.log(np.exp(logits - top[:, None]).sum(axis=1))
+        out.append({"sum": float((lse - logits[np.arange(len(ids) - 1), ids[1:]]).sum()), "scored": len(ids) - 1})
+    return out
+
+
 def main(argv: list[str]) -> int:
     request_path, result_path = argv
     request = json.loads(Path(request_path).read_text(encoding="utf-8"))
@@ -100,6 +124,9 @@ def main(argv: list[str]) -> int:
         write_json(result_path, {"missing": f"{type(e).__name__}: {e}"})
         return 0
     wanted = request.get("modes", ["plain", "lookup"])
+    if wanted == ["nll"]:
+        write_json(result_path, {"version": llama_cpp.__version__, "nll": run_nll(llama_cpp, request)})
+        return 0
     rss = {name: {} for name in wanted}
     modes = {name: run_mode(llama_cpp, request, name == "lookup", rss[name]) for name in wanted}
     write_json(result_path, {"version": llama_cpp.__version__, "modes": modes, "rss_kib": rss})

@@ -4,10 +4,12 @@ Each book excerpt (``../shared/longctx/books.jsonl``) is cut to its first ``--to
 in one forward per book (the prompt's own path: a prefill), every position predicting the next; the
 perplexity is exp of the mean negative log-likelihood over all scored tokens of all books. One row per
 numerics (``--numerics exact,int8``: the same file loaded each way), so their ratio says what int8's
-rounding costs (docs/decisions/019-int8-numerics.md). Results are written as JSON as each numerics
-finishes; a rerun with ``--resume`` skips what the file holds.
+rounding costs (docs/decisions/019-int8-numerics.md). With ``--peer-python`` (an interpreter with
+llama-cpp-python), llama.cpp scores the same token ids from the same GGUF file in its own process: the
+anchor row. Results are written as JSON as each row finishes; a rerun with ``--resume`` skips what the file
+holds.
 
-    specdec perplexity --model default --numerics exact,int8 --tokens 1024 --books 12
+    specdec perplexity --model default --numerics exact,int8 --tokens 1024 --books 12 [--peer-python PY]
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ def add_arguments(p) -> None:
     p.add_argument("--data", default=str(BOOKS), help="the books' JSONL")
     p.add_argument("--out", default="results/perplexity.json")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --out")
+    p.add_argument("--peer-python", default=None,
+                   help="an interpreter with llama-cpp-python: adds llama.cpp's perplexity on the same file and ids")
 
 
 @torch.inference_mode()
@@ -42,11 +46,47 @@ def book_nll(model, ids: torch.Tensor) -> tuple[float, int]:
     return float(nll), ids.shape[1] - 1
 
 
+PEER_ROW = "llama.cpp"
+
+
+def _peer(args):
+    """The llama.cpp peer's setup for ``--peer-python`` (None without it); a model that is not a GGUF
+    file, or an interpreter that is not there, is named here."""
+    if args.peer_python is None:
+        return None
+    from specdec.bench.peers import peer_setup
+
+    return peer_setup("llama.cpp", args.peer_python, args.model)
+
+
+def peer_perplexity(setup, texts: list[list[int]], threads: int) -> dict:
+    """llama.cpp's perplexity over ``texts`` (token ids), in its own process: a row as specdec's."""
+    from specdec.bench.peers import call_peer
+
+    result = call_peer(setup, {"texts": texts, "threads": threads, "modes": ["nll"]})
+    nll, n = sum(r["sum"] for r in result["nll"]), sum(r["scored"] for r in result["nll"])
+    return {"perplexity": math.exp(nll / n), "tokens": n, "books": len(texts), "version": result["version"]}
+
+
+def _token_ids(tokenizer, books: list[dict], tokens: int) -> list[torch.Tensor]:
+    """Each book's first ``tokens`` token ids, [1, T] each."""
+    return [tokenizer(b["text"], return_tensors="pt")["input_ids"][:, :tokens] for b in books]
+
+
+def _write(out: Path, args, rows: dict) -> None:
+    """The rows so far, atomically: a crash leaves the last complete file."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".tmp")
+    tmp.write_text(json.dumps({"model": args.model, "weights": args.weights, "rows": rows}, indent=1))
+    tmp.replace(out)
+
+
 def run(args) -> int:
     from rich.console import Console
     from rich.table import Table
 
     from specdec.bench.books import read_books
+    from specdec.bench.peers import PeerUnavailable
     from specdec.models import load_model
     from specdec.quant.numerics import NUMERICS
 
@@ -54,25 +94,32 @@ def run(args) -> int:
     bad = [n for n in wanted if n not in NUMERICS]
     if bad or not wanted:
         raise ValueError(f"--numerics {args.numerics!r}: expected a comma-separated list of {', '.join(NUMERICS)}")
+    peer = _peer(args)  # bad input named before any model loads
     out = Path(args.out)
     rows = json.loads(out.read_text())["rows"] if args.resume and out.exists() else {}
     books = read_books(Path(args.data))[: args.books]
+    texts = None
     for numerics in wanted:
         if numerics in rows:
             continue
         loaded = load_model(args.model, weights=args.weights, numerics=numerics)
+        texts = _token_ids(loaded.tokenizer, books, args.tokens)
         nll, n = 0.0, 0
-        for book in books:
-            ids = loaded.tokenizer(book["text"], return_tensors="pt")["input_ids"][:, : args.tokens]
+        for ids in texts:
             s, k = book_nll(loaded.model, ids)
             nll, n = nll + s, n + k
         rows[numerics] = {"perplexity": math.exp(nll / n), "tokens": n, "books": len(books)}
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"model": args.model, "weights": args.weights, "rows": rows}, indent=1))
-        tmp.replace(out)  # atomic: a crash leaves the last complete file
+        _write(out, args, rows)
+    if peer is not None and PEER_ROW not in rows:
+        if texts is None:  # every specdec row resumed: the tokenizer alone
+            texts = _token_ids(load_model(args.model, weights=args.weights).tokenizer, books, args.tokens)
+        try:
+            rows[PEER_ROW] = peer_perplexity(peer, [t[0].tolist() for t in texts], torch.get_num_threads())
+            _write(out, args, rows)
+        except PeerUnavailable as e:
+            print(e)
     table = Table(title=f"{args.model} ({args.weights}): perplexity on {len(books)} books x {args.tokens} tokens")
-    for col in ("numerics", "perplexity", "x exact", "tokens"):
+    for col in ("numerics (or engine)", "perplexity", "x exact", "tokens"):
         table.add_column(col, justify="right")
     base = rows.get("exact", {}).get("perplexity")
     for name, r in rows.items():
