@@ -12,7 +12,8 @@
 - ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step) and 24
   (an 8-row verify), 3 KV heads x 64, over 208 keys with a causal draft block: microseconds a call.
 - ``prompt``: torch's SDPA over a 7,000-token prompt, 9 query heads on 3 KV heads of 64 (the default
-  model's shape), causal, fp32 / bf16 / fp16 and fp32 without the causal flag: seconds for 30 layers.
+  model's shape), causal, fp32 / bf16 / fp16 and fp32 without the causal flag, and int8 numerics' bf16 prompt
+  attention (``prompt_attention``, where the build has AVX512-BF16): seconds for 30 layers.
 
 Another build to compare (an older commit's kernels): run this script from that checkout, alternating
 with this one (the ``int8`` part needs a checkout with ``specdec/formats.py``):
@@ -130,7 +131,7 @@ def row_attention(ops) -> list[dict]:
     return out
 
 
-def prompt() -> list[dict]:
+def prompt(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
     for dtype, causal in ((torch.float32, True), (torch.bfloat16, True), (torch.float16, True),
@@ -138,7 +139,12 @@ def prompt() -> list[dict]:
         q = torch.randn(1, 9, 7000, 64, generator=g).to(dtype)
         k, v = (torch.randn(1, 3, 7000, 64, generator=g).to(dtype) for _ in range(2))
         s = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True), 2)
-        out.append({"dtype": str(dtype).removeprefix("torch."), "causal": causal, "s_30_layers": s * 30})
+        out.append({"op": "sdpa", "dtype": str(dtype).removeprefix("torch."), "causal": causal, "s_30_layers": s * 30})
+    if ops.prompt_attention_supports(64):
+        q = torch.randn(1, 3, 3 * 7000, 64, generator=g)  # grouped: the 3 heads of a KV head as its rows
+        k, v = (torch.randn(1, 3, 7000, 64, generator=g) for _ in range(2))
+        s = timed(lambda: ops.prompt_attention(q, k, v, 0.125), 2)
+        out.append({"op": "prompt_attention", "dtype": "bf16 products", "causal": True, "s_30_layers": s * 30})
     return out
 
 
@@ -154,7 +160,7 @@ def main() -> None:
     if ops is None:
         raise SystemExit(f"the {args.kernel} kernel build is not available here")
     parts = {"int8": lambda: int8(ops), "kformats": lambda: kformats(ops), "row-attention": lambda: row_attention(ops),
-             "prompt": prompt}
+             "prompt": lambda: prompt(ops)}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:

@@ -34,8 +34,8 @@ from specdec.kv.blocks import BlockInputs, block_bias, causal
 from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.kv.static import StaticCache
 from specdec import fastpath
-from specdec.quant.numerics import numerics_of
-from specdec.runtime.attention import block_scope, grouped_attention, split_attention
+from specdec.quant.numerics import Numerics, numerics_of
+from specdec.runtime.attention import block_scope, grouped_attention, prompt_scope, split_attention
 
 PAD, SPLIT = "specdec_pad", "specdec_split"  # the attention implementation names the blocks run under
 
@@ -206,9 +206,7 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False, layers: t
     path = fastpath.get(model, check=False) if model.config._attn_implementation == "sdpa" else None
     if path is not None:  # the lean forward: the same ops, and the hidden states without keeping every layer's
         cache = DynamicCache(config=model.config)
-        G, P = input_ids.shape
-        logits, hidden = path(cache, input_ids.to(model.device), torch.arange(P, dtype=torch.long, device=model.device).expand(G, P),
-                              None, grouped_attention, logits_rows=1, keep=layers if want_hidden else ())
+        logits, hidden = _lean_prompt(model, path, cache, input_ids, 1, layers if want_hidden else ())
         return Prefill(logits[:, -1], hidden if want_hidden else None,
                        [(layer.keys, layer.values) for layer in cache.layers])
     cache = DynamicCache()
@@ -217,6 +215,26 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False, layers: t
     kv = [(layer.keys, layer.values) for layer in cache.layers]
     hidden = hidden_of(out.hidden_states, layers) if want_hidden else None
     return Prefill(out.logits[:, -1], hidden, kv)
+
+
+def _lean_prompt(model, path, cache, input_ids: torch.Tensor, logits_rows: int | None, keep: tuple[int, ...]):
+    """The lean forward over prompts [G, P] from an empty ``cache``: SDPA's causal path, or in int8 numerics
+    the bf16 prompt attention where the build has it (``runtime.attention.prompt_attention``)."""
+    G, P = input_ids.shape
+    positions = torch.arange(P, dtype=torch.long, device=model.device).expand(G, P)
+    with prompt_scope(numerics_of(model) is Numerics.INT8):
+        return path(cache, input_ids.to(model.device), positions, None, grouped_attention,
+                    logits_rows=logits_rows, keep=keep)
+
+
+@torch.inference_mode()
+def prompt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """Every position's logits [G, P, V] for prompts [G, P], computed as ``prefill`` computes a prompt (the
+    lean forward where the model has one, else HF's): what a perplexity of the decoder's prefill reads."""
+    path = fastpath.get(model, check=False) if model.config._attn_implementation == "sdpa" else None
+    if path is None:
+        return model(input_ids=input_ids.to(model.device), use_cache=False).logits
+    return _lean_prompt(model, path, DynamicCache(config=model.config), input_ids, None, ())[0]
 
 
 @torch.inference_mode()

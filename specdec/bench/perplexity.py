@@ -1,7 +1,7 @@
 """``specdec perplexity``: the quality of a target's numerics, as perplexity on held-out book text.
 
 Each book excerpt (``../shared/longctx/books.jsonl``) is cut to its first ``--tokens`` tokens and scored
-in one forward per book (the prompt's own path: a prefill), every position predicting the next; the
+in one forward per book (the decoder's prefill: ``forward.prompt_logits``), every position predicting the next; the
 perplexity is exp of the mean negative log-likelihood over all scored tokens of all books. One row per
 numerics (``--numerics exact,int8``: the same file loaded each way), so their ratio says what int8's
 rounding costs (docs/decisions/019-int8-numerics.md). With ``--peer-python`` (an interpreter with
@@ -40,8 +40,11 @@ def add_arguments(p) -> None:
 
 @torch.inference_mode()
 def book_nll(model, ids: torch.Tensor) -> tuple[float, int]:
-    """(sum of -log p(next token), tokens scored) over ids [1, T]: T - 1 predictions."""
-    logits = model(input_ids=ids, use_cache=False).logits[0, :-1].double()  # [T - 1, V]
+    """(sum of -log p(next token), tokens scored) over ids [1, T]: T - 1 predictions, each position's logits
+    as the decoder's prefill computes them (``forward.prompt_logits``)."""
+    from specdec.forward import prompt_logits
+
+    logits = prompt_logits(model, ids)[0, :-1].double()  # [T - 1, V]
     nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="sum")
     return float(nll), ids.shape[1] - 1
 

@@ -9,8 +9,9 @@
   alone, at any place in a block of any size, in a ragged batch, with any thread count), the norms,
   rotary and elementwise ops are per row, so a verify's rows are bit-equal to plain decoding's and
   speculation stays exactly lossless against the same target's plain decoding (specdec's ``none``; HF
-  ``generate`` on it runs HF's attention, another arithmetic). Prompts are prefilled as in exact numerics
-  (SDPA's causal path for the attention: every decoding of a prompt shares it).
+  ``generate`` on it runs HF's attention, another arithmetic). A prompt's attention over itself (the
+  prefill, which every decoding of the prompt shares) takes bf16 products where the build has AVX512-BF16
+  (``runtime/csrc/prompt_attention.cpp``), else SDPA's causal path as in exact numerics.
   Why and what it is worth: docs/decisions/019-int8-numerics.md.
 
     set_numerics(model, "int8")     # a packed GGUF or a model quantized on load (Q4_0 / Q4_1 / Q8_0 / Q4_K)

@@ -33,6 +33,8 @@ ATTENTION_POINTS = ((3, 6, 12, 24, 48), (256, 2048))
 _split_ends: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("specdec_split_ends", default=None)
 # a target in int8 numerics: every masked (or one-row) block attends a row at a time (``rows_mode``)
 _rows: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_row_attention", default=False)
+# a target in int8 numerics prefilling: a prompt's causal attention over itself in bf16 products (``prompt_scope``)
+_prompt: contextvars.ContextVar[bool] = contextvars.ContextVar("specdec_prompt_attention", default=False)
 # the mask repeated for grouped queries, made by the forward's first layer and reused by the others
 _grouped_masks: contextvars.ContextVar[dict | None] = contextvars.ContextVar("specdec_grouped_masks", default=None)
 
@@ -123,6 +125,10 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     B, Hq, Q, D = query.shape
     n = Hq // key.shape[1]
     plain = not (module.training or kwargs.get("sliding_window") or kwargs.get("position_bias") is not None)
+    if plain and attention_mask is None and Q > 1 and key.shape[2] == Q and _prompt.get():
+        out = prompt_attention(query.reshape(B, Hq // n, n * Q, D), key, value, scaling if scaling is not None else D**-0.5)
+        if out is not None:
+            return out.view(B, Hq, Q, D).transpose(1, 2).contiguous(), None
     if plain and (attention_mask is not None or Q == 1):  # a causal block without a mask needs SDPA's flag
         mask = attention_mask if attention_mask is None else attention_mask[..., : key.shape[2]]
         out = attention(query.reshape(B, Hq // n, n * Q, D), key, value, mask,
@@ -137,6 +143,36 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
         attention_mask = _repeated_mask(attention_mask, n)
     out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling)
     return out.view(B, Hq, Q, D).transpose(1, 2).contiguous(), None
+
+
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
+    """A prompt's causal attention over itself in bf16 products (``csrc/prompt_attention.cpp``: q, k, v and
+    the weights rounded to bf16, fp32 sums and softmax; a row's output depends on its query and the keys up to
+    it only), or None where the build has no AVX512-BF16 shape for this call (SDPA's causal path then, as in
+    exact numerics). query [B, H, n * Q, D] grouped (row r * Q + i: head r's query i), key / value
+    [B, H, Q, D] -> [B, H, n * Q, D]. Why: docs/decisions/019-int8-numerics.md."""
+    ops = state.active().ops
+    if (ops is None or query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
+            or value.dtype != torch.float32 or key.stride(-1) != 1 or value.stride(-1) != 1
+            or not _prompt_head_size_supported(ops, query.shape[-1])):
+        return None
+    return ops.prompt_attention(query, key, value, scale)
+
+
+@cache
+def _prompt_head_size_supported(ops, d: int) -> bool:
+    return hasattr(ops, "prompt_attention_supports") and ops.prompt_attention_supports(d)
+
+
+@contextmanager
+def prompt_scope(on: bool) -> Iterator[None]:
+    """A prefill's attention: with ``on`` (a target in int8 numerics), a causal block over an empty cache
+    attends through ``prompt_attention`` where the build can."""
+    token = _prompt.set(on)
+    try:
+        yield
+    finally:
+        _prompt.reset(token)
 
 
 def _repeated_mask(mask: torch.Tensor, n: int) -> torch.Tensor:

@@ -22,7 +22,7 @@ from specdec.config import RuntimeConfig, current, tools_on_path
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / f for f in (
     "packed_linear.cpp", "decode_attention.cpp", "layer_ops.cpp", "layers.cpp", "quant_linear.cpp",
-    "int8_linear.cpp", "row_attention.cpp")]
+    "int8_linear.cpp", "row_attention.cpp", "prompt_attention.cpp")]
 _HEADERS = [_CSRC / f for f in ("vec.h", "ops.h")]  # in the build key, not compiled alone
 # variant -> (compiler flags, op namespace)
 VARIANTS = {"native": (["-march=native"], "specdec_kernels"),

@@ -1,0 +1,89 @@
+"""The prompt attention of a target in int8 numerics (``csrc/prompt_attention.cpp``): a prompt's causal
+attention over itself with bf16 products. Pinned: it is causal attention of the bf16-rounded inputs (to the
+rounding of the weights), a row's output depends only on its query and the keys up to it (bit-equal in a
+shorter prompt, with any thread count), and an int8 target's prefill takes it where an exact one does not.
+Skipped where the build has no AVX512-BF16."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import specdec.runtime.attention as attention
+from specdec.forward import prefill
+from specdec.quant import quantize_model
+from specdec.quant.numerics import set_numerics
+
+
+@pytest.fixture
+def bf16_ops(ops):
+    if not ops.prompt_attention_supports(64):
+        pytest.skip("this build has no AVX512-BF16 prompt attention (the prefill keeps SDPA's causal path)")
+    return ops
+
+
+def _reference(q, k, v, scale):
+    """float64 causal attention of bf16-rounded q, k, v; q grouped [B, H, n * Q, D] (row r * Q + i)."""
+    B, H, R, D = q.shape
+    Q = k.shape[2]
+    q, k, v = (t.to(torch.bfloat16).double() for t in (q, k, v))
+    s = torch.einsum("bhnqd,bhkd->bhnqk", q.view(B, H, R // Q, Q, D), k) * scale
+    s = s.masked_fill(torch.ones(Q, Q, dtype=torch.bool).triu(1), float("-inf"))
+    return (s.softmax(-1) @ v[:, :, None]).reshape(B, H, R, D)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+def test_prompt_attention_is_causal_attention_of_bf16_inputs(bf16_ops, D):
+    """Row tiles of 1-4 grouped heads (5: a tile and its remainder), prompts shorter than a block of 32 keys,
+    one key past it, several blocks; the only rounding left is the weights' bf16 and fp32 sums."""
+    g = torch.Generator().manual_seed(0)
+    for n, Q in ((1, 1), (3, 2), (5, 31), (2, 32), (3, 33), (4, 70)):
+        q, k, v = (torch.randn(2, 2, m, D, generator=g) for m in (n * Q, Q, Q))
+        out = bf16_ops.prompt_attention(q, k, v, D**-0.5)
+        err = (out.double() - _reference(q, k, v, D**-0.5)).abs().max().item()
+        assert err < 2e-2, (n, Q, err)
+
+
+def test_a_rows_output_is_its_own(bf16_ops):
+    """Bit-equal in a prompt cut after it, and with one thread or two: nothing but its query and the keys up
+    to it reach a row (why the prefill of a prompt is the same whatever follows it)."""
+    g = torch.Generator().manual_seed(1)
+    n, Q, D = 3, 77, 64
+    q, k, v = (torch.randn(1, 3, m, D, generator=g) for m in (n * Q, Q, Q))
+    full = bf16_ops.prompt_attention(q, k, v, 0.125)
+    for P in (1, 32, 40):
+        cut = bf16_ops.prompt_attention(q.view(1, 3, n, Q, D)[:, :, :, :P].reshape(1, 3, n * P, D).contiguous(),
+                                        k[:, :, :P].contiguous(), v[:, :, :P].contiguous(), 0.125)
+        assert torch.equal(cut.view(1, 3, n, P, D), full.view(1, 3, n, Q, D)[:, :, :, :P]), P
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = bf16_ops.prompt_attention(q, k, v, 0.125)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, full)
+
+
+def _int8_target(numerics: str):
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256)  # head size 64
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(cfg).float().eval()
+    quantize_model(model, "Q4_1")
+    return set_numerics(model, numerics)
+
+
+def test_an_int8_targets_prefill_takes_it_and_an_exact_ones_does_not(bf16_ops, monkeypatch):
+    calls = []
+    real = attention.prompt_attention
+
+    def counted(*a):
+        calls.append(a[0].shape)
+        return real(*a)
+
+    monkeypatch.setattr(attention, "prompt_attention", counted)
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    exact = prefill(_int8_target("exact"), ids)
+    assert calls == []
+    int8 = prefill(_int8_target("int8"), ids)
+    assert len(calls) == 2  # every layer
+    torch.testing.assert_close(int8.logits, exact.logits, rtol=0.1, atol=0.1)  # int8's rounding, bf16's
