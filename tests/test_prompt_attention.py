@@ -87,3 +87,22 @@ def test_an_int8_targets_prefill_takes_it_and_an_exact_ones_does_not(bf16_ops, m
     int8 = prefill(_int8_target("int8"), ids)
     assert len(calls) == 2  # every layer
     torch.testing.assert_close(int8.logits, exact.logits, rtol=0.1, atol=0.1)  # int8's rounding, bf16's
+
+
+def test_the_avx2_build_has_none_and_the_prefill_keeps_sdpa(monkeypatch):
+    """Builds without AVX512-BF16 (the AVX2 one on any CPU) refuse the op by its support query, and an int8
+    target's prefill then attends by SDPA's causal path, as exact numerics does."""
+    from specdec.config import RuntimeConfig, use
+    from specdec.runtime import kernels
+
+    avx2 = kernels.extension(RuntimeConfig(kernel="avx2"))
+    if avx2 is None:
+        pytest.skip("the avx2 kernel is not built here")
+    assert not avx2.prompt_attention_supports(64)
+    taken = []
+    real = attention.prompt_attention
+    monkeypatch.setattr(attention, "prompt_attention", lambda *a: taken.append(real(*a)) or taken[-1])
+    ids = torch.randint(0, 96, (1, 40), generator=torch.Generator().manual_seed(2))
+    with use(RuntimeConfig(kernel="avx2")):
+        out = prefill(_int8_target("int8"), ids)
+    assert taken == [None, None] and torch.isfinite(out.logits).all()
