@@ -121,6 +121,7 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     of a group become n x Q query rows of their KV head: row r * Q + i is head r's query i, and the
     mask is repeated n times along the rows. Returns [B, Q, Hq, D], as HF's SDPA function does.
     Example: Hq 9, Hkv 3, Q 4 -> query [B, 3, 12, D] against K/V [B, 3, L, D], mask [B, 1, 12, L].
+    A prompt over an empty store (no mask, L = Q) inside ``prompt_scope(True)`` goes to ``prompt_attention``.
     """
     B, Hq, Q, D = query.shape
     n = Hq // key.shape[1]
@@ -161,7 +162,8 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
 
 @cache
 def _prompt_head_size_supported(ops, d: int) -> bool:
-    return hasattr(ops, "prompt_attention_supports") and ops.prompt_attention_supports(d)
+    """``ops.prompt_attention_supports(d)``, asked once per build and head size."""
+    return ops.prompt_attention_supports(d)
 
 
 @contextmanager
