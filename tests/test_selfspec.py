@@ -372,6 +372,11 @@ def test_bench_records_predict_for_one_drafter_not_for_auto():
     assert records["auto"]["predicted"] is None  # its steps mix drafters: no single cost model
     assert records["auto"]["measured"] == pytest.approx((6 / 1.0) / (4 / 0.4))
     assert records["none"]["identical"] == 1 and records["auto"]["identical"] == 0
+    # an int8 target's reference is its own plain decoding: rows equal to none's, whatever HF wrote
+    own = {r["method"]: r for r in finish_records(prompt, {
+        "hf-generate": {"outputs": [[9] * 5], "seconds": 10.0},
+        "none": result(plain, 5), "auto": result(drafting, 5)}, reference="none")}
+    assert own["none"]["identical"] == 1 and own["auto"]["identical"] == 1 and own["hf-generate"]["identical"] == 0
 
 
 def test_bench_figures_at_a_batch_count_every_row_and_the_longest_draft():

@@ -165,13 +165,15 @@ def run_method(spec: MethodSpec, model, rows: tuple[torch.Tensor, ...], max_new_
             "ttft": first_step[0] - t, "steps": len(out.steps), **step_figures(out.steps)}
 
 
-def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
-    """Ratios within one prompt: to HF generate, and the cost model against ``none``'s decode."""
+def finish_records(prompt: LongPrompt, results: dict[str, dict], reference: str = "hf-generate") -> list[dict]:
+    """Ratios within one prompt: to HF generate, and the cost model against ``none``'s decode; ``identical``:
+    rows equal to ``reference``'s (HF generate; ``none`` for a target in int8 numerics, its own reference)."""
     B = len(prompt.rows)
     new = lambda r: sum(len(o) for o in r["outputs"])  # noqa: E731  tokens of every row
     # the decode phase: every row's first token comes from the prefill step
     decode_rate = lambda r: (new(r) - B) / r["decode_seconds"] if r.get("decode_seconds") else None  # noqa: E731
     hf = results.get("hf-generate")
+    ref = results.get(reference)
     plain = results.get("none")
     t_target = plain.get("t_plain") if plain else None
     plain_rate = decode_rate(plain) if plain else None
@@ -181,8 +183,9 @@ def finish_records(prompt: LongPrompt, results: dict[str, dict]) -> list[dict]:
                "instruction": prompt.instruction, "prompt_tokens": prompt.tokens, "method": name,
                **{k: v for k, v in r.items() if k != "outputs"},
                "new_tokens": new(r), "tokens_per_s": new(r) / r["seconds"]}
+        if ref is not None:
+            rec["identical"] = sum(a == b for a, b in zip(r["outputs"], ref["outputs"]))  # rows equal to the reference's
         if hf is not None:
-            rec["identical"] = sum(a == b for a, b in zip(r["outputs"], hf["outputs"]))  # rows equal to HF's
             rec["hf_tokens_per_s"] = new(hf) / hf["seconds"]
             rec["speedup_vs_hf"] = rec["tokens_per_s"] / rec["hf_tokens_per_s"]
         if "steps" in r and name != "hf-generate":
@@ -267,7 +270,7 @@ def add_arguments(p) -> None:
     p.add_argument("--memory", action="store_true", help="peak RSS per method (a child process each)")
     p.add_argument("--weights", choices=WEIGHTS, default="fp32",
                    help="the target's weights, as for `specdec generate` (packed: a GGUF's blocks kept packed)")
-    add_numerics_argument(p)  # int8: "identical" is then against HF's other arithmetic (quant.numerics)
+    add_numerics_argument(p)  # int8: "identical" is then against its own plain decoding, `none` (quant.numerics)
     p.add_argument("--out", default="results/longctx", help="appends OUT.jsonl; writes OUT.json (summary)")
 
 
@@ -282,7 +285,7 @@ def read_done(log: AnswerFile) -> dict[str, dict[str, dict]]:
 
 
 def run_prompts(model, prompts: list[LongPrompt], methods: list[MethodSpec], max_new_tokens: int, eos,
-                log: AnswerFile, say) -> list[dict]:
+                log: AnswerFile, say, reference: str = "hf-generate") -> list[dict]:
     """Every method missing from ``log`` on every prompt, methods rotating from prompt to prompt; a
     prompt's records are appended once all its methods have run (they hold ratios to HF's and to
     ``none``'s runs). Returns the log's records and the new ones."""
@@ -298,7 +301,7 @@ def run_prompts(model, prompts: list[LongPrompt], methods: list[MethodSpec], max
             for m in rotated(todo, i):
                 say(f"{prompt.key} ({prompt.tokens} tokens): {m.name}")
                 results[m.name] = run_method(m, model, prompt.rows, max_new_tokens, eos)
-            new = [r for r in finish_records(prompt, results) if r["method"] not in have]
+            new = [r for r in finish_records(prompt, results, reference) if r["method"] not in have]
             for r in new:
                 log.append(r)
             records += new
@@ -310,6 +313,7 @@ def run(args) -> int:
     from rich.table import Table
 
     from specdec.models import load_model
+    from specdec.quant.numerics import Numerics, numerics_of
 
     if args.methods[0] != "hf-generate":
         raise ValueError("--methods must start with hf-generate: every output is checked against it")
@@ -332,7 +336,9 @@ def run(args) -> int:
     log = AnswerFile(out.with_suffix(".jsonl"), key=("prompt", "method"))
     warm = tok("Once upon a time", return_tensors="pt")["input_ids"]
     warm_up(methods, lambda m: run_method(m, model, (warm[0],) * min(args.batch_size, 2), 4, eos))
-    records = run_prompts(model, prompts, methods, args.max_new_tokens, eos, log, console.log)
+    # int8 numerics is its own reference: its plain decoding, not HF's other arithmetic (quant.numerics)
+    reference = "none" if numerics_of(model) is Numerics.INT8 and "none" in args.methods else "hf-generate"
+    records = run_prompts(model, prompts, methods, args.max_new_tokens, eos, log, console.log, reference)
     memory = {}
     if args.memory:
         longest = max(prompts, key=lambda p: p.tokens)
@@ -342,6 +348,7 @@ def run(args) -> int:
     summary = summarize(records, memory)
     out.with_suffix(".json").write_text(json.dumps(summary, indent=1))
     console.print(table(summary, loaded.name, args.max_new_tokens, args.batch_size, Table))
+    console.print(f"identical: rows equal to {reference}'s")
     return 0
 
 
