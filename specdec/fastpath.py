@@ -120,12 +120,15 @@ class FastPath:
     @torch.inference_mode()
     def __call__(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None, attention, logits_rows: int | None = None,
-                 keep: tuple[int, ...] = (), head: nn.Module | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 keep: tuple[int, ...] = (), head: nn.Module | None = None,
+                 unread: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, Q], position_ids [B, Q], attention_mask [B, 1, Q, L] additive, or None for a
         causal block over an empty cache (a prefill: SDPA's causal path, as HF runs it); attention: the HF
         attention function to run; logits_rows: only the last this many rows' logits (a prefill's last);
         keep: layers whose inputs to return instead of the last hidden state (``forward.hidden_of``);
         head: an output layer in the model's place (a module: a draft's ``drafters.vocab.VocabHead``).
+        unread: [B, Q] bool, rows whose logits nobody reads (a grammar allows one token there): the output
+        layer skips them and their logits are zeros.
         Returns (logits [B, Q or logits_rows, V], last hidden state after the norm [B, Q, C], or the
         kept layers' inputs [B, Q, C * len(keep)])."""
         x = self.decoder.embed_tokens(input_ids)  # [B, Q, C]
@@ -134,8 +137,21 @@ class FastPath:
         kept: dict[int, torch.Tensor | None] = dict.fromkeys(keep)  # filled by the loop
         hidden = self._layers(HF_OPS if ops is None else ops, cache, x, cos, sin, attention_mask, attention, kept)
         rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
-        logits = apply(self.head, rows) if head is None else head(rows)
+        if unread is not None and head is None and logits_rows is None and bool(unread.any()):
+            logits = self._read_rows(rows, ~unread.to(rows.device))
+        else:
+            logits = apply(self.head, rows) if head is None else head(rows)
         return logits, torch.cat([kept[j] for j in keep], -1) if keep else hidden
+
+    def _read_rows(self, rows: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+        """The output layer over the rows ``read`` [B, Q] names of rows [B, Q, C]; zeros elsewhere -> [B, Q, V].
+        A row's logits are what the whole block would give it wherever the layer is batch-invariant (int8
+        numerics); elsewhere up to summation order, as any block's."""
+        B, Q, _ = rows.shape
+        out = torch.zeros(B, Q, self.head.out_features, dtype=rows.dtype, device=rows.device)
+        if bool(read.any()):
+            out[read] = apply(self.head, rows[read][None])[0]
+        return out
 
     def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor) -> LayerOps | None:
         """The kernels' fused layer ops if they take this forward (fp32 on CPU, the rotary table as wide

@@ -73,7 +73,8 @@ def hidden_of(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) 
 @torch.inference_mode()
 def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: torch.Tensor | None,
                   depth: torch.Tensor | None, want_hidden: bool = False, split: bool = False,
-                  layers: tuple[int, ...] = (), head=None, last_only: bool = False) -> BlockOutput:
+                  layers: tuple[int, ...] = (), head=None, last_only: bool = False,
+                  unread: torch.Tensor | None = None) -> BlockOutput:
     """input_ids [B, Q]; block_mask [B, Q, Q] bool; depth [B, Q] position offsets within the block.
 
     block_mask = depth = None means a causal block (chain, plain decode): the store's fast path.
@@ -84,6 +85,8 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     runs, its full logits restricted as that head restricts them.
     last_only: logits of the last row only [B, 1, V] (a prefill chunk: the output layer over every row
     would cost more than the chunk's attention).
+    unread: [B, Q] bool, rows whose logits the caller will not read (a grammar allows one token there): the
+    lean forward leaves them zeros instead of running the output layer over them; other paths compute them.
     """
     if isinstance(cache, StaticCache):
         return static_block(model, cache, input_ids, block_mask, depth, keep=layers if want_hidden else None,
@@ -107,7 +110,7 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
             # the cache's device is the model's (``model.device`` walks its modules at every call)
             logits, hidden = path(cache, input_ids.to(cache.device), inputs.position_ids, inputs.attention_mask,
                                   split_attention if split else grouped_attention, keep=keep, head=head,
-                                  logits_rows=1 if last_only else None)
+                                  logits_rows=1 if last_only else None, unread=unread)
             return BlockOutput(logits, hidden if want_hidden else None)
         config._attn_implementation = SPLIT if split else PAD  # HF's layers look the function up
         try:

@@ -133,6 +133,20 @@ def constrain(tree: DraftTree, procs: list[RowProcessor | None]) -> tuple[DraftT
     return tree, masks
 
 
+def unread_rows(masks: list[torch.Tensor | None], width: int) -> torch.Tensor | None:
+    """[B, width] bool: block rows where a grammar allows exactly one token (``constrain``'s masks), whose
+    logits no rule reads: the processed scores there are -inf but at that token, so greedy picks it, a
+    sampler gives it probability 1 and its logprob is 0, whatever the logits. None where no row has one."""
+    if all(m is None for m in masks):
+        return None
+    out = torch.zeros(len(masks), width, dtype=torch.bool)
+    for b, m in enumerate(masks):
+        if m is not None:
+            one = m.sum(dim=-1) == 1  # [1 + N] the real rows
+            out[b, : one.shape[0]] = one
+    return out if bool(out.any()) else None
+
+
 def judge_processed(judge, procs: list[RowProcessor | None], logits: torch.Tensor, tree: DraftTree,
                     masks: list) -> tuple[Verification, list | None]:
     """``judge``'s verdict on the logits [B, 1 + N, V] as each row's processor makes them on each node's

@@ -165,6 +165,30 @@ def test_greedy_token_identical_for_every_drafter_alone_and_ragged(model, tok, k
             assert [t for t, _ in got[-1].top] == [t for t, _ in want[-1].top]
 
 
+def test_rows_a_grammar_forces_skip_the_output_layer_and_change_nothing(model, tok, monkeypatch):
+    """Rows where the grammar allows one token leave the output layer out (their logits unread): the same
+    tokens and logprobs as with every row's logits computed, plain and drafting, greedy and sampled."""
+    import specdec.session as session
+
+    skipped, real = [], session.unread_rows
+    monkeypatch.setattr(session, "unread_rows", lambda m, w: skipped.append(r := real(m, w)) or r)
+    ps = prompts(tok)
+    for drafter in (None, GrammarDrafter):
+        for sampled in (False, True):
+            kw = dict(constraint=CONSTRAINTS["json_schema"], tokenizer=tok, logprobs=2, frequency_penalty=0.4)
+            if sampled:
+                kw |= dict(do_sample=True, temperature=0.8, seed=5)
+            skipped.clear()
+            out = run(model, drafter and Sources({"grammar": drafter(), "lookup": PromptLookupDrafter()}), ps, **kw)
+            assert any(r is not None and bool(r.any()) for r in skipped)  # some rows were forced
+            monkeypatch.setattr(session, "unread_rows", lambda m, w: None)
+            full = run(model, drafter and Sources({"grammar": drafter(), "lookup": PromptLookupDrafter()}), ps, **kw)
+            monkeypatch.setattr(session, "unread_rows", lambda m, w: skipped.append(r := real(m, w)) or r)
+            assert answers(out, 3) == answers(full, 3), (drafter, sampled)
+            for b in range(3):
+                assert [(x.token, x.logprob) for x in out.logprobs[b]] == [(x.token, x.logprob) for x in full.logprobs[b]]
+
+
 def test_partly_accepted_drafts_roll_the_grammar_back(model, tok):
     """The oracle's drafts are right up to a swapped token: the grammar walks past what is committed
     in every such draft, and the output stays the plain one, inside the grammar."""
