@@ -106,3 +106,18 @@ def test_the_avx2_build_has_none_and_the_prefill_keeps_sdpa(monkeypatch):
     with use(RuntimeConfig(kernel="avx2")):
         out = prefill(_int8_target("int8"), ids)
     assert taken == [None, None] and torch.isfinite(out.logits).all()
+
+
+def test_an_int8_prefill_is_each_prompts_own(bf16_ops):
+    """With the prompt attention and the batch-invariant int8 linears, a prompt's prefill (logits and every
+    layer's K/V) is bit-equal prefilled alone or beside others, and its first P rows equal a prefill of
+    its first P tokens."""
+    model = _int8_target("int8")
+    ids = torch.randint(0, 96, (3, 50), generator=torch.Generator().manual_seed(3))
+    both = prefill(model, ids)
+    for b in range(3):
+        one = prefill(model, ids[b:b + 1])
+        assert torch.equal(one.logits[0], both.logits[b])
+        assert all(torch.equal(k[0], kb[b]) and torch.equal(v[0], vb[b]) for (k, v), (kb, vb) in zip(one.layers, both.layers))
+    short = prefill(model, ids[:, :30])
+    assert all(torch.equal(k, kb[:, :, :30]) and torch.equal(v, vb[:, :, :30]) for (k, v), (kb, vb) in zip(short.layers, both.layers))
