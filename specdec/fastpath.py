@@ -53,7 +53,8 @@ class _Attention:
 
     def __init__(self, attention, mask: torch.Tensor | None, Q: int, hq: int, hkv: int) -> None:
         self.attention, self.full_mask, self.hq, self.hkv = attention, mask, hq, hkv
-        self.direct = attention is grouped_attention and (mask is not None or Q == 1)
+        # a prompt's block in int8 numerics goes to grouped_attention's prompt path, one row or many
+        self.direct = attention is grouped_attention and (mask is not None or Q == 1) and not attn.prompt_mode()
         self.kernel, self.keys, self.mask = None, 0, None
 
     def __call__(self, layer: Layer, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -35,7 +35,7 @@ from specdec.kv.bmc import BMCCache, BMCConfig
 from specdec.kv.static import StaticCache
 from specdec import fastpath
 from specdec.quant.numerics import Numerics, numerics_of
-from specdec.runtime.attention import block_scope, grouped_attention, prompt_scope, split_attention
+from specdec.runtime.attention import block_scope, grouped_attention, prompt_kernel, prompt_scope, split_attention
 
 PAD, SPLIT = "specdec_pad", "specdec_split"  # the attention implementation names the blocks run under
 
@@ -240,6 +240,32 @@ def prompt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     return _lean_prompt(model, path, DynamicCache(config=model.config), input_ids, None, ())[0]
 
 
+def _cut_free(model) -> bool:
+    """Whether ``model``'s prefill gives a row the same bits however its prompt is cut: int8 numerics (its
+    linears batch-invariant, norms per row) with the lean forward and the prompt attention kernel."""
+    if numerics_of(model) is not Numerics.INT8 or model.config._attn_implementation != "sdpa":
+        return False
+    _, _, head_dim = attention_shape(model)
+    return fastpath.get(model, check=False) is not None and prompt_kernel(head_dim, float_dtype(model), model.device)
+
+
+@torch.inference_mode()
+def prefill_after(model, input_ids: torch.Tensor, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Prefill:
+    """One prompt [P] after ``prefix`` (its first n rows' K/V per layer [H, n, D], or None) in one lean forward
+    through the prompt attention (keys before the block, then its own): for a model where ``_cut_free``.
+    Returns logits [1, V] after the last token and the K/V per layer [1, H, P, D]."""
+    cache = DynamicCache(config=model.config)
+    n = 0
+    for i, (k, v) in enumerate(prefix or ()):
+        cache.update(k[None].to(model.device), v[None].to(model.device), i)
+        n = k.shape[1]
+    path = fastpath.get(model, check=False)
+    positions = torch.arange(n, input_ids.shape[0], dtype=torch.long, device=model.device)[None]
+    with prompt_scope(True):
+        logits, _ = path(cache, input_ids[None, n:].to(model.device), positions, None, grouped_attention, logits_rows=1)
+    return Prefill(logits[:, -1], None, [(layer.keys, layer.values) for layer in cache.layers])
+
+
 @torch.inference_mode()
 def prefill_aligned(model, input_ids: torch.Tensor, block: int,
                     prefix: list[tuple[torch.Tensor, torch.Tensor]] | None = None) -> Prefill:
@@ -254,10 +280,16 @@ def prefill_aligned(model, input_ids: torch.Tensor, block: int,
     row count; docs/decisions/021-prefix-cache.md). Example, block 64, P 150, prefix of 128 rows: one
     forward over tokens 128..149; without the prefix three (0..63, 64..127, 128..149), the last the same.
 
+    A target in int8 numerics whose prefill takes the prompt attention kernel skips the blocks: one forward
+    over the rows after the prefix (``prefill_after``) gives those bits, since its every op gives a row the
+    same bits however the prompt is cut (docs/decisions/019-int8-numerics.md).
+
     Returns logits [1, V] after the last token, no hidden states, and the K/V per layer [1, H, P, D]."""
     P = input_ids.shape[0]
     n = 0 if prefix is None else prefix[0][0].shape[1]
     assert n % block == 0 and n < P, f"a prefix of {n} rows for a prompt of {P} in blocks of {block}"
+    if _cut_free(model):
+        return prefill_after(model, input_ids, prefix)
     store = BMCCache.for_model(model, 1, BMCConfig(block))
     if prefix is None:  # buffers made now, as a prefix's would be: one layout, hit or miss
         num_layers, H, D = attention_shape(model)

@@ -121,3 +121,27 @@ def test_an_int8_prefill_is_each_prompts_own(bf16_ops):
         assert all(torch.equal(k[0], kb[b]) and torch.equal(v[0], vb[b]) for (k, v), (kb, vb) in zip(one.layers, both.layers))
     short = prefill(model, ids[:, :30])
     assert all(torch.equal(k, kb[:, :, :30]) and torch.equal(v, vb[:, :, :30]) for (k, v), (kb, vb) in zip(short.layers, both.layers))
+
+
+def test_a_prompt_in_pieces_gets_the_bits_of_one_piece(bf16_ops):
+    """The kernel takes keys before the block (a prefix's rows): the rows after a prefix of any length, a
+    single row included, equal the one-forward prefill's; so the prefix cache's prefill (``prefill_aligned``)
+    takes one forward after what it reuses and gives the bits of no reuse."""
+    from specdec.forward import prefill_after, prefill_aligned
+
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(1, 2, m, 64, generator=g) for m in (3 * 40, 40, 40))
+    whole = bf16_ops.prompt_attention(q, k, v, 0.125, 0)
+    for past in (1, 31, 32, 39):
+        block = q.view(1, 2, 3, 40, 64)[:, :, :, past:].reshape(1, 2, 3 * (40 - past), 64).contiguous()
+        got = bf16_ops.prompt_attention(block, k, v, 0.125, past)
+        assert torch.equal(got.view(1, 2, 3, 40 - past, 64), whole.view(1, 2, 3, 40, 64)[:, :, :, past:]), past
+    model = _int8_target("int8")
+    ids = torch.randint(0, 96, (50,), generator=torch.Generator().manual_seed(5))
+    one = prefill(model, ids[None])
+    for n in (0, 16, 32, 49):
+        prefix = [(kk[0, :, :n], vv[0, :, :n]) for kk, vv in one.layers] if n else None
+        aligned = [prefill_aligned(model, ids, 16, prefix)] if n % 16 == 0 else []  # its prefixes: whole blocks
+        for pieces in [prefill_after(model, ids, prefix)] + aligned:
+            assert torch.equal(pieces.logits, one.logits), n
+            assert all(torch.equal(a, b) for (ka, va), (kb, vb) in zip(pieces.layers, one.layers) for a, b in ((ka, kb), (va, vb))), n

@@ -80,6 +80,11 @@ class _RowOps:
         return self.ops.row_attention(query, key, value, bias, scale)
 
 
+def prompt_mode() -> bool:
+    """Whether this forward is a prompt's prefill through ``prompt_attention`` (``prompt_scope(True)``)."""
+    return _prompt.get()
+
+
 def rows_mode() -> bool:
     """Whether this forward attends a row at a time (a target in int8 numerics: ``block_scope(rows=True)``)."""
     return _rows.get()
@@ -126,10 +131,14 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     B, Hq, Q, D = query.shape
     n = Hq // key.shape[1]
     plain = not (module.training or kwargs.get("sliding_window") or kwargs.get("position_bias") is not None)
-    if plain and attention_mask is None and Q > 1 and key.shape[2] == Q and _prompt.get():
-        out = prompt_attention(query.reshape(B, Hq // n, n * Q, D), key, value, scaling if scaling is not None else D**-0.5)
+    if plain and attention_mask is None and _prompt.get():  # a prompt's block: keys before it, then its own
+        past = key.shape[2] - Q
+        out = prompt_attention(query.reshape(B, Hq // n, n * Q, D), key, value,
+                               scaling if scaling is not None else D**-0.5, past)
         if out is not None:
             return out.view(B, Hq, Q, D).transpose(1, 2).contiguous(), None
+        if past:  # SDPA's causal flag would align the block to the first key
+            raise RuntimeError("a prompt block after earlier rows without a mask needs the prompt attention kernel")
     if plain and (attention_mask is not None or Q == 1):  # a causal block without a mask needs SDPA's flag
         mask = attention_mask if attention_mask is None else attention_mask[..., : key.shape[2]]
         out = attention(query.reshape(B, Hq // n, n * Q, D), key, value, mask,
@@ -146,18 +155,25 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     return out.view(B, Hq, Q, D).transpose(1, 2).contiguous(), None
 
 
-def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor | None:
+def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float,
+                     past: int = 0) -> torch.Tensor | None:
     """A prompt's causal attention over itself in bf16 products (``csrc/prompt_attention.cpp``: q, k, v and
     the weights rounded to bf16, fp32 sums and softmax; a row's output depends on its query and the keys up to
     it only), or None where the build has no AVX512-BF16 shape for this call (SDPA's causal path then, as in
-    exact numerics). query [B, H, n * Q, D] grouped (row r * Q + i: head r's query i), key / value
-    [B, H, Q, D] -> [B, H, n * Q, D]. Why: docs/decisions/019-int8-numerics.md."""
-    ops = state.active().ops
-    if (ops is None or query.device.type != "cpu" or query.dtype != torch.float32 or key.dtype != torch.float32
-            or value.dtype != torch.float32 or key.stride(-1) != 1 or value.stride(-1) != 1
-            or not _prompt_head_size_supported(ops, query.shape[-1])):
+    exact numerics). query [B, H, n * Q, D] grouped (row r * Q + i: head r's query at position past + i),
+    key / value [B, H, past + Q, D] -> [B, H, n * Q, D]. A row's output does not depend on how the prompt was
+    cut into blocks. Why: docs/decisions/019-int8-numerics.md."""
+    if not prompt_kernel(query.shape[-1], query.dtype, query.device) or key.dtype != torch.float32 \
+            or value.dtype != torch.float32 or key.stride(-1) != 1 or value.stride(-1) != 1:
         return None
-    return ops.prompt_attention(query, key, value, scale)
+    return state.active().ops.prompt_attention(query, key, value, scale, past)
+
+
+def prompt_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether ``prompt_attention`` takes a prompt of this head size, dtype and device here."""
+    ops = state.active().ops
+    return (ops is not None and torch.device(device).type == "cpu" and dtype == torch.float32
+            and _prompt_head_size_supported(ops, head_dim))
 
 
 @cache

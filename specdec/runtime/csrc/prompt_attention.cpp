@@ -148,22 +148,26 @@ constexpr bool kBuilt = false;
 
 bool prompt_attention_supports(int64_t D) { return kBuilt && (D == 64 || D == 128); }
 
-// query [B, H, n * Q, D] (row r * Q + i: grouped head r's query at position i), key / value [B, H, Q, D]
-// (the prompt's own, rows contiguous), causal over the prompt -> [B, H, n * Q, D]
-at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale) {
+// query [B, H, n * Q, D] (row r * Q + i: grouped head r's query at position past + i), key / value
+// [B, H, past + Q, D] (the rows before the block, then the block's own; rows contiguous), causal: the query at
+// position p sees keys 0..p -> [B, H, n * Q, D]. A row's output is the same for any past (the keys before it
+// are the same keys): a prompt prefilled in pieces gets the bits of one piece.
+at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
+                            int64_t past) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "prompt_attention: 4-d query, key, value");
   TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
               "prompt_attention: float32 only");
-  const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3), Q = key.size(2);
+  const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3), L = key.size(2);
+  const int64_t Q = L - past;
   TORCH_CHECK(key.size(0) == B && key.size(1) == H && key.size(3) == D && value.sizes() == key.sizes(),
-              "prompt_attention: key / value [B, H, Q, D] matching the query");
-  TORCH_CHECK(Q > 0 && R % Q == 0, "prompt_attention: query rows a multiple of the prompt's length");
+              "prompt_attention: key / value [B, H, past + Q, D] matching the query");
+  TORCH_CHECK(past >= 0 && Q > 0 && R % Q == 0, "prompt_attention: query rows a multiple of the block's length");
   TORCH_CHECK(prompt_attention_supports(D), "prompt_attention: this build has no AVX512-BF16 shape for head size ", D);
   TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "prompt_attention: key / value rows contiguous");
   const at::Tensor qc = query.contiguous();
   at::Tensor out = at::empty({B, H, R, D}, query.options());
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
-  const int64_t n = R / Q, blocks = (Q + kBlock - 1) / kBlock;
+  const int64_t n = R / Q, blocks = (L + kBlock - 1) / kBlock;
   at::Tensor kpk = at::empty({B * H, blocks * kBlock * D / 2}, key.options().dtype(at::kInt));
   at::Tensor vpk = at::empty({B * H, blocks * kBlock * D / 2}, key.options().dtype(at::kInt));
   uint32_t* kp = reinterpret_cast<uint32_t*>(kpk.data_ptr<int32_t>());
@@ -172,8 +176,8 @@ at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, cons
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
-      pack_keys(key.data_ptr<float>() + b * key.stride(0) + h * key.stride(1), key.stride(2), Q, D, kp + a * per);
-      pack_values(value.data_ptr<float>() + b * value.stride(0) + h * value.stride(1), value.stride(2), Q, D,
+      pack_keys(key.data_ptr<float>() + b * key.stride(0) + h * key.stride(1), key.stride(2), L, D, kp + a * per);
+      pack_values(value.data_ptr<float>() + b * value.stride(0) + h * value.stride(1), value.stride(2), L, D,
                   vp + a * per);
     }
   });
@@ -194,9 +198,9 @@ at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, cons
             orows[r] = op + row * D;
           }
           if (D == 64)
-            rows_of_position<64>(qrows, rows, static_cast<float>(scale), i, kp + a * per, vp + a * per, orows);
+            rows_of_position<64>(qrows, rows, static_cast<float>(scale), past + i, kp + a * per, vp + a * per, orows);
           else
-            rows_of_position<128>(qrows, rows, static_cast<float>(scale), i, kp + a * per, vp + a * per, orows);
+            rows_of_position<128>(qrows, rows, static_cast<float>(scale), past + i, kp + a * per, vp + a * per, orows);
         }
         if (Q - 1 - pair == pair) break;  // the middle position of an odd prompt: once
       }
@@ -209,7 +213,7 @@ at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, cons
 }  // namespace
 
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
-  m.def("prompt_attention(Tensor query, Tensor key, Tensor value, float scale) -> Tensor");
+  m.def("prompt_attention(Tensor query, Tensor key, Tensor value, float scale, int past=0) -> Tensor");
   m.def("prompt_attention_supports(int d) -> bool", &prompt_attention_supports);
 }
 SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) { m.impl("prompt_attention", &prompt_attention); }
