@@ -206,7 +206,7 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False, layers: t
     DynamicCache, no explicit mask (SDPA's causal fast path: a 4D bias at 7k tokens took attention's
     masked path, ~2x HF's time), logits for the last position only (the lm_head over 49k tokens x P
     rows would cost more than the prompt's attention). The caller copies the K/V into its store."""
-    path = fastpath.get(model, check=False) if model.config._attn_implementation == "sdpa" else None
+    path = _prompt_path(model)
     if path is not None:  # the lean forward: the same ops, and the hidden states without keeping every layer's
         cache = DynamicCache(config=model.config)
         logits, hidden = _lean_prompt(model, path, cache, input_ids, 1, layers if want_hidden else ())
@@ -220,11 +220,18 @@ def prefill(model, input_ids: torch.Tensor, want_hidden: bool = False, layers: t
     return Prefill(out.logits[:, -1], hidden, kv)
 
 
-def _lean_prompt(model, path, cache, input_ids: torch.Tensor, logits_rows: int | None, keep: tuple[int, ...]):
-    """The lean forward over prompts [G, P] from an empty ``cache``: SDPA's causal path, or in int8 numerics
-    the bf16 prompt attention where the build has it (``runtime.attention.prompt_attention``)."""
+def _prompt_path(model):
+    """The lean forward a prompt is prefilled through (``fastpath``; None: HF's forward): under SDPA only."""
+    return fastpath.get(model, check=False) if model.config._attn_implementation == "sdpa" else None
+
+
+def _lean_prompt(model, path, cache, input_ids: torch.Tensor, logits_rows: int | None, keep: tuple[int, ...],
+                 start: int = 0):
+    """The lean forward over prompts' rows [G, P] at positions start.. on ``cache`` (holding their first
+    ``start`` rows): SDPA's causal path (start 0 only), or in int8 numerics the bf16 prompt attention where the
+    build has it (``runtime.attention.prompt_attention``)."""
     G, P = input_ids.shape
-    positions = torch.arange(P, dtype=torch.long, device=model.device).expand(G, P)
+    positions = torch.arange(start, start + P, dtype=torch.long, device=model.device).expand(G, P)
     with prompt_scope(numerics_of(model) is Numerics.INT8):
         return path(cache, input_ids.to(model.device), positions, None, grouped_attention,
                     logits_rows=logits_rows, keep=keep)
@@ -234,7 +241,7 @@ def _lean_prompt(model, path, cache, input_ids: torch.Tensor, logits_rows: int |
 def prompt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
     """Every position's logits [G, P, V] for prompts [G, P], computed as ``prefill`` computes a prompt (the
     lean forward where the model has one, else HF's): what a perplexity of the decoder's prefill reads."""
-    path = fastpath.get(model, check=False) if model.config._attn_implementation == "sdpa" else None
+    path = _prompt_path(model)
     if path is None:
         return model(input_ids=input_ids.to(model.device), use_cache=False).logits
     return _lean_prompt(model, path, DynamicCache(config=model.config), input_ids, None, ())[0]
@@ -243,10 +250,10 @@ def prompt_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
 def _cut_free(model) -> bool:
     """Whether ``model``'s prefill gives a row the same bits however its prompt is cut: int8 numerics (its
     linears batch-invariant, norms per row) with the lean forward and the prompt attention kernel."""
-    if numerics_of(model) is not Numerics.INT8 or model.config._attn_implementation != "sdpa":
+    if numerics_of(model) is not Numerics.INT8:
         return False
     _, _, head_dim = attention_shape(model)
-    return fastpath.get(model, check=False) is not None and prompt_kernel(head_dim, float_dtype(model), model.device)
+    return _prompt_path(model) is not None and prompt_kernel(head_dim, float_dtype(model), model.device)
 
 
 @torch.inference_mode()
@@ -259,10 +266,7 @@ def prefill_after(model, input_ids: torch.Tensor, prefix: list[tuple[torch.Tenso
     for i, (k, v) in enumerate(prefix or ()):
         cache.update(k[None].to(model.device), v[None].to(model.device), i)
         n = k.shape[1]
-    path = fastpath.get(model, check=False)
-    positions = torch.arange(n, input_ids.shape[0], dtype=torch.long, device=model.device)[None]
-    with prompt_scope(True):
-        logits, _ = path(cache, input_ids[None, n:].to(model.device), positions, None, grouped_attention, logits_rows=1)
+    logits, _ = _lean_prompt(model, _prompt_path(model), cache, input_ids[None, n:], 1, (), start=n)
     return Prefill(logits[:, -1], None, [(layer.keys, layer.values) for layer in cache.layers])
 
 

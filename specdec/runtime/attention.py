@@ -49,9 +49,10 @@ def attention_point(rows: int, keys: int) -> tuple[int, int]:
 
 
 @cache
-def _head_size_supported(ops, d: int) -> bool:
-    """``ops.attention_supports(d)``, asked once per build and head size (an op call, ~190 a forward)."""
-    return ops.attention_supports(d)
+def _supports(ops, query: str, d: int) -> bool:
+    """``ops.<query>(d)`` (``attention_supports``, ``prompt_attention_supports``): whether a kernel has a shape
+    for head size d, asked once per build and head size (an op call, ~190 a forward)."""
+    return getattr(ops, query)(d)
 
 
 def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bias: torch.Tensor | None,
@@ -110,7 +111,7 @@ def attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, bi
         return None
     rt = state.active()
     ops = rt.ops
-    if ops is None or rt.config.attention == "sdpa" or not _head_size_supported(ops, query.shape[-1]):
+    if ops is None or rt.config.attention == "sdpa" or not _supports(ops, "attention_supports", query.shape[-1]):
         return None
     points = rt.routes.attention
     if points is not None and not points.get(attention_point(query.shape[2], key.shape[2])):
@@ -126,7 +127,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
     of a group become n x Q query rows of their KV head: row r * Q + i is head r's query i, and the
     mask is repeated n times along the rows. Returns [B, Q, Hq, D], as HF's SDPA function does.
     Example: Hq 9, Hkv 3, Q 4 -> query [B, 3, 12, D] against K/V [B, 3, L, D], mask [B, 1, 12, L].
-    A prompt over an empty store (no mask, L = Q) inside ``prompt_scope(True)`` goes to ``prompt_attention``.
+    A prompt's block without a mask (over the rows before it, if any) inside ``prompt_scope(True)`` goes to
+    ``prompt_attention``.
     """
     B, Hq, Q, D = query.shape
     n = Hq // key.shape[1]
@@ -173,13 +175,7 @@ def prompt_kernel(head_dim: int, dtype: torch.dtype, device: torch.device) -> bo
     """Whether ``prompt_attention`` takes a prompt of this head size, dtype and device here."""
     ops = state.active().ops
     return (ops is not None and torch.device(device).type == "cpu" and dtype == torch.float32
-            and _prompt_head_size_supported(ops, head_dim))
-
-
-@cache
-def _prompt_head_size_supported(ops, d: int) -> bool:
-    """``ops.prompt_attention_supports(d)``, asked once per build and head size."""
-    return ops.prompt_attention_supports(d)
+            and _supports(ops, "prompt_attention_supports", head_dim))
 
 
 @contextmanager
