@@ -32,6 +32,11 @@ inline uint16_t to_bf16(float f) {  // round to nearest even (the prompts' value
   return static_cast<uint16_t>(u >> 16);
 }
 
+// x[0], x[1] as one 32-bit word of two bf16 (x[0] in the low half): vdpbf16ps's pair
+inline uint32_t bf16_pair(const float* x) {
+  return static_cast<uint32_t>(to_bf16(x[0])) | (static_cast<uint32_t>(to_bf16(x[1])) << 16);
+}
+
 // keys [L, D] (row stride ks) -> [blocks][D / 2 words][32 keys] 32-bit words: word p of key j holds its bf16
 // dims 2p, 2p + 1; keys past L are zeros (their scores are masked)
 void pack_keys(const float* k, int64_t ks, int64_t L, int64_t D, uint32_t* out) {
@@ -40,8 +45,7 @@ void pack_keys(const float* k, int64_t ks, int64_t L, int64_t D, uint32_t* out) 
   for (int64_t j = 0; j < L; ++j) {
     const float* row = k + j * ks;
     uint32_t* dst = out + (j / kBlock) * W * kBlock + (j % kBlock);
-    for (int64_t p = 0; p < W; ++p)
-      dst[p * kBlock] = static_cast<uint32_t>(to_bf16(row[2 * p])) | (static_cast<uint32_t>(to_bf16(row[2 * p + 1])) << 16);
+    for (int64_t p = 0; p < W; ++p) dst[p * kBlock] = bf16_pair(row + 2 * p);
   }
 }
 
@@ -58,7 +62,7 @@ void pack_values(const float* v, int64_t vs, int64_t L, int64_t D, uint32_t* out
   }
 }
 
-// R rows of one position i (queries q[r] at stride qs, scale applied to the fp32 scores) over keys 0..i
+// R rows at position i (queries q[r], outputs out[r]; scale applied to the fp32 scores) over keys 0..i
 template <int D, int R>
 void position(const float* const* q, float scale, int64_t i, const uint32_t* kp, const uint32_t* vp,
               float* const* out) {
@@ -67,8 +71,7 @@ void position(const float* const* q, float scale, int64_t i, const uint32_t* kp,
   constexpr int W = D / 2, V = D / 16;
   uint32_t qw[R][W];
   for (int r = 0; r < R; ++r)
-    for (int p = 0; p < W; ++p)
-      qw[r][p] = static_cast<uint32_t>(to_bf16(q[r][2 * p])) | (static_cast<uint32_t>(to_bf16(q[r][2 * p + 1])) << 16);
+    for (int p = 0; p < W; ++p) qw[r][p] = bf16_pair(q[r] + 2 * p);
   __m512 acc[R][V];
   float m[R], l[R];
   for (int r = 0; r < R; ++r) {
