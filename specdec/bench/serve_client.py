@@ -72,8 +72,7 @@ async def _one(client, url: str, body: dict, index: int) -> Sample:
 async def run_load(url: str, bodies: list[dict], clients: int, per_client: int, max_seconds: float) -> dict:
     """``clients`` concurrent clients, each sending ``per_client`` requests in turn (request i of client
     c asks bodies[(c * per_client + i) % len(bodies)]); the summary and every sample."""
-    import httpx
-
+    pool = _pool(clients)  # before the clock starts
     endpoint = url.rstrip("/") + "/v1/chat/completions"
     deadline = time.perf_counter() + max_seconds
     samples: list[Sample] = []
@@ -88,12 +87,23 @@ async def run_load(url: str, bodies: list[dict], clients: int, per_client: int, 
             k = (c * per_client + i) % len(bodies)
             samples.append(await _one(client, endpoint, bodies[k], k))
 
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    return summarize(samples, await _clients(pool, clients, client_loop), skipped)
+
+
+def _pool(clients: int):
+    """One HTTP connection pool for ``clients`` concurrent clients (and a few more connections), a request
+    allowed 600 s: an ``httpx.AsyncClient`` to use as ``async with``."""
+    import httpx
+
+    return httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=httpx.Limits(max_connections=clients + 4))
+
+
+async def _clients(pool, n: int, worker) -> float:
+    """``worker(c, client)`` for clients c = 0..n-1 at once over ``pool`` (``_pool``'s); the wall seconds."""
+    async with pool as client:
         t0 = time.perf_counter()
-        await asyncio.gather(*(client_loop(c, client) for c in range(clients)))
-        wall = time.perf_counter() - t0
-    return summarize(samples, wall, skipped)
+        await asyncio.gather(*(worker(c, client) for c in range(n)))
+        return time.perf_counter() - t0
 
 
 def summarize(samples: list[Sample], wall: float, skipped: int = 0) -> dict:
@@ -130,8 +140,7 @@ async def run_soak(url: str, bodies: list[dict], clients: int, seconds: float, e
     """``clients`` clients sending bodies in turn, back to back, until ``seconds`` have passed; the
     server's RSS read every ``every`` seconds (and at the end), ``on_sample(samples, rss, elapsed)``
     after each. Returns (samples, rss [(seconds since the start, bytes | None)], wall)."""
-    import httpx
-
+    pool = _pool(clients)  # before the clock starts
     endpoint = url.rstrip("/") + "/v1/chat/completions"
     t0 = time.perf_counter()
     deadline, turn = t0 + seconds, itertools.count()
@@ -152,8 +161,7 @@ async def run_soak(url: str, bodies: list[dict], clients: int, seconds: float, e
                 return
             await asyncio.sleep(max(0.0, min(every, deadline - now)))
 
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
+    async with pool as client:
         await asyncio.gather(*(client_loop(client) for _ in range(clients)), sampler(client))
         wall = time.perf_counter() - t0
         rss.append((wall, await _server_rss(client, url)))  # after the last requests finished
@@ -214,8 +222,7 @@ async def run_conversations(url: str, model: str, system: str, questions: list[s
     """``clients`` conversations at once, ``turns`` turns each (client c's turn t asks
     questions[(c * turns + t) % len(questions)]), each turn's answer appended before the next; the
     summary: TTFT per turn, the later turns' over the first's, and every sample (``prompt`` is c * turns + t)."""
-    import httpx
-
+    pool = _pool(clients)  # before the clock starts
     endpoint = url.rstrip("/") + "/v1/chat/completions"
     deadline = time.perf_counter() + max_seconds
     samples: list[Sample] = []
@@ -238,12 +245,7 @@ async def run_conversations(url: str, model: str, system: str, questions: list[s
                 return
             messages.append({"role": "assistant", "content": s.text})
 
-    limits = httpx.Limits(max_connections=clients + 4)
-    async with httpx.AsyncClient(timeout=httpx.Timeout(600.0), limits=limits) as client:
-        t0 = time.perf_counter()
-        await asyncio.gather(*(conversation(c, client) for c in range(clients)))
-        wall = time.perf_counter() - t0
-    return summarize(samples, wall, skipped) | turn_summary(samples, turns)
+    return summarize(samples, await _clients(pool, clients, conversation), skipped) | turn_summary(samples, turns)
 
 
 def turn_summary(samples: list[Sample], turns: int) -> dict:
