@@ -11,6 +11,12 @@
   timed for 3 s).
 - ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step) and 24
   (an 8-row verify), 3 KV heads x 64, over 208 keys with a causal draft block: microseconds a call.
+- ``stream``: a 0.5B decode step's linears (``bench-scaling``'s ``0.5b`` shape: per layer q/k/v 1280 x 1024, o
+  1024 x 1024, gate/up 9728 x 1024, down 1024 x 4864, 24 layers, then the tied 49,152 x 1024 output layer; random
+  Q4_0 and Q4_K blocks, interleaved) at one row, each call on its own weights as a step streams them, beside a
+  plain read of as many bytes (torch's sum over 256 MB of float32: what this machine's memory gives these
+  threads): ms a step and GB/s of blocks. Where the kernel's GB/s meet the read's, the step's linears are at
+  the memory's limit, and what is left of a step is outside them.
 - ``prompt``: torch's SDPA over a 7,000-token prompt, 9 query heads on 3 KV heads of 64 (the default
   model's shape), causal, fp32 / bf16 / fp16 and fp32 without the causal flag, and int8 numerics' bf16 prompt
   attention (``prompt_attention``, where the build has AVX512-BF16): seconds for 30 layers.
@@ -115,6 +121,35 @@ def kformats(ops) -> list[dict]:
     return out
 
 
+STEP_05B = ((1280, 1024), (1024, 1024), (9728, 1024), (1024, 4864))  # one layer's linears (q|k|v, o, gate|up, down)
+
+
+def stream(ops) -> list[dict]:
+    from specdec.formats import FORMATS, random_blocks
+    from specdec.runtime.int8_linear import INTERLEAVED, interleave
+
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(64_000_000, generator=g)  # 256 MB
+    read = timed_for(big.sum, 3.0)
+    out = [{"op": "read (torch.sum)", "ms": read * 1e3, "gb_s": big.numel() * 4 / read / 1e9}]
+    del big
+    xs = {k: torch.randn(1, k, generator=g) for k in (1024, 4864)}
+    for name in ("Q4_0", "Q4_K"):
+        fmt = FORMATS[name]
+        code = fmt.ggml_type | INTERLEAVED
+        calls = [(xs[k], interleave(random_blocks(fmt, n, k, g), fmt)) for _ in range(24) for n, k in STEP_05B]
+        calls.append((xs[1024], interleave(random_blocks(fmt, 49152, 1024, g), fmt)))
+
+        def step():
+            for x, w in calls:
+                ops.quant_linear_i8(x, [w], [code])
+
+        s = timed_for(step, 3.0)
+        total = sum(w.numel() for _, w in calls)
+        out.append({"op": f"int8 {name} step, 1 row", "ms": s * 1e3, "gb_s": total / s / 1e9, "mb": total / 1e6})
+    return out
+
+
 def row_attention(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
@@ -160,7 +195,7 @@ def main() -> None:
     if ops is None:
         raise SystemExit(f"the {args.kernel} kernel build is not available here")
     parts = {"int8": lambda: int8(ops), "kformats": lambda: kformats(ops), "row-attention": lambda: row_attention(ops),
-             "prompt": lambda: prompt(ops)}
+             "prompt": lambda: prompt(ops), "stream": lambda: stream(ops)}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:
