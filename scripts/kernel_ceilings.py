@@ -17,6 +17,9 @@
   plain read of as many bytes (torch's sum over 256 MB of float32: what this machine's memory gives these
   threads): ms a step and GB/s of blocks. Where the kernel's GB/s meet the read's, the step's linears are at
   the memory's limit, and what is left of a step is outside them.
+- ``masks``: a constrained block's -inf where the grammar forbids (1-33 rows of a 49,152-token vocabulary, a
+  random bitmask as llguidance fills them): torch's masked_fill over the unpacked bools, llguidance's
+  ``apply_token_bitmask_inplace``, the build's ``mask_rows_`` over the words: microseconds a call.
 - ``prompt``: torch's SDPA over a 7,000-token prompt, 9 query heads on 3 KV heads of 64 (the default
   model's shape), causal, fp32 / bf16 / fp16 and fp32 without the causal flag, and int8 numerics' bf16 prompt
   attention (``prompt_attention``, where the build has AVX512-BF16): seconds for 30 layers.
@@ -150,6 +153,24 @@ def stream(ops) -> list[dict]:
     return out
 
 
+def masks(ops) -> list[dict]:
+    import llguidance.torch as llg
+
+    from specdec.processing.grammar import unpack_bitmask
+
+    g = torch.Generator().manual_seed(0)
+    V, out = 49152, []
+    for rows in (1, 4, 12, 33):
+        bits = torch.randint(-2**31, 2**31 - 1, (rows, V // 32), dtype=torch.int32, generator=g)
+        x = torch.randn(rows, V, generator=g)
+        allowed = unpack_bitmask(bits, V)
+        ways = {"masked_fill": lambda: x.masked_fill_(~allowed, float("-inf")),
+                "llguidance": lambda: llg.apply_token_bitmask_inplace(x, bits),
+                "mask_rows_": lambda: ops.mask_rows_(x, bits)}
+        out += [{"rows": rows, "way": name, "us": timed(fn, 200) * 1e6} for name, fn in ways.items()]
+    return out
+
+
 def row_attention(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
@@ -195,7 +216,7 @@ def main() -> None:
     if ops is None:
         raise SystemExit(f"the {args.kernel} kernel build is not available here")
     parts = {"int8": lambda: int8(ops), "kformats": lambda: kformats(ops), "row-attention": lambda: row_attention(ops),
-             "prompt": lambda: prompt(ops), "stream": lambda: stream(ops)}
+             "prompt": lambda: prompt(ops), "stream": lambda: stream(ops), "masks": lambda: masks(ops)}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:

@@ -16,7 +16,7 @@ from typing import Protocol
 import torch
 
 from specdec.drafters.base import Commit
-from specdec.processing import RowProcessor
+from specdec.processing import Masks, RowProcessor
 from specdec.runtime import kernels
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
@@ -105,13 +105,13 @@ def make_commit(tree: DraftTree, ver: Verification, hidden: torch.Tensor | None)
 
 
 
-def constrain(tree: DraftTree, procs: list[RowProcessor | None]) -> tuple[DraftTree, list[torch.Tensor | None]]:
+def constrain(tree: DraftTree, procs: list[RowProcessor | None]) -> tuple[DraftTree, list[Masks | None]]:
     """The draft with the nodes each row's grammar forbids on their path cut (and their subtrees), so no
     verify row is spent on them; a sampled draft's q masked the same way (the verifier renormalises it:
     drafting from q and cutting what the grammar forbids is drafting from q restricted to what it
-    allows). Returns the tree and, per row, the grammar's allowed tokens after each block row
-    [1 + N, V] (None for a row without a grammar)."""
-    masks: list[torch.Tensor | None] = [None] * tree.batch_size
+    allows). Returns the tree and, per row, the grammar's allowed tokens after each of its 1 + N block
+    rows (``Masks``; None for a row without a grammar)."""
+    masks: list[Masks | None] = [None] * tree.batch_size
     if not any(p is not None and p.grammar is not None for p in procs):
         return tree, masks
     parents, tokens = tree.real_nodes()
@@ -121,19 +121,19 @@ def constrain(tree: DraftTree, procs: list[RowProcessor | None]) -> tuple[DraftT
         keep.append(ok)
     if not all(all(k) for k in keep):
         tree = tree.pruned(keep)
-        masks = [m if m is None else m[[0] + [1 + i for i, k in enumerate(ok) if k]] for m, ok in zip(masks, keep)]
+        masks = [m if m is None else m.rows([0] + [1 + i for i, k in enumerate(ok) if k]) for m, ok in zip(masks, keep)]
     if tree.probs is not None:
         probs = tree.probs.clone()
         for b, m in enumerate(masks):
             n = int(tree.num_nodes[b])
             if m is not None and n:
-                allowed = m.to(probs.device)[tree.parents[b, :n].to(probs.device) + 1]  # [n, V] at each parent
+                allowed = m.allowed.to(probs.device)[tree.parents[b, :n].to(probs.device) + 1]  # [n, V] at each parent
                 probs[b, :n] = probs[b, :n] * allowed
         tree = DraftTree(tree.tokens, tree.parents, tree.num_nodes, probs)
     return tree, masks
 
 
-def unread_rows(masks: list[torch.Tensor | None], width: int) -> torch.Tensor | None:
+def unread_rows(masks: list[Masks | None], width: int) -> torch.Tensor | None:
     """[B, width] bool: block rows where a grammar allows exactly one token (``constrain``'s masks), whose
     logits no rule reads: the processed scores there are -inf but at that token, so greedy picks it, a
     sampler gives it probability 1 and its logprob is 0, whatever the logits. None where no row has one."""
@@ -142,7 +142,7 @@ def unread_rows(masks: list[torch.Tensor | None], width: int) -> torch.Tensor | 
     out = torch.zeros(len(masks), width, dtype=torch.bool)
     for b, m in enumerate(masks):
         if m is not None:
-            one = m.sum(dim=-1) == 1  # [1 + N] the real rows
+            one = m.counts() == 1  # [1 + N] the real rows
             out[b, : one.shape[0]] = one
     return out if bool(out.any()) else None
 

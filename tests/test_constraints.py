@@ -237,9 +237,11 @@ def _check_paths_walked_alone(grammar, committed: list[int], parents: list[int],
     st = grammar.start()
     st.consume(committed)
     before = st.allowed()
-    masks, ok = st.tree_masks(parents, tokens)
+    packed, ok = st.tree_masks(parents, tokens)
+    masks = packed.allowed
     assert torch.equal(st.allowed(), before)
     assert torch.equal(masks[0], before)
+    assert packed.counts().tolist() == masks.sum(dim=-1).tolist()
     for i in range(len(tokens)):
         path, j = [], i
         while j >= 0:
@@ -312,7 +314,8 @@ def test_pruned_tree_keeps_the_allowed_nodes_and_their_q(vocab, tok):
     V = len(tok)
     q = torch.full((1, 4, V), 1.0 / V, dtype=torch.float64)
     tree = DraftTree(torch.tensor([[a, x, b, c]]), torch.tensor([[-1, -1, 0, 0]]), torch.tensor([4]), q)
-    pruned, masks = constrain(tree, [proc])
+    pruned, packed = constrain(tree, [proc])
+    masks = [packed[0].allowed]
     assert pruned.tokens.tolist() == [[a, b, c]] and pruned.parents.tolist() == [[-1, 0, 0]]
     assert masks[0].shape == (4, V)
     allowed_root = masks[0][0]

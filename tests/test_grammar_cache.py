@@ -174,3 +174,28 @@ def test_a_bitmask_unpacks_bit_j_of_word_w_as_token_32w_plus_j():
     words = torch.randint(-2**31, 2**31 - 1, (3, 5), dtype=torch.int32, generator=torch.Generator().manual_seed(0))
     want = ((words[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).reshape(3, -1)[:, :150].bool()
     assert torch.equal(unpack_bitmask(words, 150), want)  # sign bits (word < 0) included
+
+
+@pytest.mark.parametrize("vocab", [150, 160, 31])
+def test_packed_masks_mask_count_and_answer_as_their_bools(vocab):
+    """Masks (the grammar's bitmask kept packed) against its unpacked bools on seeded random words, sign bits
+    and bits past V included: llguidance's in-place -inf equals masked_fill over the bools, the counts are
+    the bools' sums, allows(r, t) is bool r, t, rows() selects rows."""
+    import torch
+
+    from specdec.processing.grammar import Masks
+
+    g = torch.Generator().manual_seed(vocab)
+    for _ in range(50):
+        R = int(torch.randint(1, 9, (1,), generator=g))
+        words = torch.randint(-2**31, 2**31 - 1, (R, -(-vocab // 32)), dtype=torch.int32, generator=g)
+        words[words[:, 0] % 3 == 0] = 0  # rows that allow nothing
+        masks = Masks(words, vocab)
+        bools = masks.allowed
+        assert bools.shape == (R, vocab)
+        scores = torch.randn(R, vocab, generator=g)
+        assert torch.equal(masks.apply_(scores.clone()), scores.masked_fill(~bools, float("-inf")))
+        assert masks.counts().tolist() == bools.sum(dim=-1).tolist()
+        r, t = int(torch.randint(0, R, (1,), generator=g)), int(torch.randint(0, vocab, (1,), generator=g))
+        assert masks.allows(r, t) == bool(bools[r, t])
+        assert torch.equal(masks.rows([R - 1, 0]).allowed, bools[[R - 1, 0]])

@@ -86,6 +86,33 @@ def test_argmax_rows_is_torchs_first_maximum_on_ties_infinities_and_nans(variant
         ops.argmax_rows(torch.randn(2, 0))
 
 
+@pytest.mark.parametrize("variant", ["native", "avx2"] if platform.machine() in ("x86_64", "AMD64") else ["native"])
+def test_mask_rows_is_masked_fill_over_the_unpacked_bitmask(variant):
+    """mask_rows_ (a constrained row's -inf where the grammar's packed bitmask forbids) equals masked_fill over
+    unpack_bitmask's bools on seeded random words (sign bits, bits past V, rows allowing nothing or one token),
+    V a multiple of the vector or not, both builds; in place; bad shapes named."""
+    from specdec.processing.grammar import unpack_bitmask
+
+    ops = extension(RuntimeConfig(kernel=variant))
+    if ops is None:
+        pytest.skip(f"the {variant} kernel is not built here")
+    g = torch.Generator().manual_seed(0)
+    for case in range(400):
+        V = [1, 7, 16, 31, 32, 33, 150, 49152][case % 8]
+        R = case % 5 + 1
+        bits = torch.randint(-2**31, 2**31 - 1, (R, -(-V // 32)), dtype=torch.int32, generator=g)
+        if case % 3 == 0:  # one allowed token (a forced row)
+            bits.zero_()
+            t = int(torch.randint(0, V, (), generator=g))
+            bits[:, t // 32] = 1 << (t % 32) if t % 32 != 31 else -2**31
+        x = torch.randn(R, V, generator=g)
+        want = x.masked_fill(~unpack_bitmask(bits, V), float("-inf"))
+        out = ops.mask_rows_(x, bits)
+        assert out.data_ptr() == x.data_ptr() and torch.equal(x, want), (case, V, R)
+    with pytest.raises(RuntimeError, match="mask_rows_: x \\[R, V\\] float32"):
+        ops.mask_rows_(torch.randn(2, 40), torch.zeros(2, 1, dtype=torch.int32))
+
+
 def test_bad_shapes_are_named(ops):
     with pytest.raises(RuntimeError, match="rope_split: qkv"):
         ops.rope_split(torch.randn(1, 2, 100), torch.randn(1, 2, 16), torch.randn(1, 2, 16), 4, 2)

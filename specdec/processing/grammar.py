@@ -224,6 +224,52 @@ def unpack_bitmask(bits: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.from_numpy(flags.astype(bool))
 
 
+class Masks:
+    """The tokens a grammar allows after each block row of one sequence's draft, as llguidance fills them:
+    ``bits`` [R, ceil(V / 32)] int32, bit j of word w = token 32 w + j. Kept packed: the scores are masked
+    from the words (``kernels.mask_rows_``) and the rows that allow one token are counted on them, where
+    bools [R, V] would cost an unpacking and a pass of V per row (docs/decisions/020-constraints.md);
+    ``allowed`` unpacks them for whoever needs the bools (a sampled draft's q, the fallback's masked_fill).
+    Example: bits [[0b101]], V 3 -> allowed [[True, False, True]], counts [2], allows(0, 1) False."""
+
+    def __init__(self, bits: torch.Tensor, vocab_size: int) -> None:
+        self.bits = bits
+        self.vocab_size = vocab_size
+        self._allowed: torch.Tensor | None = None
+
+    def __len__(self) -> int:
+        return self.bits.shape[0]
+
+    @property
+    def allowed(self) -> torch.Tensor:
+        """[R, V] bool, unpacked once."""
+        if self._allowed is None:
+            self._allowed = unpack_bitmask(self.bits, self.vocab_size)
+        return self._allowed
+
+    def counts(self) -> torch.Tensor:
+        """[R] int64: the tokens each row allows (the words' set bits below V)."""
+        words = self.bits.contiguous().numpy().view(np.uint32)
+        if self.vocab_size % 32:  # the last word's bits past V are not tokens
+            words = words.copy()
+            words[:, -1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
+        return torch.from_numpy(np.bitwise_count(words).sum(axis=1, dtype=np.int64))
+
+    def allows(self, row: int, token: int) -> bool:
+        return bool((int(self.bits[row, token >> 5]) >> (token & 31)) & 1)
+
+    def rows(self, index: list[int]) -> "Masks":
+        """These rows, in this order."""
+        return Masks(self.bits[index], self.vocab_size)
+
+    def apply_(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores [R, V] float (one row per row here): -inf where the row's grammar forbids, in place
+        (``kernels.mask_rows_``: the build's op over the words, else masked_fill over the bools); returns scores."""
+        from specdec.runtime import kernels
+
+        return kernels.mask_rows_(scores, self.bits, lambda: self.allowed)
+
+
 class GrammarState:
     """One sequence's place in its grammar (an llguidance matcher), at its committed tokens."""
 
@@ -286,11 +332,11 @@ class GrammarState:
                 self.matcher.rollback(taken)
         return out
 
-    def tree_masks(self, parents: list[int], tokens: list[int]) -> tuple[torch.Tensor, list[bool]]:
+    def tree_masks(self, parents: list[int], tokens: list[int]) -> tuple[Masks, list[bool]]:
         """The allowed tokens after each block row of a draft tree, and which nodes the grammar allows.
 
-        parents, tokens: one row's real nodes (parents precede children). Returns masks [1 + N, V] bool
-        (row 0: after the committed tokens; row 1 + i: after node i's path, all False for a node cut)
+        parents, tokens: one row's real nodes (parents precede children). Returns masks of 1 + N rows
+        (row 0: after the committed tokens; row 1 + i: after node i's path, nothing for a node cut)
         and ok [N] (node i and all its ancestors allowed). The state ends where it began.
         Example: grammar "ab|ac", nothing committed, nodes a, b, x with parents -1, 0, 0 -> ok
         [True, True, False]; row 1 allows b and c."""
@@ -298,15 +344,17 @@ class GrammarState:
             chain = self._chain_masks(tokens)
             if chain is not None:
                 return chain
-        masks = torch.zeros(1 + len(tokens), self.vocab_size, dtype=torch.bool)
-        masks[0] = self.allowed()
+        llg = _llguidance()
+        bits = torch.zeros(1 + len(tokens), self._bits.shape[1], dtype=torch.int32)  # cut nodes' rows: nothing
+        masks = Masks(bits, self.vocab_size)
+        llg.torch.fill_next_token_bitmask(self.matcher, bits, 0)
         ok: list[bool] = []
         paths: list[list[int]] = []  # each node's path, root first
         held: list[int] = []  # the nodes the matcher has consumed beyond the committed tokens
         ended: list[bool] = []  # node i is an end-of-sequence token after the grammar ended: nothing follows
         for i, (p, t) in enumerate(zip(parents, tokens)):
             paths.append((paths[p] if p >= 0 else []) + [i])
-            ok.append((p < 0 or (ok[p] and not ended[p])) and bool(masks[p + 1, t]))
+            ok.append((p < 0 or (ok[p] and not ended[p])) and masks.allows(p + 1, t))
             ended.append(False)
             if not ok[i]:
                 continue
@@ -322,16 +370,16 @@ class GrammarState:
                 held.append(j)
             if self.matcher.is_stopped():  # the grammar ended at the parent: t is an EOS (the mask said so)
                 ended[i] = True
-                masks[1 + i] = masks[p + 1]  # never read: the sequence ends at node i
+                bits[1 + i] = bits[p + 1]  # never read: the sequence ends at node i
                 continue
             self.matcher.consume_token(int(t))
             held.append(i)
-            masks[1 + i] = self.allowed()
+            llg.torch.fill_next_token_bitmask(self.matcher, bits, 1 + i)
         if held:
             self.matcher.rollback(len(held))
         return masks, ok
 
-    def _chain_masks(self, tokens: list[int]) -> tuple[torch.Tensor, list[bool]] | None:
+    def _chain_masks(self, tokens: list[int]) -> tuple[Masks, list[bool]] | None:
         """``tree_masks`` for a chain (node i's parent is node i - 1), the common draft: the prefix the
         grammar allows (``validate_tokens``) and the masks after each of its tokens in one call of the
         engine's, not a consume and a mask per node. None where the walk must decide: a chain that
@@ -347,4 +395,4 @@ class GrammarState:
             llg.torch.fill_next_token_bitmask_par_with_draft_tokens(_executor(), [(self.matcher, 0, tokens[:n])], bits)
         else:
             llg.torch.fill_next_token_bitmask(self.matcher, bits, 0)
-        return unpack_bitmask(bits, self.vocab_size), [True] * n + [False] * (len(tokens) - n)
+        return Masks(bits, self.vocab_size), [True] * n + [False] * (len(tokens) - n)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.processing.grammar import Grammar
+from specdec.processing.grammar import Grammar, Masks
 
 MAX_TOP_LOGPROBS = 20  # OpenAI's limit for top_logprobs
 
@@ -122,16 +122,16 @@ class RowProcessor:
         none without a grammar."""
         return self.grammar.draft(budget, guess) if self.grammar is not None else []
 
-    def check_tree(self, parents: list[int], tokens: list[int]) -> tuple[list[bool], torch.Tensor | None]:
-        """Which real nodes the grammar allows on their paths, and the allowed tokens after each block row
-        [1 + N, V] (None without a grammar: every node kept)."""
+    def check_tree(self, parents: list[int], tokens: list[int]) -> tuple[list[bool], Masks | None]:
+        """Which real nodes the grammar allows on their paths, and the allowed tokens after each of the
+        1 + N block rows (None without a grammar: every node kept)."""
         if self.grammar is None:
             return [True] * len(tokens), None
         masks, ok = self.grammar.tree_masks(parents, tokens)
         return ok, masks
 
     def scores(self, logits: torch.Tensor, parents: list[int], tokens: list[int],
-               masks: torch.Tensor | None) -> torch.Tensor:
+               masks: Masks | None) -> torch.Tensor:
         """logits [Q, V] (row 0: after the committed tokens; row 1 + i: after node i; Q >= 1 + N, rows past
         the real nodes are padding and left as they come) -> float32 scores [Q, V] processed on each row's
         path. masks: ``check_tree``'s, for these same nodes."""
@@ -157,7 +157,7 @@ class RowProcessor:
         if self.bias is not None:
             head.add_(self.bias)
         if masks is not None:
-            head.masked_fill_(~masks, float("-inf"))
+            masks.apply_(head)
         return scores
 
     def logprobs(self, logprob_rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:

@@ -37,7 +37,7 @@ from specdec.sampling import greedy
 
 __all__ = ["ATTENTION_POINTS", "ATTENTION_ROWS", "CHUNK_ROWS", "HUGE_PAGE", "KERNEL_ROUTES", "MAX_ROWS", "MM_ROWS",
            "ROUTES", "VARIANTS", "Routes", "RuntimeConfig", "Slabs", "argmax", "attention", "attention_op", "calibrate",
-           "chunks", "extension", "fastest_routes", "huge_empty", "linear", "max_rows", "packed", "plan",
+           "chunks", "extension", "fastest_routes", "huge_empty", "linear", "mask_rows_", "max_rows", "packed", "plan",
            "prepack", "prepare", "routes", "use", "variant"]
 
 
@@ -61,6 +61,17 @@ def argmax(x: torch.Tensor) -> torch.Tensor:
             or x.device.type != "cpu" or x.dim() == 0 or x.shape[-1] == 0 or not x.is_contiguous()):
         return greedy(x)
     return rt.ops.argmax_rows(x)
+
+
+def mask_rows_(x: torch.Tensor, bits: torch.Tensor, allowed) -> torch.Tensor:
+    """x [R, V] with -inf where llguidance's bitmask ``bits`` [R, ceil(V / 32)] forbids a token, in place: the
+    build's op inside a generation for fp32 CPU rows (why: its comment in csrc/layer_ops.cpp), else torch's
+    masked_fill over ``allowed()`` (the unpacked [R, V] bools, made only then)."""
+    rt = state.pinned()
+    if (rt is None or rt.ops is None or not hasattr(rt.ops, "mask_rows_") or x.dtype != torch.float32
+            or x.device.type != "cpu" or x.dim() != 2 or not x.is_contiguous()):
+        return x.masked_fill_(~allowed(), float("-inf"))
+    return rt.ops.mask_rows_(x, bits.contiguous())
 
 
 def prepare(config: RuntimeConfig | None = None) -> Routes:

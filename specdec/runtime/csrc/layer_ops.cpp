@@ -12,7 +12,8 @@
 //                                k and v [B, hkv, Q, D] (contiguous), q and k rotated as HF's
 //                                apply_rotary_pos_emb does: x * cos + rotate_half(x) * sin;
 //   silu_mul(gu)                 silu(g) * u for the fused gate/up output [..., 2I] -> [..., I];
-//   argmax_rows(x)               each row's first maximum (a greedy verify's and a draft's next tokens).
+//   argmax_rows(x)               each row's first maximum (a greedy verify's and a draft's next tokens);
+//   mask_rows_(x, bits)          -inf in place where a grammar's packed bitmask forbids a token (constrained rows).
 // Same formulas in the same order as HF's ops, compiled without contracting a * b + c into one FMA,
 // so the rotary embedding is bit for bit torch's; the norm's sum of squares is added in another order
 // and SiLU's exp is Cephes' (~1 ulp, torch's is Sleef's): those agree with torch to fp32 rounding,
@@ -31,6 +32,7 @@
 #include <torch/library.h>
 
 #include <cmath>
+#include <limits>
 #include <tuple>
 
 #include "ops.h"
@@ -214,10 +216,39 @@ at::Tensor argmax_rows(const at::Tensor& x) {
   return out;
 }
 
+// mask_rows_: x [R, V] float32 and llguidance's bitmask bits [R, W] int32 (bit j of word w = token 32 w + j, W * 32 >= V):
+// x[r, t] = -inf where that bit is 0, the other values untouched (masked_fill's result). Ours because torch's
+// masked_fill over unpacked bools branches per value (an irregular mask: ~90 us a row of a 49k vocabulary) and
+// llguidance's apply_token_bitmask_inplace costs ~30 us a call at 1 row, plain decoding's, against ~4 here
+// (scripts/kernel_ceilings.py --parts masks; docs/decisions/020-constraints.md). A vector's lanes lie within one word (32 is a multiple of kLanes).
+at::Tensor& mask_rows_(at::Tensor& x, const at::Tensor& bits) {
+  check(x, "mask_rows_ x");
+  TORCH_CHECK(x.dim() == 2 && bits.dim() == 2 && bits.scalar_type() == at::kInt && bits.is_contiguous() &&
+                  bits.size(0) == x.size(0) && bits.size(1) * 32 >= x.size(1),
+              "mask_rows_: x [R, V] float32 and bits [R, ceil(V / 32)] int32, got ", x.sizes(), " and ", bits.sizes());
+  const int64_t R = x.size(0), V = x.size(1), W = bits.size(1);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  ivec lane{};
+  for (int l = 0; l < kLanes; ++l) lane[l] = l;
+  for (int64_t r = 0; r < R; ++r) {
+    float* row = x.data_ptr<float>() + r * V;
+    const int32_t* words = bits.data_ptr<int32_t>() + r * W;
+    int64_t j = 0;
+    for (; j + kLanes <= V; j += kLanes) {
+      const ivec on = ((ivec{} + words[j >> 5]) >> (lane + static_cast<int32_t>(j & 31))) & 1;
+      store(row + j, on != 0 ? load(row + j) : splat(ninf));
+    }
+    for (; j < V; ++j)
+      if (!((words[j >> 5] >> (j & 31)) & 1)) row[j] = ninf;
+  }
+  return x;
+}
+
 }  // namespace
 
 SPECDEC_FRAGMENT(SPECDEC_OPS, m) {
   m.def("argmax_rows(Tensor x) -> Tensor");
+  m.def("mask_rows_(Tensor(a!) x, Tensor bits) -> Tensor(a!)");
   m.def("rms_norm(Tensor x, Tensor w, float eps) -> Tensor");
   m.def("add_rms_norm(Tensor x, Tensor d, Tensor w, float eps) -> (Tensor, Tensor)");
   m.def("rope_split(Tensor qkv, Tensor cos, Tensor sin, int hq, int hkv) -> (Tensor, Tensor, Tensor)");
@@ -229,4 +260,5 @@ SPECDEC_LIBRARY_IMPL(SPECDEC_OPS, CPU, m) {
   m.impl("rope_split", &rope_split);
   m.impl("silu_mul", &silu_mul);
   m.impl("argmax_rows", &argmax_rows);
+  m.impl("mask_rows_", &mask_rows_);
 }
