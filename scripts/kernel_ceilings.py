@@ -3,8 +3,9 @@
     .venv/bin/python scripts/kernel_ceilings.py --threads 2                  # every part
     .venv/bin/python scripts/kernel_ceilings.py --parts int8 --threads 1     # the int8 kernel per core
 
-- ``int8``: ``quant_linear_i8`` on interleaved random blocks (the default model's and a 0.5B model's shapes)
-  at 1, 8 and 64 rows: GMAC/s and GB/s of blocks. The weights are reused call after call, so they sit in
+- ``int8``: ``quant_linear_i8`` on interleaved random blocks (the default model's and a 0.5B model's shapes,
+  and one group of 16 features over 4,864 inputs: the rounding of the rows) at 1, 8 and 64 rows: GMAC/s and
+  GB/s of blocks. The weights are reused call after call, so they sit in
   cache: a ceiling of the arithmetic, not of the memory.
 - ``kformats``: Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M files hold) at a 0.5B model's MLP down shape, 1 and
   8 rows, the exact kernel against the int8 one, weights streamed (30 copies or more, past 96 MB, one a call; each
@@ -44,7 +45,8 @@ import torch.nn.functional as F
 from specdec.config import RuntimeConfig
 from specdec.runtime import kernels
 
-SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q4_0", 4864, 896), ("Q8_0", 4864, 896))
+# the last, one group of 16 features over 4,864 inputs, is mostly the rounding of the rows (round_rows)
+SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q4_0", 4864, 896), ("Q8_0", 4864, 896), ("Q4_0", 16, 4864))
 
 
 def timed(fn, calls: int) -> float:
