@@ -237,9 +237,6 @@ class Masks:
         self.vocab_size = vocab_size
         self._allowed: torch.Tensor | None = None
 
-    def __len__(self) -> int:
-        return self.bits.shape[0]
-
     @property
     def allowed(self) -> torch.Tensor:
         """[R, V] bool, unpacked once."""
@@ -256,6 +253,7 @@ class Masks:
         return torch.from_numpy(np.bitwise_count(words).sum(axis=1, dtype=np.int64))
 
     def allows(self, row: int, token: int) -> bool:
+        """Whether row ``row`` allows ``token`` (one bit read)."""
         return bool((int(self.bits[row, token >> 5]) >> (token & 31)) & 1)
 
     def rows(self, index: list[int]) -> "Masks":
