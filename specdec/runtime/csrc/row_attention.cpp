@@ -129,6 +129,19 @@ inline int64_t scores(const float* q, const float* k, int64_t ks, const float* b
   return n;
 }
 
+// the maximum of n >= 1 scores, 8 lanes at a time (the maximum is exact in any order; a NaN score, which no
+// finite query and key give, may then be kept or dropped)
+inline float max_of(const float* s, int64_t n) {
+  __m256 lanes = _mm256_set1_ps(s[0]);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + i));
+  __m128 h = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
+  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+  float m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  return m;
+}
+
 template <int D>
 void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias, int64_t L,
              int64_t Dr, float scale, float* out, Scratch& w) {
@@ -137,8 +150,7 @@ void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t
     for (int64_t d = 0; d < Dr; ++d) out[d] = 0.f;
     return;
   }
-  float m = w.s[0];  // 2. softmax over them
-  for (int64_t i = 1; i < n; ++i) m = std::max(m, w.s[i]);
+  const float m = max_of(w.s.data(), n);  // 2. softmax over them
   for (int64_t i = 0; i < n; ++i) w.s[i] = w.s[i] - m;
   exp_inplace(w.s.data(), n);
   __m256 lanes = _mm256_setzero_ps();
