@@ -29,6 +29,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from specdec.runtime import kernels
+
 KINDS = ("json_schema", "json_object", "regex", "lark", "gbnf")
 # JSON object mode: any JSON object (OpenAI's response_format {"type": "json_object"})
 ANY_OBJECT = {"type": "object"}
@@ -263,8 +265,6 @@ class Masks:
     def apply_(self, scores: torch.Tensor) -> torch.Tensor:
         """scores [R, V] float (one row per row here): -inf where the row's grammar forbids, in place
         (``kernels.mask_rows_``: the build's op over the words, else masked_fill over the bools); returns scores."""
-        from specdec.runtime import kernels
-
         return kernels.mask_rows_(scores, self.bits, lambda: self.allowed)
 
 

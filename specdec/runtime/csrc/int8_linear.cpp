@@ -79,6 +79,7 @@ constexpr int64_t row_bytes(int type, bool interleaved, int64_t K) {
 #if defined(__AVX2__)
 
 using specdec_vec::f16;
+using specdec_vec::hmax8;
 
 struct Rounded {  // every row of x rounded: codes [M, K]; per [M, K / 32]: dx, sx = dx * sum(xq), -128 * sum(xq);
   std::vector<int8_t> q;  // per [M, K / 16]: n16 = -32 * sum(xq) (Q6_K's offset, in integers)
@@ -104,9 +105,7 @@ inline void round_block(const float* xb, int8_t* q, float& d, int32_t& half, int
     v[j] = _mm256_loadu_ps(xb + 8 * j);
     m = _mm256_max_ps(m, _mm256_and_ps(v[j], magnitude));
   }
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  const float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  const float amax = hmax8(m);
   d = amax / 127.f;
   const __m256 inv = _mm256_set1_ps(amax > 0.f ? 127.f / amax : 0.f);
   __m256i c[4];

@@ -30,6 +30,7 @@
 namespace {
 
 #if defined(__AVX2__)
+using specdec_vec::hmax8;
 using specdec_vec::hsum8;
 #endif
 
@@ -135,9 +136,7 @@ inline float max_of(const float* s, int64_t n) {
   __m256 lanes = _mm256_set1_ps(s[0]);
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) lanes = _mm256_max_ps(lanes, _mm256_loadu_ps(s + i));
-  __m128 h = _mm_max_ps(_mm256_castps256_ps128(lanes), _mm256_extractf128_ps(lanes, 1));
-  h = _mm_max_ps(h, _mm_movehl_ps(h, h));
-  float m = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+  float m = hmax8(lanes);
   for (; i < n; ++i) m = std::max(m, s[i]);
   return m;
 }
