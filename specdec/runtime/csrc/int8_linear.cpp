@@ -96,8 +96,8 @@ inline int32_t sum1(__m256i a) {  // the 8 int32 lanes' sum (exact)
 // one block of 32 values: amax = max |x|, inv = 127 / amax (0 for a block of zeros), xq = nearbyint(x * inv) as
 // the rounding mode rounds (to nearest, ties to even: cvtps rounds as nearbyint does), the codes stored at q, and
 // the sums of the first and of all 16 + 16 codes (exact integers). 8 lanes a vector, so both builds run this one
-// path; whole vectors, not a scalar loop, because the int8 stores of a scalar loop alias everything and kept it
-// at ~1.7 ns a value: ~3% of a 1-row int8 step of the default model, ~10% of an 8-row verify's (decision 019).
+// path; whole vectors, not a scalar loop: a scalar loop's int8 stores alias everything, which keeps the compiler
+// from vectorizing it (docs/decisions/019-int8-numerics.md, "Rounding the rows in whole vectors").
 inline void round_block(const float* xb, int8_t* q, float& d, int32_t& half, int32_t& sum) {
   const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
   __m256 v[4], m = _mm256_setzero_ps();

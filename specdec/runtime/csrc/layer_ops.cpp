@@ -218,10 +218,9 @@ at::Tensor argmax_rows(const at::Tensor& x) {
 
 // mask_rows_: x [R, V] float32 and llguidance's bitmask bits [R, W] int32 (bit j of word w = token 32 w + j,
 // W * 32 >= V): x[r, t] = -inf where that bit is 0, the other values untouched (masked_fill's result). Ours
-// because torch's masked_fill over unpacked bools branches per value (an irregular mask: ~90 us a row of a 49k
-// vocabulary) and llguidance's apply_token_bitmask_inplace costs ~30 us a call at 1 row, plain decoding's,
-// against ~4 here (scripts/kernel_ceilings.py --parts masks; docs/decisions/020-constraints.md). A vector's
-// lanes lie within one word (32 is a multiple of kLanes).
+// because torch's masked_fill over unpacked bools branches per value and llguidance's
+// apply_token_bitmask_inplace has a fixed cost per call that a 1-row step feels (docs/decisions/020-constraints.md).
+// A vector's lanes lie within one word (32 is a multiple of kLanes).
 at::Tensor& mask_rows_(at::Tensor& x, const at::Tensor& bits) {
   check(x, "mask_rows_ x");
   TORCH_CHECK(x.dim() == 2 && bits.dim() == 2 && bits.scalar_type() == at::kInt && bits.is_contiguous() &&
