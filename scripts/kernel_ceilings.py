@@ -25,12 +25,13 @@
   model's shape), causal, fp32 / bf16 / fp16 and fp32 without the causal flag, and int8 numerics' bf16 prompt
   attention (``prompt_attention``, where the build has AVX512-BF16): seconds for 30 layers.
 
-Another build to compare (an older commit's kernels): run this script from that checkout, alternating
-with this one (the ``int8`` part needs a checkout with ``specdec/formats.py``):
+Another build to compare (an older commit's kernels): ``--against DIR`` builds DIR's kernel sources (a
+``specdec/runtime/csrc`` of that checkout) under their own op namespace, with this variant's flags, and runs
+each part on both builds in turn, three times, in this one process: a host's drift between two processes (here
+up to a third of a call's time) then falls on both alike. Rows say which build ("this" / "against").
 
     git worktree add /tmp/before COMMIT
-    (cd /tmp/before && /work/main/.venv/bin/python /work/main/scripts/kernel_ceilings.py --parts row-attention)
-    .venv/bin/python scripts/kernel_ceilings.py --parts row-attention
+    .venv/bin/python scripts/kernel_ceilings.py --parts row-attention --against /tmp/before/specdec/runtime/csrc
 """
 
 from __future__ import annotations
@@ -38,12 +39,14 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from specdec.config import RuntimeConfig
+from specdec.config import RuntimeConfig, current
 from specdec.runtime import kernels
+from specdec.runtime.build import build_other
 
 # the last, one group of 16 features over 4,864 inputs, is mostly the rounding of the rows (round_rows)
 SHAPES = (("Q4_1", 1536, 576), ("Q4_1", 576, 1536), ("Q4_0", 4864, 896), ("Q8_0", 4864, 896), ("Q4_0", 16, 4864))
@@ -212,20 +215,32 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--kernel", default="native", choices=("native", "avx2"))
     ap.add_argument("--out", default=None, help="JSON file for the figures")
+    ap.add_argument("--against", default=None, metavar="CSRC",
+                    help="another checkout's specdec/runtime/csrc: its build timed beside this one, in turn")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     ops = kernels.extension(RuntimeConfig(kernel=args.kernel))
     if ops is None:
         raise SystemExit(f"the {args.kernel} kernel build is not available here")
-    parts = {"int8": lambda: int8(ops), "kformats": lambda: kformats(ops), "row-attention": lambda: row_attention(ops),
-             "prompt": lambda: prompt(ops), "stream": lambda: stream(ops), "masks": lambda: masks(ops)}
+    builds = {"this": ops}
+    if args.against:
+        try:
+            builds["against"] = build_other(Path(args.against), args.kernel, "specdec_against", current().cache_dir)
+        except FileNotFoundError as e:
+            raise SystemExit(f"--against: {e}") from None
+    parts = {"int8": int8, "kformats": kformats, "row-attention": row_attention, "prompt": prompt, "stream": stream,
+             "masks": masks}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:
             raise SystemExit(f"--parts: unknown part {name!r} (known: {', '.join(parts)})")
-        figures[name] = parts[name]()
-        for row in figures[name]:
-            print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
+        figures[name] = []
+        for _ in range(3 if args.against else 1):
+            for label, build in builds.items():
+                rows = [{**row, "build": label} if args.against else row for row in parts[name](build)]
+                figures[name] += rows
+                for row in rows:
+                    print(name, {k: round(v, 1) if isinstance(v, float) else v for k, v in row.items()})
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:
             json.dump({"threads": args.threads, "kernel": args.kernel, **figures}, f, indent=1)

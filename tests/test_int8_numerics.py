@@ -154,13 +154,15 @@ def test_the_kernel_is_batch_invariant(name):
         assert torch.equal(mixed[:, :37], alone) and torch.equal(mixed[:, 37:], parts[:, 37:])
 
 
-@pytest.mark.parametrize("D", [64, 24])  # a compiled head size, and the generic one
-def test_row_attention_is_each_rows_own_and_matches_sdpa(ops, D):
+# compiled head sizes (their rows in groups: 8 rows fill them, 7 leave one short, 3 take them one at a time)
+# and the generic one; L = 70 and 69 leave keys past the last block of 4
+@pytest.mark.parametrize("D, R, L", [(64, 8, 70), (64, 7, 69), (64, 3, 70), (128, 8, 69), (24, 8, 70)])
+def test_row_attention_is_each_rows_own_and_matches_sdpa(ops, D, R, L):
     """A row's attention is bit-equal over only its visible keys, in order, whatever is masked between
     them or before them, whatever the other rows and the store's length, in both builds;
     and equal to SDPA to fp32 rounding."""
     g = torch.Generator().manual_seed(9)
-    B, H, R, L = 2, 3, 8, 70
+    B, H = 2, 3
     q, k, v = (torch.randn(B, H, n, D, generator=g) for n in (R, L, L))
     bias = torch.where(torch.rand(B, 1, R, L, generator=g) < 0.3, NEG, 0.0)
     bias[..., 0] = 0.0  # every row sees a key
@@ -178,7 +180,8 @@ def test_row_attention_is_each_rows_own_and_matches_sdpa(ops, D):
             alone = ops.row_attention(q[b:b + 1, :, r:r + 1], shifted, torch.cat([v[b:b + 1, :, :3], v[b:b + 1, :, seen]], 2),
                                       late, 0.125)
             assert torch.equal(alone[0, :, 0], out[b, :, r]), (b, r)
-    grouped = ops.row_attention(q, k, v, bias[:, :, :2], 0.125)  # R = 4 x Q: row r takes bias row r % 2
+    Q = 2 if R % 2 == 0 else 1
+    grouped = ops.row_attention(q, k, v, bias[:, :, :Q], 0.125)  # R = n x Q: row r takes bias row r % Q
     assert torch.equal(grouped[:, :, 2], ops.row_attention(q[:, :, 2:3], k, v, bias[:, :, :1], 0.125)[:, :, 0])
     for variant in VARIANTS:
         assert torch.equal(_ops(variant).row_attention(q, k, v, bias, 0.125), out), variant

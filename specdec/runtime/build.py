@@ -70,6 +70,25 @@ def _with_or_without_openmp(name: str, cache_dir: Path):
         return _load(name, [], cache_dir)
 
 
+def build_other(csrc: Path, variant: str, namespace: str, cache_dir: Path):
+    """Another checkout's kernel sources (``csrc``, with this checkout's file names) built with ``variant``'s
+    flags under the op namespace ``namespace``, beside this checkout's builds: two builds timed in one process
+    (``scripts/kernel_ceilings.py --against``)."""
+    from torch.utils.cpp_extension import load
+
+    sources = [csrc / f.name for f in _SOURCES]
+    missing = [str(f) for f in sources if not f.is_file()]
+    if missing:
+        raise FileNotFoundError(f"{csrc} lacks {', '.join(missing)}")
+    flags, _ = VARIANTS[variant]
+    directory = cache_dir / "torch_extensions" / f"{namespace}-{variant}"
+    directory.mkdir(parents=True, exist_ok=True)
+    load(name=f"{namespace}_{variant}", sources=[str(f) for f in sources], build_directory=str(directory),
+         extra_cflags=["-O3", *flags, *_OPENMP, f"-DSPECDEC_OPS={namespace}"], extra_ldflags=_OPENMP,
+         is_python_module=False, verbose=False)
+    return getattr(torch.ops, namespace)
+
+
 def build_id(config: RuntimeConfig | None = None) -> str | None:
     """The key of the build of ``config``'s variant (default: the configuration in force) that this process
     loaded, or None (off, not built, or not loaded yet)."""

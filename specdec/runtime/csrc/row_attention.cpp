@@ -9,7 +9,11 @@
 //   2. their maximum (exact, order-free); p = e^(s - max) (vec.h's vexp on the compacted scores, so a
 //      score's lane is its rank among the visible keys); their sum in 8 lanes by rank, one fixed reduce;
 //   3. the values accumulated in rank order (one FMA per key and 8 floats of D), divided by the sum.
-// Threads split (sequence, head, row) items, never a row's keys.
+// With D = 64 or 128 and at least kGroup rows a head, a thread takes kGroup rows of one head together: each key
+// and value vector it loads serves every row of the group, and 4 keys' dot products for each row run as
+// independent chains (a row alone ran one latency-bound chain a key; decision 019). Each row's operations stay
+// the ones above, in the same order, whichever rows share its group.
+// Threads split (sequence, head, row group) items, never a row's keys.
 // Floating-point expressions are computed as written (no FMA contraction): the AVX2 and native builds, and the
 // kernel's instances per head size, then round alike.
 #pragma GCC optimize("fp-contract=off")
@@ -32,6 +36,7 @@ namespace {
 #if defined(__AVX2__)
 using specdec_vec::hmax8;
 using specdec_vec::hsum8;
+using specdec_vec::hsum8x4;
 #endif
 
 constexpr float kMasked = -1e30f;  // a bias at or below this hides its key (HF's masks use the dtype's min)
@@ -44,16 +49,17 @@ inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple o
   return hsum8(acc);
 }
 
-// e^x of n values in place, in whole vectors of vec.h's width and the tail through one padded vector: the
-// same function of each value wherever it sits
-void exp_inplace(float* s, int64_t n) {
+// e^(x - m) of n values in place, in whole vectors of vec.h's width and the tail through one padded vector:
+// the same function of each value wherever it sits
+void exp_shifted(float* s, int64_t n, float m) {
   using namespace specdec_vec;
+  const vec mv = splat(m);
   int64_t i = 0;
-  for (; i + kLanes <= n; i += kLanes) store(s + i, vexp(load(s + i)));
+  for (; i + kLanes <= n; i += kLanes) store(s + i, vexp(load(s + i) - mv));
   if (i < n) {
     float tmp[kLanes] = {};
     std::memcpy(tmp, s + i, (n - i) * sizeof(float));
-    store(tmp, vexp(load(tmp)));
+    store(tmp, vexp(load(tmp) - mv));
     std::memcpy(s + i, tmp, (n - i) * sizeof(float));
   }
 }
@@ -141,6 +147,17 @@ inline float max_of(const float* s, int64_t n) {
   return m;
 }
 
+// the sum of n scores in 8 lanes by rank and one fixed reduce
+inline float sum_of(const float* s, int64_t n) {
+  __m256 lanes = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(s + i));
+  float tail[8] = {};
+  for (int64_t t = 0; i + t < n; ++t) tail[t] = s[i + t];
+  lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(tail));
+  return hsum8(lanes);
+}
+
 template <int D>
 void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias, int64_t L,
              int64_t Dr, float scale, float* out, Scratch& w) {
@@ -149,20 +166,188 @@ void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t
     for (int64_t d = 0; d < Dr; ++d) out[d] = 0.f;
     return;
   }
-  const float m = max_of(w.s.data(), n);  // 2. softmax over them
-  for (int64_t i = 0; i < n; ++i) w.s[i] = w.s[i] - m;
-  exp_inplace(w.s.data(), n);
-  __m256 lanes = _mm256_setzero_ps();
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(w.s.data() + i));
-  float tail[8] = {};
-  for (int64_t t = 0; i + t < n; ++t) tail[t] = w.s[i + t];
-  lanes = _mm256_add_ps(lanes, _mm256_loadu_ps(tail));
-  const float l = hsum8(lanes);
+  exp_shifted(w.s.data(), n, max_of(w.s.data(), n));  // 2. softmax over them
+  const float l = sum_of(w.s.data(), n);
   if constexpr (D > 0)  // 3. the values, in rank order
     weigh_values<D>(w.s.data(), w.j.data(), n, v, vs, l, out);
   else
     weigh_values_any(w.s.data(), w.j.data(), n, v, vs, Dr, l, w.acc.data(), out);
+}
+
+// rows a thread takes together (at D = 64 or 128): their score and value accumulators fit the registers,
+// 32 on AVX-512, 16 on AVX2; any group size gives the same bits
+#if defined(__AVX512F__)
+constexpr int kGroup = 4;
+#else
+constexpr int kGroup = 2;
+#endif
+constexpr int kChunk = 4;  // vectors of D a value pass accumulates (D / 8 / kChunk passes over the keys)
+
+struct GroupScratch {
+  std::vector<float> s;        // [kGroup, L] each row's visible scores, in order
+  std::vector<int64_t> j;      // [L] the keys some row sees, in order
+  std::vector<uint8_t> seen;   // [L] which rows see each of them (bit g: row g)
+};
+
+// the dot products of kGroup queries with 4 keys (k0, k0 + ks, ...): raw[g] lane t = q[g] . key t, dot_q's
+// operations (a product, FMAs over D in 8 lanes, hsum8's sum by hsum8x4). Apart from its caller so that the
+// 16 accumulators, 4 key and a query vector get the registers to themselves (inlined, GCC spilled them)
+template <int D>
+__attribute__((noinline)) void dots_4_keys(const float* const* q, const float* k0, int64_t ks, __m128* raw) {
+  __m256 acc[kGroup][4];
+  for (int g = 0; g < kGroup; ++g) {
+    const __m256 q0 = _mm256_loadu_ps(q[g]);
+    for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_mul_ps(q0, _mm256_loadu_ps(k0 + t * ks));
+  }
+  for (int d = 1; d < D / 8; ++d) {
+    // each key and query vector loaded once into a register for its FMAs (the empty asm keeps the compiler
+    // from folding the load into every FMA that uses it: then the loads, not the FMAs, bound the loop)
+    __m256 kv[4];
+    for (int t = 0; t < 4; ++t) {
+      kv[t] = _mm256_loadu_ps(k0 + t * ks + 8 * d);
+      __asm__("" : "+v"(kv[t]));
+    }
+    for (int g = 0; g < kGroup; ++g) {
+      __m256 qd = _mm256_loadu_ps(q[g] + 8 * d);
+      __asm__("" : "+v"(qd));
+      for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_fmadd_ps(qd, kv[t], acc[g][t]);
+    }
+  }
+  for (int g = 0; g < kGroup; ++g) raw[g] = hsum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+}
+
+// the scores of kGroup rows, 4 keys at a time: each key block is loaded once for all the rows, and each
+// (row, key) dot product is dot_q's operations (a product, FMAs over D in 8 lanes, hsum8's sum, by
+// hsum8x4), then times the scale plus the bias (two roundings, as one_row's); a key no row sees is skipped.
+// -> the keys some row sees (w.j, w.seen), n[g]: row g's count, *shared: how many of the first keys every
+// row sees (where a row's rank is the key's)
+template <int D>
+int64_t group_scores(const float* const* q, const float* k, int64_t ks, const float* const* bias, int64_t L,
+                     float scale, GroupScratch& w, int64_t* n, int64_t* shared) {
+  constexpr unsigned kAll = (1u << kGroup) - 1;
+  int64_t nu = 0, j = 0;
+  bool all_so_far = true;
+  for (int g = 0; g < kGroup; ++g) n[g] = 0;
+  auto add_key = [&](int64_t key, unsigned seen) {
+    all_so_far = all_so_far && seen == kAll;
+    if (all_so_far) *shared = nu + 1;
+    w.j[nu] = key;
+    w.seen[nu++] = uint8_t(seen);
+  };
+  *shared = 0;
+  const __m128 masked = _mm_set1_ps(kMasked), scale4 = _mm_set1_ps(scale);
+  for (; j + 4 <= L; j += 4) {
+    __m128 b[kGroup];
+    unsigned vis[kGroup], any = 0;
+    for (int g = 0; g < kGroup; ++g) {
+      b[g] = bias[g] == nullptr ? _mm_setzero_ps() : _mm_loadu_ps(bias[g] + j);
+      vis[g] = unsigned(_mm_movemask_ps(_mm_cmp_ps(b[g], masked, _CMP_GT_OQ)));  // NaN: never attended
+      any |= vis[g];
+    }
+    if (!any) continue;
+    __m128 raw[kGroup];
+    dots_4_keys<D>(q, k + j * ks, ks, raw);
+    unsigned every = 0xF;
+    for (int g = 0; g < kGroup; ++g) every &= vis[g];
+    float* const s = w.s.data();
+    if (every == 0xF) {  // every row sees the 4 keys (most blocks)
+      for (int g = 0; g < kGroup; ++g)
+        _mm_storeu_ps(s + g * L + n[g],
+                      _mm_add_ps(_mm_mul_ps(raw[g], scale4), b[g]));
+      for (int g = 0; g < kGroup; ++g) n[g] += 4;
+      for (int t = 0; t < 4; ++t) {
+        w.j[nu + t] = j + t;
+        w.seen[nu + t] = uint8_t(kAll);
+      }
+      nu += 4;
+      if (all_so_far) *shared = nu;
+      continue;
+    }
+    for (int g = 0; g < kGroup; ++g) {
+      float lane[4];
+      _mm_storeu_ps(lane, _mm_add_ps(_mm_mul_ps(raw[g], scale4), b[g]));
+      for (int t = 0; t < 4; ++t)
+        if (vis[g] >> t & 1) s[g * L + n[g]++] = lane[t];
+    }
+    for (int t = 0; t < 4; ++t) {
+      unsigned seen = 0;
+      for (int g = 0; g < kGroup; ++g) seen |= (vis[g] >> t & 1u) << g;
+      if (seen) add_key(j + t, seen);
+    }
+  }
+  for (; j < L; ++j) {  // the last L % 4 keys one at a time
+    unsigned seen = 0;
+    for (int g = 0; g < kGroup; ++g) {
+      const float b = bias[g] == nullptr ? 0.f : bias[g][j];
+      if (!(b > kMasked)) continue;
+      w.s[g * L + n[g]++] = dot_any(q[g], k + j * ks, D) * scale + b;
+      seen |= 1u << g;
+    }
+    if (seen) add_key(j, seen);
+  }
+  return nu;
+}
+
+// kGroup rows of one head (query q[g], bias row bias[g], output out[g]): one_row's three steps, with the
+// scores and the values of each key shared by the rows
+template <int D>
+void row_group(const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+               const float* const* bias, int64_t L, float scale, float* const* out, GroupScratch& w) {
+  int64_t n[kGroup], shared;
+  const int64_t nu = group_scores<D>(q, k, ks, bias, L, scale, w, n, &shared);
+  float l[kGroup];
+  for (int g = 0; g < kGroup; ++g) {  // 2. each row's softmax, as one_row's
+    if (n[g] == 0) continue;
+    float* s = w.s.data() + g * L;
+    exp_shifted(s, n[g], max_of(s, n[g]));
+    l[g] = sum_of(s, n[g]);
+  }
+  const float* p = w.s.data();
+  for (int c = 0; c < D / 8; c += kChunk) {  // 3. the values in rank order, kChunk vectors of D a pass
+    __m256 acc[kGroup][kChunk];
+    for (int g = 0; g < kGroup; ++g)
+      for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_setzero_ps();
+    int64_t u = 0;
+    for (; u < shared; ++u) {  // keys every row sees: a row's rank is u
+      const float* vr = v + w.j[u] * vs + 8 * c;
+      __m256 vv[kChunk];
+      for (int e = 0; e < kChunk; ++e) vv[e] = _mm256_loadu_ps(vr + 8 * e);
+      for (int g = 0; g < kGroup; ++g) {
+        const __m256 pg = _mm256_set1_ps(p[g * L + u]);
+        for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_fmadd_ps(pg, vv[e], acc[g][e]);
+      }
+    }
+    int64_t rank[kGroup];
+    for (int g = 0; g < kGroup; ++g) rank[g] = shared;
+    for (; u < nu; ++u) {  // the rest: each row's own ranks
+      const float* vr = v + w.j[u] * vs + 8 * c;
+      const unsigned seen = w.seen[u];
+      for (int g = 0; g < kGroup; ++g) {
+        if (!(seen >> g & 1)) continue;
+        const __m256 pg = _mm256_set1_ps(p[g * L + rank[g]++]);
+        for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr + 8 * e), acc[g][e]);
+      }
+    }
+    for (int g = 0; g < kGroup; ++g) {
+      if (n[g] == 0) continue;
+      const __m256 lv = _mm256_set1_ps(l[g]);
+      for (int e = 0; e < kChunk; ++e) _mm256_storeu_ps(out[g] + 8 * (c + e), _mm256_div_ps(acc[g][e], lv));
+    }
+  }
+  for (int g = 0; g < kGroup; ++g)  // nothing visible (a padding row): zeros, as in one_row
+    if (n[g] == 0)
+      for (int64_t d = 0; d < D; ++d) out[g][d] = 0.f;
+}
+
+using GroupFn = void (*)(const float* const*, const float*, int64_t, const float*, int64_t, const float* const*,
+                         int64_t, float, float* const*, GroupScratch&);
+
+GroupFn group_fn(int64_t D) {
+  switch (D) {
+    case 64: return &row_group<64>;
+    case 128: return &row_group<128>;
+    default: return nullptr;
+  }
 }
 
 using RowFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
@@ -212,6 +397,33 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
   float* op = out.data_ptr<float>();
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks = key.stride(2);
   const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs = value.stride(2);
+  const float sc = static_cast<float>(scale);
+  // fewer rows a head than a group (a decode step's): one row an item, which spreads them over the threads
+  if (const GroupFn row_group = R >= kGroup ? group_fn(D) : nullptr) {
+    const int64_t groups = (R + kGroup - 1) / kGroup;
+    at::parallel_for(0, B * H * groups, 1, [&](int64_t i0, int64_t i1) {
+      GroupScratch w;
+      w.s.resize(kGroup * L);
+      w.j.resize(L);
+      w.seen.resize(L);
+      std::vector<float> spare(D);  // the output of a short group's repeated last row
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i / (H * groups), h = (i / groups) % H, r0 = (i % groups) * kGroup;
+        const float* q[kGroup];
+        const float* brow[kGroup];
+        float* o[kGroup];
+        for (int g = 0; g < kGroup; ++g) {
+          const int64_t r = std::min(r0 + g, R - 1);
+          const int64_t row = (b * H + h) * R + r;
+          q[g] = qp + row * D;
+          brow[g] = bp == nullptr ? nullptr : bp + b * bb + (r % Q) * bq;
+          o[g] = r0 + g < R ? op + row * D : spare.data();
+        }
+        row_group(q, kp + b * ks0 + h * ks1, ks, vp + b * vs0 + h * vs1, vs, brow, L, sc, o, w);
+      }
+    });
+    return out;
+  }
   at::parallel_for(0, B * H * R, 1, [&](int64_t i0, int64_t i1) {
     Scratch w;
     w.s.resize(L);
@@ -222,8 +434,7 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
       const float* brow = bp == nullptr ? nullptr : bp + b * bb + (r % Q) * bq;
-      one_row(qp + i * D, kp + b * ks0 + h * ks1, ks, vp + b * vs0 + h * vs1, vs, brow, L, D,
-              static_cast<float>(scale), op + i * D, w);
+      one_row(qp + i * D, kp + b * ks0 + h * ks1, ks, vp + b * vs0 + h * vs1, vs, brow, L, D, sc, op + i * D, w);
     }
   });
 #else

@@ -55,6 +55,21 @@ static inline float hsum8(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+// the horizontal sums of 4 vectors [sum(a), sum(b), sum(c), sum(d)], each with hsum8's order
+// ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)): the same bits as 4 hsum8 calls, in fewer shuffles
+static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
+  // halves: [a0 + a4 .. a3 + a7 | b0 + b4 .. b3 + b7], and c, d alike
+  const __m256 ab = _mm256_add_ps(_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31));
+  const __m256 cd = _mm256_add_ps(_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31));
+  // pairs: [a's h0 + h2, h1 + h3, c's h0 + h2, h1 + h3 | b's, d's]
+  const __m256 u = _mm256_add_ps(_mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                 _mm256_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+  // the last sum: [a, c, a, c | b, d, b, d]
+  const __m256 t = _mm256_add_ps(_mm256_shuffle_ps(u, u, _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(u, u, _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm_unpacklo_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
+}
+
 // the maximum of 8 floats (exact in any order)
 static inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
