@@ -10,8 +10,8 @@
 - ``kformats``: Q4_K, Q5_K, Q6_K (what Q4_K_M / Q5_K_M files hold) at a 0.5B model's MLP down shape, 1 and
   8 rows, the exact kernel against the int8 one, weights streamed (30 copies or more, past 96 MB, one a call; each
   timed for 3 s).
-- ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step) and 24
-  (an 8-row verify), 3 KV heads x 64, over 208 keys with a causal draft block: microseconds a call.
+- ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step), 6, 12 and 24
+  (verifies of 2, 4 and 8 rows), 3 KV heads x 64, over 200 keys and a causal draft block: microseconds a call.
 - ``stream``: a 0.5B decode step's linears (``bench-scaling``'s ``0.5b`` shape: per layer q/k/v 1280 x 1024, o
   1024 x 1024, gate/up 9728 x 1024, down 1024 x 4864, 24 layers, then the tied 49,152 x 1024 output layer; random
   Q4_0 and Q4_K blocks, interleaved) at one row, each call on its own weights as a step streams them, beside a
@@ -179,7 +179,7 @@ def masks(ops) -> list[dict]:
 def row_attention(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
-    for grouped in (3, 24):  # 3 query heads per KV head x 1 or 8 rows
+    for grouped in (3, 6, 12, 24):  # 3 query heads per KV head x 1, 2, 4 or 8 rows
         q_rows = grouped // 3
         keys = 200 + q_rows
         q = torch.randn(1, 3, grouped, 64, generator=g)

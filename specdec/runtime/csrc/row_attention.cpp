@@ -9,10 +9,10 @@
 //   2. their maximum (exact, order-free); p = e^(s - max) (vec.h's vexp on the compacted scores, so a
 //      score's lane is its rank among the visible keys); their sum in 8 lanes by rank, one fixed reduce;
 //   3. the values accumulated in rank order (one FMA per key and 8 floats of D), divided by the sum.
-// With D = 64 or 128 and at least kGroup rows a head, a thread takes kGroup rows of one head together: each key
-// and value vector it loads serves every row of the group, and 4 keys' dot products for each row run as
-// independent chains (a row alone ran one latency-bound chain a key; decision 019). Each row's operations stay
-// the ones above, in the same order, whichever rows share its group.
+// With D = 64 or 128 a thread takes G rows of one head together (G = 1, 2 or 4 by the rows a head): each key
+// and value vector it loads serves every row of the group, and each row's dot products with 4 keys run as
+// independent chains (one key at a time, a row ran one latency-bound chain; decision 019). Each row's
+// operations stay the ones above, in the same order, whichever rows share its group.
 // Threads split (sequence, head, row group) items, never a row's keys.
 // Floating-point expressions are computed as written (no FMA contraction): the AVX2 and native builds, and the
 // kernel's instances per head size, then round alike.
@@ -23,6 +23,7 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -43,12 +44,6 @@ constexpr float kMasked = -1e30f;  // a bias at or below this hides its key (HF'
 
 #if defined(__AVX2__)
 
-inline float dot(const float* a, const float* b, int64_t D) {  // D a multiple of 8
-  __m256 acc = _mm256_setzero_ps();
-  for (int64_t i = 0; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  return hsum8(acc);
-}
-
 // e^(x - m) of n values in place, in whole vectors of vec.h's width and the tail through one padded vector:
 // the same function of each value wherever it sits
 void exp_shifted(float* s, int64_t n, float m) {
@@ -67,25 +62,11 @@ void exp_shifted(float* s, int64_t n, float m) {
 struct Scratch {
   std::vector<float> s;        // [L] scores of the visible keys, in order
   std::vector<int64_t> j;      // [L] their key indices
-  std::vector<float> q, acc;   // [D] the scaled query, the weighted values
+  std::vector<float> acc;      // [D] the weighted values
 };
 
 // the weighted values of a row's n visible keys (rank r: key j[r], weight p[r]) in rank order, D / 8 lanes of
-// 8 floats each accumulating one FMA per key: with D known at compile time the lanes stay in registers
-template <int D>
-inline void weigh_values(const float* p, const int64_t* j, int64_t n, const float* v, int64_t vs, float l, float* out) {
-  __m256 acc[D / 8];
-  for (int d = 0; d < D / 8; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t r = 0; r < n; ++r) {
-    const __m256 w = _mm256_set1_ps(p[r]);
-    const float* vr = v + j[r] * vs;
-    for (int d = 0; d < D / 8; ++d) acc[d] = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8 * d), acc[d]);
-  }
-  const __m256 lv = _mm256_set1_ps(l);
-  for (int d = 0; d < D / 8; ++d) _mm256_storeu_ps(out + 8 * d, _mm256_div_ps(acc[d], lv));
-}
-
-// any D (a multiple of 8): the same operations, the lanes in scratch memory
+// 8 floats each accumulating one FMA per key
 inline void weigh_values_any(const float* p, const int64_t* j, int64_t n, const float* v, int64_t vs, int64_t D,
                              float l, float* acc, float* out) {
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_setzero_ps());
@@ -98,42 +79,12 @@ inline void weigh_values_any(const float* p, const int64_t* j, int64_t n, const 
   for (int64_t d = 0; d < D; ++d) out[d] = acc[d] / l;
 }
 
-// the dot products of the query with keys, in 8 lanes (lane i sums d = i, i + 8, ... in order) and one fixed
-// horizontal sum; with D known at compile time the query stays in registers
-template <int D>
-inline float dot_q(const __m256* q, const float* k) {
-  __m256 acc = _mm256_mul_ps(q[0], _mm256_loadu_ps(k));
-  for (int d = 1; d < D / 8; ++d) acc = _mm256_fmadd_ps(q[d], _mm256_loadu_ps(k + 8 * d), acc);
-  return hsum8(acc);
-}
-
+// the dot product of a query with a key: a product, FMAs over D in 8 lanes (lane i sums d = i, i + 8, ... in
+// order) and hsum8's fixed horizontal sum
 inline float dot_any(const float* a, const float* b, int64_t D) {
   __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
   for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
   return hsum8(acc);
-}
-
-// 1. the visible keys' scores (compacted: rank order) -> their count
-template <int D>
-inline int64_t scores(const float* q, const float* k, int64_t ks, const float* bias, int64_t L, float scale,
-                      Scratch& w) {
-  __m256 qv[D > 0 ? D / 8 : 1];
-  if constexpr (D > 0)
-    for (int d = 0; d < D / 8; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
-  int64_t n = 0;
-  for (int64_t j = 0; j < L; ++j) {
-    const float b = bias == nullptr ? 0.f : bias[j];
-    if (!(b > kMasked)) continue;  // masked (NaN included: never attended)
-    float raw;
-    if constexpr (D > 0)
-      raw = dot_q<D>(qv, k + j * ks);
-    else
-      raw = dot_any(q, k + j * ks, w.q.size());
-    w.s[n] = raw * scale + b;  // two roundings: the product, then the sum
-    w.j[n] = j;
-    ++n;
-  }
-  return n;
 }
 
 // the maximum of n >= 1 scores, 8 lanes at a time (the maximum is exact in any order; a NaN score, which no
@@ -158,44 +109,45 @@ inline float sum_of(const float* s, int64_t n) {
   return hsum8(lanes);
 }
 
-template <int D>
+// one row, any head size (a multiple of 8): the three steps above, one key at a time
 void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias, int64_t L,
-             int64_t Dr, float scale, float* out, Scratch& w) {
-  const int64_t n = scores<D>(q, k, ks, bias, L, scale, w);
+             int64_t D, float scale, float* out, Scratch& w) {
+  int64_t n = 0;  // 1. the visible keys' scores, compacted (rank order)
+  for (int64_t j = 0; j < L; ++j) {
+    const float b = bias == nullptr ? 0.f : bias[j];
+    if (!(b > kMasked)) continue;  // masked (NaN included: never attended)
+    w.s[n] = dot_any(q, k + j * ks, D) * scale + b;  // two roundings: the product, then the sum
+    w.j[n++] = j;
+  }
   if (n == 0) {  // nothing visible (a padding row): zeros, as a fully masked softmax row would be unused
-    for (int64_t d = 0; d < Dr; ++d) out[d] = 0.f;
+    for (int64_t d = 0; d < D; ++d) out[d] = 0.f;
     return;
   }
   exp_shifted(w.s.data(), n, max_of(w.s.data(), n));  // 2. softmax over them
-  const float l = sum_of(w.s.data(), n);
-  if constexpr (D > 0)  // 3. the values, in rank order
-    weigh_values<D>(w.s.data(), w.j.data(), n, v, vs, l, out);
-  else
-    weigh_values_any(w.s.data(), w.j.data(), n, v, vs, Dr, l, w.acc.data(), out);
+  weigh_values_any(w.s.data(), w.j.data(), n, v, vs, D, sum_of(w.s.data(), n), w.acc.data(), out);  // 3.
 }
 
-// rows a thread takes together (at D = 64 or 128): their score and value accumulators fit the registers,
-// 32 on AVX-512, 16 on AVX2; any group size gives the same bits
+// Head sizes 64 and 128: G rows of one head at a time (G = 1, 2 or 4; up to 2 on AVX2), their accumulators in
+// registers (32 on AVX-512, 16 on AVX2); any G gives the same bits.
 #if defined(__AVX512F__)
-constexpr int kGroup = 4;
+constexpr int kMaxGroup = 4, kAccs = 16;
 #else
-constexpr int kGroup = 2;
+constexpr int kMaxGroup = 2, kAccs = 8;
 #endif
-constexpr int kChunk = 4;  // vectors of D a value pass accumulates (D / 8 / kChunk passes over the keys)
 
 struct GroupScratch {
-  std::vector<float> s;        // [kGroup, L] each row's visible scores, in order
+  std::vector<float> s;        // [G, L] each row's visible scores, in order
   std::vector<int64_t> j;      // [L] the keys some row sees, in order
   std::vector<uint8_t> seen;   // [L] which rows see each of them (bit g: row g)
 };
 
-// the dot products of kGroup queries with 4 keys (k0, k0 + ks, ...): raw[g] lane t = q[g] . key t, dot_q's
-// operations (a product, FMAs over D in 8 lanes, hsum8's sum by hsum8x4). Apart from its caller so that the
-// 16 accumulators, 4 key and a query vector get the registers to themselves (inlined, GCC spilled them)
-template <int D>
-__attribute__((noinline)) void dots_4_keys(const float* const* q, const float* k0, int64_t ks, __m128* raw) {
-  __m256 acc[kGroup][4];
-  for (int g = 0; g < kGroup; ++g) {
+// the dot products of G queries with 4 keys (k0, k0 + ks, ...): raw[g] lane t = q[g] . key t, dot_any's
+// operations (hsum8's sum by hsum8x4). Apart from its caller so that the accumulators, 4 key and a query vector
+// get the registers to themselves (inlined, GCC spilled accumulators to the stack: an FMA chain through memory)
+template <int D, int G>
+__attribute__((always_inline)) inline void dots_4_keys(const float* const* q, const float* k0, int64_t ks, __m128* raw) {
+  __m256 acc[G][4];
+  for (int g = 0; g < G; ++g) {
     const __m256 q0 = _mm256_loadu_ps(q[g]);
     for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_mul_ps(q0, _mm256_loadu_ps(k0 + t * ks));
   }
@@ -207,54 +159,58 @@ __attribute__((noinline)) void dots_4_keys(const float* const* q, const float* k
       kv[t] = _mm256_loadu_ps(k0 + t * ks + 8 * d);
       __asm__("" : "+v"(kv[t]));
     }
-    for (int g = 0; g < kGroup; ++g) {
+    for (int g = 0; g < G; ++g) {
       __m256 qd = _mm256_loadu_ps(q[g] + 8 * d);
       __asm__("" : "+v"(qd));
       for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_fmadd_ps(qd, kv[t], acc[g][t]);
     }
   }
-  for (int g = 0; g < kGroup; ++g) raw[g] = hsum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
+  for (int g = 0; g < G; ++g) raw[g] = hsum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
 }
 
-// the scores of kGroup rows, 4 keys at a time: each key block is loaded once for all the rows, and each
-// (row, key) dot product is dot_q's operations (a product, FMAs over D in 8 lanes, hsum8's sum, by
-// hsum8x4), then times the scale plus the bias (two roundings, as one_row's); a key no row sees is skipped.
-// -> the keys some row sees (w.j, w.seen), n[g]: row g's count, *shared: how many of the first keys every
-// row sees (where a row's rank is the key's)
-template <int D>
+template <int D, int G>
+__attribute__((noinline)) void dots_4_keys_apart(const float* const* q, const float* k0, int64_t ks, __m128* raw) {
+  dots_4_keys<D, G>(q, k0, ks, raw);
+}
+
+// the scores of G rows, 4 keys at a time (each key block loaded once for all the rows), times the scale plus
+// the bias (two roundings, as one_row's); a key no row sees is skipped. -> the number of keys some row sees
+// (w.j, w.seen); n[g]: row g's count; *shared: how many of the first keys every row sees (a row's rank there
+// is the key's)
+template <int D, int G>
 int64_t group_scores(const float* const* q, const float* k, int64_t ks, const float* const* bias, int64_t L,
                      float scale, GroupScratch& w, int64_t* n, int64_t* shared) {
-  constexpr unsigned kAll = (1u << kGroup) - 1;
+  constexpr unsigned kAll = (1u << G) - 1;
   int64_t nu = 0, j = 0;
   bool all_so_far = true;
-  for (int g = 0; g < kGroup; ++g) n[g] = 0;
+  for (int g = 0; g < G; ++g) n[g] = 0;
+  *shared = 0;
   auto add_key = [&](int64_t key, unsigned seen) {
     all_so_far = all_so_far && seen == kAll;
     if (all_so_far) *shared = nu + 1;
     w.j[nu] = key;
     w.seen[nu++] = uint8_t(seen);
   };
-  *shared = 0;
+  float* const s = w.s.data();
   const __m128 masked = _mm_set1_ps(kMasked), scale4 = _mm_set1_ps(scale);
   for (; j + 4 <= L; j += 4) {
-    __m128 b[kGroup];
-    unsigned vis[kGroup], any = 0;
-    for (int g = 0; g < kGroup; ++g) {
+    __m128 b[G];
+    unsigned vis[G], any = 0, every = 0xF;
+    for (int g = 0; g < G; ++g) {
       b[g] = bias[g] == nullptr ? _mm_setzero_ps() : _mm_loadu_ps(bias[g] + j);
       vis[g] = unsigned(_mm_movemask_ps(_mm_cmp_ps(b[g], masked, _CMP_GT_OQ)));  // NaN: never attended
       any |= vis[g];
+      every &= vis[g];
     }
     if (!any) continue;
-    __m128 raw[kGroup];
-    dots_4_keys<D>(q, k + j * ks, ks, raw);
-    unsigned every = 0xF;
-    for (int g = 0; g < kGroup; ++g) every &= vis[g];
-    float* const s = w.s.data();
+    __m128 raw[G];
+    if constexpr (G == 1)
+      dots_4_keys<D, G>(q, k + j * ks, ks, raw);
+    else
+      dots_4_keys_apart<D, G>(q, k + j * ks, ks, raw);
     if (every == 0xF) {  // every row sees the 4 keys (most blocks)
-      for (int g = 0; g < kGroup; ++g)
-        _mm_storeu_ps(s + g * L + n[g],
-                      _mm_add_ps(_mm_mul_ps(raw[g], scale4), b[g]));
-      for (int g = 0; g < kGroup; ++g) n[g] += 4;
+      for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * L + n[g], _mm_add_ps(_mm_mul_ps(raw[g], scale4), b[g]));
+      for (int g = 0; g < G; ++g) n[g] += 4;
       for (int t = 0; t < 4; ++t) {
         w.j[nu + t] = j + t;
         w.seen[nu + t] = uint8_t(kAll);
@@ -263,7 +219,7 @@ int64_t group_scores(const float* const* q, const float* k, int64_t ks, const fl
       if (all_so_far) *shared = nu;
       continue;
     }
-    for (int g = 0; g < kGroup; ++g) {
+    for (int g = 0; g < G; ++g) {
       float lane[4];
       _mm_storeu_ps(lane, _mm_add_ps(_mm_mul_ps(raw[g], scale4), b[g]));
       for (int t = 0; t < 4; ++t)
@@ -271,16 +227,16 @@ int64_t group_scores(const float* const* q, const float* k, int64_t ks, const fl
     }
     for (int t = 0; t < 4; ++t) {
       unsigned seen = 0;
-      for (int g = 0; g < kGroup; ++g) seen |= (vis[g] >> t & 1u) << g;
+      for (int g = 0; g < G; ++g) seen |= (vis[g] >> t & 1u) << g;
       if (seen) add_key(j + t, seen);
     }
   }
   for (; j < L; ++j) {  // the last L % 4 keys one at a time
     unsigned seen = 0;
-    for (int g = 0; g < kGroup; ++g) {
+    for (int g = 0; g < G; ++g) {
       const float b = bias[g] == nullptr ? 0.f : bias[g][j];
       if (!(b > kMasked)) continue;
-      w.s[g * L + n[g]++] = dot_any(q[g], k + j * ks, D) * scale + b;
+      s[g * L + n[g]++] = dot_any(q[g], k + j * ks, D) * scale + b;
       seen |= 1u << g;
     }
     if (seen) add_key(j, seen);
@@ -288,53 +244,54 @@ int64_t group_scores(const float* const* q, const float* k, int64_t ks, const fl
   return nu;
 }
 
-// kGroup rows of one head (query q[g], bias row bias[g], output out[g]): one_row's three steps, with the
-// scores and the values of each key shared by the rows
-template <int D>
+// G rows of one head (query q[g], bias row bias[g], output out[g]): one_row's three steps, with the scores and
+// the values of each key shared by the rows
+template <int D, int G>
 void row_group(const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
                const float* const* bias, int64_t L, float scale, float* const* out, GroupScratch& w) {
-  int64_t n[kGroup], shared;
-  const int64_t nu = group_scores<D>(q, k, ks, bias, L, scale, w, n, &shared);
-  float l[kGroup];
-  for (int g = 0; g < kGroup; ++g) {  // 2. each row's softmax, as one_row's
+  constexpr int kChunk = std::min(D / 8, kAccs / G);  // vectors of D a pass over the keys accumulates
+  int64_t n[G], shared;
+  const int64_t nu = group_scores<D, G>(q, k, ks, bias, L, scale, w, n, &shared);
+  const float* p = w.s.data();
+  float l[G];
+  for (int g = 0; g < G; ++g) {  // 2. each row's softmax, as one_row's
     if (n[g] == 0) continue;
     float* s = w.s.data() + g * L;
     exp_shifted(s, n[g], max_of(s, n[g]));
     l[g] = sum_of(s, n[g]);
   }
-  const float* p = w.s.data();
   for (int c = 0; c < D / 8; c += kChunk) {  // 3. the values in rank order, kChunk vectors of D a pass
-    __m256 acc[kGroup][kChunk];
-    for (int g = 0; g < kGroup; ++g)
+    __m256 acc[G][kChunk];
+    for (int g = 0; g < G; ++g)
       for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_setzero_ps();
     int64_t u = 0;
     for (; u < shared; ++u) {  // keys every row sees: a row's rank is u
       const float* vr = v + w.j[u] * vs + 8 * c;
       __m256 vv[kChunk];
       for (int e = 0; e < kChunk; ++e) vv[e] = _mm256_loadu_ps(vr + 8 * e);
-      for (int g = 0; g < kGroup; ++g) {
+      for (int g = 0; g < G; ++g) {
         const __m256 pg = _mm256_set1_ps(p[g * L + u]);
         for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_fmadd_ps(pg, vv[e], acc[g][e]);
       }
     }
-    int64_t rank[kGroup];
-    for (int g = 0; g < kGroup; ++g) rank[g] = shared;
+    int64_t rank[G];
+    for (int g = 0; g < G; ++g) rank[g] = shared;
     for (; u < nu; ++u) {  // the rest: each row's own ranks
       const float* vr = v + w.j[u] * vs + 8 * c;
       const unsigned seen = w.seen[u];
-      for (int g = 0; g < kGroup; ++g) {
+      for (int g = 0; g < G; ++g) {
         if (!(seen >> g & 1)) continue;
         const __m256 pg = _mm256_set1_ps(p[g * L + rank[g]++]);
         for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr + 8 * e), acc[g][e]);
       }
     }
-    for (int g = 0; g < kGroup; ++g) {
+    for (int g = 0; g < G; ++g) {
       if (n[g] == 0) continue;
       const __m256 lv = _mm256_set1_ps(l[g]);
       for (int e = 0; e < kChunk; ++e) _mm256_storeu_ps(out[g] + 8 * (c + e), _mm256_div_ps(acc[g][e], lv));
     }
   }
-  for (int g = 0; g < kGroup; ++g)  // nothing visible (a padding row): zeros, as in one_row
+  for (int g = 0; g < G; ++g)  // nothing visible (a padding row): zeros, as in one_row
     if (n[g] == 0)
       for (int64_t d = 0; d < D; ++d) out[g][d] = 0.f;
 }
@@ -342,23 +299,18 @@ void row_group(const float* const* q, const float* k, int64_t ks, const float* v
 using GroupFn = void (*)(const float* const*, const float*, int64_t, const float*, int64_t, const float* const*,
                          int64_t, float, float* const*, GroupScratch&);
 
-GroupFn group_fn(int64_t D) {
-  switch (D) {
-    case 64: return &row_group<64>;
-    case 128: return &row_group<128>;
-    default: return nullptr;
-  }
+template <int D>
+GroupFn group_fn_of(int G) {
+  if (G >= 4 && kMaxGroup >= 4) return &row_group<D, kMaxGroup>;
+  return G >= 2 ? &row_group<D, 2> : &row_group<D, 1>;
 }
 
-using RowFn = void (*)(const float*, const float*, int64_t, const float*, int64_t, const float*, int64_t, int64_t,
-                       float, float*, Scratch&);
-
-RowFn row_fn(int64_t D) {
-  switch (D) {
-    case 64: return &one_row<64>;
-    case 128: return &one_row<128>;
-    default: return &one_row<0>;
-  }
+// the group size for R rows a head: the largest that repeats at most a quarter of them to fill its last group
+// (a decode step's 3 grouped rows: 1, so the threads share 3 items a head, not 1 and a half)
+int group_size(int64_t R) {
+  for (int G = kMaxGroup; G > 1; G /= 2)
+    if (4 * ((R + G - 1) / G * G - R) <= R) return G;
+  return 1;
 }
 
 #endif  // __AVX2__
@@ -398,21 +350,22 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks = key.stride(2);
   const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs = value.stride(2);
   const float sc = static_cast<float>(scale);
-  // fewer rows a head than a group (a decode step's): one row an item, which spreads them over the threads
-  if (const GroupFn row_group = R >= kGroup ? group_fn(D) : nullptr) {
-    const int64_t groups = (R + kGroup - 1) / kGroup;
+  if (D == 64 || D == 128) {  // a head's rows in groups of G
+    const int G = group_size(R);
+    const GroupFn row_group = D == 64 ? group_fn_of<64>(G) : group_fn_of<128>(G);
+    const int64_t groups = (R + G - 1) / G;
     at::parallel_for(0, B * H * groups, 1, [&](int64_t i0, int64_t i1) {
       GroupScratch w;
-      w.s.resize(kGroup * L);
+      w.s.resize(G * L);
       w.j.resize(L);
       w.seen.resize(L);
       std::vector<float> spare(D);  // the output of a short group's repeated last row
+      const float* q[kMaxGroup];
+      const float* brow[kMaxGroup];
+      float* o[kMaxGroup];
       for (int64_t i = i0; i < i1; ++i) {
-        const int64_t b = i / (H * groups), h = (i / groups) % H, r0 = (i % groups) * kGroup;
-        const float* q[kGroup];
-        const float* brow[kGroup];
-        float* o[kGroup];
-        for (int g = 0; g < kGroup; ++g) {
+        const int64_t b = i / (H * groups), h = (i / groups) % H, r0 = (i % groups) * G;
+        for (int g = 0; g < G; ++g) {
           const int64_t r = std::min(r0 + g, R - 1);
           const int64_t row = (b * H + h) * R + r;
           q[g] = qp + row * D;
@@ -428,9 +381,7 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
     Scratch w;
     w.s.resize(L);
     w.j.resize(L);
-    w.q.resize(D);
     w.acc.resize(D);
-    const RowFn one_row = row_fn(D);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
       const float* brow = bp == nullptr ? nullptr : bp + b * bb + (r % Q) * bq;
