@@ -103,8 +103,9 @@ def test_every_drafter_on_the_packed_file_is_exact_and_accepts_drafts(files, nam
     prompt, want = ref["prompt"][None], ref["greedy"].tolist()
     accepted = {}
     for drafter_name in DRAFTERS:
-        out = SpecDecoder(target, _stand_in(drafter_name, target, ref["prompt"].tolist() + want), config=DRAFTING).generate(
-            prompt, max_new_tokens=len(want), eos_token_id=None)
+        drafter = _stand_in(drafter_name, target, ref["prompt"].tolist() + want)
+        out = SpecDecoder(target, drafter, config=DRAFTING).generate(prompt, max_new_tokens=len(want),
+                                                                      eos_token_id=None)
         assert out.generated(0).tolist() == want, drafter_name
         accepted[drafter_name] = out.accepted_per_sequence[0]
     assert accepted["none"] == 0

@@ -142,10 +142,10 @@ struct GroupScratch {
 };
 
 // the dot products of G queries with 4 keys (k0, k0 + ks, ...): raw[g] lane t = q[g] . key t, dot_any's
-// operations (hsum8's sum by hsum8x4). Apart from its caller so that the accumulators, 4 key and a query vector
-// get the registers to themselves (inlined, GCC spilled accumulators to the stack: an FMA chain through memory)
+// operations (hsum8's sum by hsum8x4)
 template <int D, int G>
-__attribute__((always_inline)) inline void dots_4_keys(const float* const* q, const float* k0, int64_t ks, __m128* raw) {
+__attribute__((always_inline)) inline void dots_4_keys(const float* const* q, const float* k0, int64_t ks,
+                                                       __m128* raw) {
   __m256 acc[G][4];
   for (int g = 0; g < G; ++g) {
     const __m256 q0 = _mm256_loadu_ps(q[g]);
@@ -168,6 +168,9 @@ __attribute__((always_inline)) inline void dots_4_keys(const float* const* q, co
   for (int g = 0; g < G; ++g) raw[g] = hsum8x4(acc[g][0], acc[g][1], acc[g][2], acc[g][3]);
 }
 
+// the same apart from its caller, for groups of 2 or 4: their accumulators, 4 key and a query vector then get the
+// registers to themselves (inlined, GCC spilled accumulators to the stack, an FMA chain through memory; one row's
+// fit beside the caller's, and its call would cost more than it saves)
 template <int D, int G>
 __attribute__((noinline)) void dots_4_keys_apart(const float* const* q, const float* k0, int64_t ks, __m128* raw) {
   dots_4_keys<D, G>(q, k0, ks, raw);
