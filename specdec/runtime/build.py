@@ -74,8 +74,6 @@ def build_other(csrc: Path, variant: str, namespace: str, cache_dir: Path):
     """Another checkout's kernel sources (``csrc``, with this checkout's file names) built with ``variant``'s
     flags under the op namespace ``namespace``, beside this checkout's builds: two builds timed in one process
     (``scripts/kernel_ceilings.py --against``)."""
-    from torch.utils.cpp_extension import load
-
     sources = [csrc / f.name for f in _SOURCES]
     missing = [str(f) for f in sources if not f.is_file()]
     if missing:
@@ -83,10 +81,18 @@ def build_other(csrc: Path, variant: str, namespace: str, cache_dir: Path):
     flags, _ = VARIANTS[variant]
     directory = cache_dir / "torch_extensions" / f"{namespace}-{variant}"
     directory.mkdir(parents=True, exist_ok=True)
-    load(name=f"{namespace}_{variant}", sources=[str(f) for f in sources], build_directory=str(directory),
-         extra_cflags=["-O3", *flags, *_OPENMP, f"-DSPECDEC_OPS={namespace}"], extra_ldflags=_OPENMP,
-         is_python_module=False, verbose=False)
+    _compile(f"{namespace}_{variant}", sources, directory, flags, _OPENMP, namespace)
     return getattr(torch.ops, namespace)
+
+
+def _compile(name: str, sources: list[Path], directory: Path, flags: list[str], openmp: list[str], namespace: str):
+    """torch's extension builder over ``sources`` into ``directory``, registering the ops under ``namespace``:
+    the one set of compiler options every build of the kernels takes (this checkout's and ``build_other``'s)."""
+    from torch.utils.cpp_extension import load
+
+    load(name=name, sources=[str(f) for f in sources], build_directory=str(directory),
+         extra_cflags=["-O3", *flags, *openmp, f"-DSPECDEC_OPS={namespace}"], extra_ldflags=openmp,
+         is_python_module=False, verbose=False)
 
 
 def build_id(config: RuntimeConfig | None = None) -> str | None:
@@ -115,13 +121,9 @@ def _load(name: str, openmp: list[str], cache_dir: Path):
         # extension builder (setuptools with it) and running ninja to find nothing to do: ~0.3 s a process
         torch.ops.load_library(str(library))
     else:
-        from torch.utils.cpp_extension import load
-
         directory.mkdir(parents=True, exist_ok=True)
         if not any(directory.glob("*.so")):  # say it once: the build takes ~20 s and is not generation time
             print(f"specdec: building the CPU kernel ({name}, once, ~20 s) ...", file=sys.stderr, flush=True)
-        load(name=library.stem, sources=[str(f) for f in _SOURCES], build_directory=str(directory),
-             extra_cflags=["-O3", *flags, *openmp, f"-DSPECDEC_OPS={ns}"], extra_ldflags=openmp,
-             is_python_module=False, verbose=False)
+        _compile(library.stem, _SOURCES, directory, flags, openmp, ns)
     _LOADED[name] = key
     return getattr(torch.ops, ns)
