@@ -304,7 +304,7 @@ using GroupFn = void (*)(const float* const*, const float*, int64_t, const float
 
 template <int D>
 GroupFn group_fn_of(int G) {
-  if (G >= 4 && kMaxGroup >= 4) return &row_group<D, kMaxGroup>;
+  if (G >= kMaxGroup) return &row_group<D, kMaxGroup>;  // group_size gives at most kMaxGroup
   return G >= 2 ? &row_group<D, 2> : &row_group<D, 1>;
 }
 
