@@ -21,6 +21,11 @@
 - ``masks``: a constrained block's -inf where the grammar forbids (1-33 rows of a 49,152-token vocabulary, a
   random bitmask as llguidance fills them): torch's masked_fill over the unpacked bools, llguidance's
   ``apply_token_bitmask_inplace``, the build's ``mask_rows_`` over the words: microseconds a call.
+- ``peak``: what the vector units give at most (``scripts/cpu_peak.cpp``, compiled here with ``c++ -O2
+  -march=native``; one copy a thread, ``--threads`` of them): multiply-adds a second of 512- and 256-bit VNNI alone,
+  of 512-bit fp32 FMA alone, and of the int8 kernel's own arithmetic per row and block (8 vpdpbusd, a convert, a
+  product, two FMAs) with every operand in L1: the ceiling the ``int8`` part's figures are a share of. Needs a
+  CPU with AVX512-VNNI.
 - ``prompt``: torch's SDPA over a 7,000-token prompt, 9 query heads on 3 KV heads of 64 (the default
   model's shape), causal, fp32 / bf16 / fp16 and fp32 without the causal flag, and int8 numerics' bf16 prompt
   attention (``prompt_attention``, where the build has AVX512-BF16): seconds for 30 layers.
@@ -192,6 +197,24 @@ def row_attention(ops) -> list[dict]:
     return out
 
 
+def peak(ops) -> list[dict]:
+    """GMAC/s at 1 and ``torch.get_num_threads()`` threads of each test in scripts/cpu_peak.cpp (``ops`` unused:
+    the program is its own build)."""
+    import subprocess
+    import tempfile
+
+    source = Path(__file__).with_name("cpu_peak.cpp")
+    with tempfile.TemporaryDirectory() as tmp:
+        exe = Path(tmp) / "cpu_peak"
+        subprocess.run(["c++", "-O2", "-march=native", "-pthread", str(source), "-o", str(exe)], check=True)
+        out = []
+        for threads in sorted({1, torch.get_num_threads()}):
+            lines = subprocess.run([str(exe), str(threads)], check=True, capture_output=True, text=True).stdout
+            out += [{"test": name, "threads": threads, "gmac_s": float(v)}
+                    for name, v in (line.split() for line in lines.splitlines())]
+    return out
+
+
 def prompt(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
@@ -229,7 +252,7 @@ def main() -> None:
         except FileNotFoundError as e:
             raise SystemExit(f"--against: {e}") from None
     parts = {"int8": int8, "kformats": kformats, "row-attention": row_attention, "prompt": prompt, "stream": stream,
-             "masks": masks}
+             "masks": masks, "peak": peak}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:
