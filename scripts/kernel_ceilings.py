@@ -18,6 +18,9 @@
   plain read of as many bytes (torch's sum over 256 MB of float32: what this machine's memory gives these
   threads): ms a step and GB/s of blocks. Where the kernel's GB/s meet the read's, the step's linears are at
   the memory's limit, and what is left of a step is outside them.
+- ``layer-ops``: the small ops between a layer's linears (``add_rms_norm`` twice, ``silu_mul``, ``rope_split``; the
+  default model's widths) on 8, 59 and 1,024 rows: microseconds a layer (a verify's rows, a short prompt's, a long
+  prompt's chunk).
 - ``masks``: a constrained block's -inf where the grammar forbids (1-33 rows of a 49,152-token vocabulary, a
   random bitmask as llguidance fills them): torch's masked_fill over the unpacked bools, llguidance's
   ``apply_token_bitmask_inplace``, the build's ``mask_rows_`` over the words: microseconds a call.
@@ -181,6 +184,23 @@ def masks(ops) -> list[dict]:
     return out
 
 
+def layer_ops(ops) -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for rows in (8, 59, 1024):
+        x, d, w = (torch.randn(1, rows, 576, generator=g), torch.randn(1, rows, 576, generator=g),
+                   torch.randn(576, generator=g))
+        gu, qkv = torch.randn(1, rows, 2 * 1536, generator=g), torch.randn(1, rows, 960, generator=g)
+        cos, sin = torch.randn(1, rows, 64, generator=g), torch.randn(1, rows, 64, generator=g)
+        calls = max(5, 2000 // rows)
+        norm = timed(lambda: ops.add_rms_norm(x, d, w, 1e-5), calls)
+        silu = timed(lambda: ops.silu_mul(gu), calls)
+        rope = timed(lambda: ops.rope_split(qkv, cos, sin, 9, 3), calls)
+        out.append({"rows": rows, "add_rms_norm_us": norm * 1e6, "silu_mul_us": silu * 1e6,
+                    "rope_split_us": rope * 1e6, "layer_us": (2 * norm + silu + rope) * 1e6})
+    return out
+
+
 def row_attention(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
@@ -252,7 +272,7 @@ def main() -> None:
         except FileNotFoundError as e:
             raise SystemExit(f"--against: {e}") from None
     parts = {"int8": int8, "kformats": kformats, "row-attention": row_attention, "prompt": prompt, "stream": stream,
-             "masks": masks, "peak": peak}
+             "masks": masks, "peak": peak, "layer-ops": layer_ops}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:

@@ -59,6 +59,35 @@ def test_silu_mul_matches_torch(ops, shape):
     torch.testing.assert_close(ops.silu_mul(gu), F.silu(gate) * up, rtol=1e-6, atol=1e-6)
 
 
+def test_a_prompts_rows_split_over_threads_are_each_rows_own(ops):
+    """Blocks big enough to split by rows over two threads (a prompt's; 70 rows, so the chunks are uneven): every
+    op's row is bit-equal to that row computed alone on one thread."""
+    g = torch.Generator().manual_seed(7)
+    B, Q, hq, hkv, D, C, I = 2, 70, 9, 3, 64, 576, 1536
+    x, d, w = torch.randn(B, Q, C, generator=g), torch.randn(B, Q, C, generator=g), torch.randn(C, generator=g)
+    gu = torch.randn(B, Q, 2 * I, generator=g) * 6
+    qkv = torch.randn(B, Q, (hq + 2 * hkv) * D, generator=g)
+    cos, sin = torch.randn(B, Q, D, generator=g), torch.randn(B, Q, D, generator=g)
+    old = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        norm, (total, added), silu, heads = (ops.rms_norm(x, w, 1e-6), ops.add_rms_norm(x, d, w, 1e-5),
+                                            ops.silu_mul(gu), ops.rope_split(qkv, cos, sin, hq, hkv))
+        torch.set_num_threads(1)
+        for b in range(B):
+            for t in range(Q):
+                one = (slice(b, b + 1), slice(t, t + 1))
+                assert torch.equal(norm[b, t], ops.rms_norm(x[one].clone(), w, 1e-6)[0, 0]), ("rms_norm", b, t)
+                s, h = ops.add_rms_norm(x[one].clone(), d[one].clone(), w, 1e-5)
+                assert torch.equal(total[b, t], s[0, 0]) and torch.equal(added[b, t], h[0, 0]), ("add_rms_norm", b, t)
+                assert torch.equal(silu[b, t], ops.silu_mul(gu[one].clone())[0, 0]), ("silu_mul", b, t)
+                alone = ops.rope_split(qkv[one].clone(), cos[one].clone(), sin[one].clone(), hq, hkv)
+                for name, got, want in zip("qkv", heads, alone):
+                    assert torch.equal(got[b, :, t], want[0, :, 0]), ("rope_split", name, b, t)
+    finally:
+        torch.set_num_threads(old)
+
+
 @pytest.mark.parametrize("variant", ["native", "avx2"] if platform.machine() in ("x86_64", "AMD64") else ["native"])
 def test_argmax_rows_is_torchs_first_maximum_on_ties_infinities_and_nans(variant):
     """The op's index is torch.max(-1).indices on 4,000 random rows, both builds: ties (a few integer values,

@@ -14,6 +14,9 @@
 //   silu_mul(gu)                 silu(g) * u for the fused gate/up output [..., 2I] -> [..., I];
 //   argmax_rows(x)               each row's first maximum (a greedy verify's and a draft's next tokens);
 //   mask_rows_(x, bits)          -inf in place where a grammar's packed bitmask forbids a token (constrained rows).
+// Blocks of many rows (a prompt's) are split over torch's threads by rows, at least kGrainFloats of work a
+// thread (a decode or verify step's few rows stay on one: a fork costs more than they do); a row is computed
+// by the same code wherever it lands, so the split changes no bit.
 // Same formulas in the same order as HF's ops, compiled without contracting a * b + c into one FMA,
 // so the rotary embedding is bit for bit torch's; the norm's sum of squares is added in another order
 // and SiLU's exp is Cephes' (~1 ulp, torch's is Sleef's): those agree with torch to fp32 rounding,
@@ -29,8 +32,10 @@
                                 // (ATen.h declares every op: docs/decisions/015-quant-kernels.md)
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_like.h>
+#include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <tuple>
@@ -41,6 +46,14 @@
 namespace {
 
 using namespace specdec_vec;
+
+constexpr int64_t kGrainFloats = 16384;  // a thread's least share of a split block (docs/decisions/004-lean-forward.md)
+
+// fn(first, last) over rows [0, rows) of `width` floats each, split by rows where there is enough work
+template <typename Fn>
+void by_rows(int64_t rows, int64_t width, const Fn& fn) {
+  at::parallel_for(0, rows, std::max<int64_t>(1, kGrainFloats / std::max<int64_t>(1, width)), fn);
+}
 
 void check(const at::Tensor& t, const char* what) {
   TORCH_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat && t.is_contiguous(), what,
@@ -69,8 +82,11 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& w, double eps) {
   TORCH_CHECK(w.numel() == C, "rms_norm: weight of ", w.numel(), " for ", C, " features");
   auto out = at::empty_like(x);
   const int64_t rows = C ? x.numel() / C : 0;
-  for (int64_t i = 0; i < rows; ++i)
-    rms_row(x.data_ptr<float>() + i * C, w.data_ptr<float>(), out.data_ptr<float>() + i * C, C, static_cast<float>(eps));
+  const float *xp = x.data_ptr<float>(), *wp = w.data_ptr<float>();
+  float* op = out.data_ptr<float>();
+  by_rows(rows, C, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) rms_row(xp + i * C, wp, op + i * C, C, static_cast<float>(eps));
+  });
   return out;
 }
 
@@ -85,19 +101,22 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::T
   auto sum = at::empty_like(x), out = at::empty_like(x);
   const float *xp = x.data_ptr<float>(), *dp = d.data_ptr<float>();
   float *sp = sum.data_ptr<float>(), *op = out.data_ptr<float>();
-  const int64_t n = x.numel();
-  for (int64_t j = 0; j < n; ++j) sp[j] = xp[j] + dp[j];
-  for (int64_t i = 0; C && i < n / C; ++i) rms_row(sp + i * C, w.data_ptr<float>(), op + i * C, C, static_cast<float>(eps));
+  const float* wp = w.data_ptr<float>();
+  by_rows(C ? x.numel() / C : 0, C, [&](int64_t i0, int64_t i1) {
+    for (int64_t j = i0 * C; j < i1 * C; ++j) sp[j] = xp[j] + dp[j];
+    for (int64_t i = i0; i < i1; ++i) rms_row(sp + i * C, wp, op + i * C, C, static_cast<float>(eps));
+  });
   return {sum, out};
 }
 
-// heads [B, Q, H, D] read at row stride N from src -> dst [B, H, Q, D]; rotated when cos != nullptr
+// heads [B, Q, H, D] read at row stride N from src -> dst [B, H, Q, D], rows t0 .. t1 of each sequence;
+// rotated when cos != nullptr
 void heads(const float* src, int64_t N, float* dst, int64_t B, int64_t Q, int64_t H, int64_t D,
-           const float* cos, const float* sin, int64_t cs_batch) {
+           const float* cos, const float* sin, int64_t cs_batch, int64_t t0, int64_t t1) {
   const int64_t half = D / 2;
   for (int64_t b = 0; b < B; ++b)
     for (int64_t h = 0; h < H; ++h)
-      for (int64_t t = 0; t < Q; ++t) {
+      for (int64_t t = t0; t < t1; ++t) {
         const float* x = src + (b * Q + t) * N + h * D;
         float* y = dst + ((b * H + h) * Q + t) * D;
         if (cos == nullptr) {
@@ -125,9 +144,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> rope_split(const at::Tensor& qkv,
   auto v = at::empty({B, hkv, Q, D}, qkv.options());
   const float* src = qkv.data_ptr<float>();
   const int64_t cb = cos.size(0) == 1 ? 0 : Q;
-  heads(src, N, q.data_ptr<float>(), B, Q, hq, D, cos.data_ptr<float>(), sin.data_ptr<float>(), cb);
-  heads(src + hq * D, N, k.data_ptr<float>(), B, Q, hkv, D, cos.data_ptr<float>(), sin.data_ptr<float>(), cb);
-  heads(src + (hq + hkv) * D, N, v.data_ptr<float>(), B, Q, hkv, D, nullptr, nullptr, 0);
+  const float *cp = cos.data_ptr<float>(), *sp = sin.data_ptr<float>();
+  float *qp = q.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
+  by_rows(Q, B * N, [&](int64_t t0, int64_t t1) {
+    heads(src, N, qp, B, Q, hq, D, cp, sp, cb, t0, t1);
+    heads(src + hq * D, N, kp, B, Q, hkv, D, cp, sp, cb, t0, t1);
+    heads(src + (hq + hkv) * D, N, vp, B, Q, hkv, D, nullptr, nullptr, 0, t0, t1);
+  });
   return {q, k, v};
 }
 
@@ -140,17 +163,21 @@ at::Tensor silu_mul(const at::Tensor& gu) {
   auto out = at::empty(sizes, gu.options());
   const int64_t rows = I2 ? gu.numel() / I2 : 0;
   const vec one = splat(1.f);
-  for (int64_t i = 0; i < rows; ++i) {
-    const float* g = gu.data_ptr<float>() + i * I2;
-    const float* u = g + I;
-    float* y = out.data_ptr<float>() + i * I;
-    int64_t j = 0;
-    for (; j + kLanes <= I; j += kLanes) {
-      const vec x = load(g + j);
-      store(y + j, x / (one + vexp(-x)) * load(u + j));
+  const float* gp = gu.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  by_rows(rows, I, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const float* g = gp + i * I2;
+      const float* u = g + I;
+      float* y = yp + i * I;
+      int64_t j = 0;
+      for (; j + kLanes <= I; j += kLanes) {
+        const vec x = load(g + j);
+        store(y + j, x / (one + vexp(-x)) * load(u + j));
+      }
+      for (; j < I; ++j) y[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
     }
-    for (; j < I; ++j) y[j] = g[j] / (1.f + std::exp(-g[j])) * u[j];
-  }
+  });
   return out;
 }
 
