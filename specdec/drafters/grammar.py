@@ -20,7 +20,7 @@ from specdec.drafters.base import Capabilities, Commit, Drafter, Prompt, TokenHi
 from specdec.drafters.prompt_lookup import NgramIndex
 from specdec.tree import DraftTree
 
-LOOKAHEAD = 32  # tokens a chain holds at most
+LOOKAHEAD = 32  # tokens a guess holds at most
 MAX_NGRAM = 3  # the longest suffix a guess matches on (prompt lookup's default)
 
 
@@ -30,21 +30,23 @@ class GrammarDrafter(Drafter):
     def __init__(self) -> None:
         self.processors: list = []
         self.texts: list[NgramIndex] = []
-        self._chains: list[list[int]] | None = None  # this step's, made by draft_class
 
     def begin(self, prompt: Prompt) -> None:
         self.processors = list(prompt.processors or [None] * len(prompt.lengths))
         self.texts = [NgramIndex(row, 1, MAX_NGRAM) for row in TokenHistory(prompt).rows]
-        self._chains = None
 
     def draft_class(self):
         """2: some row's chain opens with a token the grammar forces; 1: only guesses the grammar allows;
-        0: no row has a chain (no draft of this class this step). The chains are kept for ``propose``."""
-        self._chains = [p.draft(LOOKAHEAD, lambda out, t=t: self._guess(t, out)) if p is not None else []
-                        for p, t in zip(self.processors, self.texts)]
-        if not any(self._chains):
+        0: no row has a chain (no draft of this class this step). Decided on each chain's first token; the
+        chains are walked by ``propose``, only as far as its budget (why: docs/decisions/020-constraints.md)."""
+        if not any(self._chains(1)):
             return 0
         return 2 if any(p is not None and p.forced(1) for p in self.processors) else 1
+
+    def _chains(self, budget: int) -> list[list[int]]:
+        """Each row's chain of at most ``budget`` tokens (the grammar state unmoved)."""
+        return [p.draft(budget, lambda out, t=t: self._guess(t, out)) if p is not None else []
+                for p, t in zip(self.processors, self.texts)]
 
     def _guess(self, text: NgramIndex, drafted: list[int]) -> list[int]:
         """What followed the longest earlier occurrence of the text's last n-gram, the drafted tokens
@@ -57,19 +59,13 @@ class GrammarDrafter(Drafter):
         return []
 
     def propose(self, budget: int) -> DraftTree:
-        if self._chains is None:
-            self.draft_class()
-        chains = [c[: max(0, budget)] for c in self._chains]
-        self._chains = None
-        return DraftTree.chains(chains)
+        return DraftTree.chains(self._chains(max(0, budget)))
 
     def accept(self, commit: Commit) -> None:
         """The grammar states are the decoder's, advanced with the commit; the texts grow here."""
         for b, text in enumerate(self.texts):
             text.extend(commit.new_tokens(b))
-        self._chains = None
 
     def select(self, rows: list[int]) -> None:
         self.processors = [self.processors[b] for b in rows]
         self.texts = [self.texts[b] for b in rows]
-        self._chains = None
