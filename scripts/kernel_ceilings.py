@@ -18,6 +18,9 @@
   plain read of as many bytes (torch's sum over 256 MB of float32: what this machine's memory gives these
   threads): ms a step and GB/s of blocks. Where the kernel's GB/s meet the read's, the step's linears are at
   the memory's limit, and what is left of a step is outside them.
+- ``calls``: what a ``quant_linear_i8`` call costs besides its products: 1 and 8 rows over 16 features (one unit,
+  no fork of the pool), 32 (two units: the pool forks) and 576 / 1,536 features of 576 inputs (Q4_1), beside
+  torch's add of two 8 x 576 tensors (the dispatch floor): microseconds a call, best of five loops.
 - ``layer-ops``: the small ops between a layer's linears (``add_rms_norm`` twice, ``silu_mul``, ``rope_split``; the
   default model's widths) on 8, 59 and 1,024 rows: microseconds a layer (a verify's rows, a short prompt's, a long
   prompt's chunk).
@@ -184,6 +187,30 @@ def masks(ops) -> list[dict]:
     return out
 
 
+def calls(ops) -> list[dict]:
+    from specdec.formats import FORMATS, random_blocks
+    from specdec.runtime.int8_linear import INTERLEAVED, interleave
+
+    g = torch.Generator().manual_seed(0)
+    fmt = FORMATS["Q4_1"]
+    code = fmt.ggml_type | INTERLEAVED
+
+    def best(fn, n=2000):
+        for _ in range(100):
+            fn()
+        return min(timed(fn, n) for _ in range(5)) * 1e6
+
+    e = torch.randn(8, 576, generator=g)
+    out = [{"op": "torch.add 8 x 576", "us": best(lambda: torch.add(e, e))}]
+    for n in (16, 32, 576, 1536):
+        w = interleave(random_blocks(fmt, n, 576, g), fmt)
+        for m in (1, 8):
+            x = torch.randn(m, 576, generator=g)
+            out.append({"op": f"quant_linear_i8 {n} x 576", "rows": m,
+                        "us": best(lambda: ops.quant_linear_i8(x, [w], [code]))})
+    return out
+
+
 def layer_ops(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
@@ -272,7 +299,7 @@ def main() -> None:
         except FileNotFoundError as e:
             raise SystemExit(f"--against: {e}") from None
     parts = {"int8": int8, "kformats": kformats, "row-attention": row_attention, "prompt": prompt, "stream": stream,
-             "masks": masks, "peak": peak, "layer-ops": layer_ops}
+             "masks": masks, "peak": peak, "layer-ops": layer_ops, "calls": calls}
     figures = {}
     for name in args.parts.split(","):
         if name not in parts:
