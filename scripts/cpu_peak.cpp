@@ -19,43 +19,33 @@ constexpr long kIters = 40000000;
 
 #define KEEP(x) __asm__ volatile("" : "+v"(x))
 
-double vnni512() {  // 12 chains; returns multiply-adds done
-  __m512i x = _mm512_set1_epi8(3), w = _mm512_set1_epi8(5);
-  __m512i a0 = x, a1 = w, a2 = x, a3 = w, a4 = x, a5 = w, a6 = x, a7 = w, a8 = x, a9 = w, a10 = x, a11 = w;
+// 12 independent chains of op(acc, x, w) kIters deep (enough to hide any op's latency); returns the
+// multiply-adds done, macs a call
+template <typename V, typename Op>
+double chains(V x, V w, Op op, double macs) {
+  V a0 = x, a1 = w, a2 = x, a3 = w, a4 = x, a5 = w, a6 = x, a7 = w, a8 = x, a9 = w, a10 = x, a11 = w;
   for (long i = 0; i < kIters; ++i) {
-    a0 = _mm512_dpbusd_epi32(a0, x, w); a1 = _mm512_dpbusd_epi32(a1, x, w); a2 = _mm512_dpbusd_epi32(a2, x, w);
-    a3 = _mm512_dpbusd_epi32(a3, x, w); a4 = _mm512_dpbusd_epi32(a4, x, w); a5 = _mm512_dpbusd_epi32(a5, x, w);
-    a6 = _mm512_dpbusd_epi32(a6, x, w); a7 = _mm512_dpbusd_epi32(a7, x, w); a8 = _mm512_dpbusd_epi32(a8, x, w);
-    a9 = _mm512_dpbusd_epi32(a9, x, w); a10 = _mm512_dpbusd_epi32(a10, x, w); a11 = _mm512_dpbusd_epi32(a11, x, w);
+    a0 = op(a0, x, w); a1 = op(a1, x, w); a2 = op(a2, x, w); a3 = op(a3, x, w); a4 = op(a4, x, w);
+    a5 = op(a5, x, w); a6 = op(a6, x, w); a7 = op(a7, x, w); a8 = op(a8, x, w); a9 = op(a9, x, w);
+    a10 = op(a10, x, w); a11 = op(a11, x, w);
     KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5); KEEP(a6); KEEP(a7); KEEP(a8); KEEP(a9); KEEP(a10); KEEP(a11);
   }
-  return 12.0 * 64 * kIters;
+  return 12.0 * macs * kIters;
+}
+
+double vnni512() {
+  return chains(_mm512_set1_epi8(3), _mm512_set1_epi8(5),
+                [](__m512i a, __m512i x, __m512i w) { return _mm512_dpbusd_epi32(a, x, w); }, 64);
 }
 
 double vnni256() {
-  __m256i x = _mm256_set1_epi8(3), w = _mm256_set1_epi8(5);
-  __m256i a0 = x, a1 = w, a2 = x, a3 = w, a4 = x, a5 = w, a6 = x, a7 = w, a8 = x, a9 = w, a10 = x, a11 = w;
-  for (long i = 0; i < kIters; ++i) {
-    a0 = _mm256_dpbusd_epi32(a0, x, w); a1 = _mm256_dpbusd_epi32(a1, x, w); a2 = _mm256_dpbusd_epi32(a2, x, w);
-    a3 = _mm256_dpbusd_epi32(a3, x, w); a4 = _mm256_dpbusd_epi32(a4, x, w); a5 = _mm256_dpbusd_epi32(a5, x, w);
-    a6 = _mm256_dpbusd_epi32(a6, x, w); a7 = _mm256_dpbusd_epi32(a7, x, w); a8 = _mm256_dpbusd_epi32(a8, x, w);
-    a9 = _mm256_dpbusd_epi32(a9, x, w); a10 = _mm256_dpbusd_epi32(a10, x, w); a11 = _mm256_dpbusd_epi32(a11, x, w);
-    KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5); KEEP(a6); KEEP(a7); KEEP(a8); KEEP(a9); KEEP(a10); KEEP(a11);
-  }
-  return 12.0 * 32 * kIters;
+  return chains(_mm256_set1_epi8(3), _mm256_set1_epi8(5),
+                [](__m256i a, __m256i x, __m256i w) { return _mm256_dpbusd_epi32(a, x, w); }, 32);
 }
 
 double fma512() {  // fp32 multiply-adds
-  __m512 s = _mm512_set1_ps(0.999f), t = _mm512_set1_ps(1e-3f);
-  __m512 a0 = s, a1 = t, a2 = s, a3 = t, a4 = s, a5 = t, a6 = s, a7 = t, a8 = s, a9 = t, a10 = s, a11 = t;
-  for (long i = 0; i < kIters; ++i) {
-    a0 = _mm512_fmadd_ps(a0, s, t); a1 = _mm512_fmadd_ps(a1, s, t); a2 = _mm512_fmadd_ps(a2, s, t);
-    a3 = _mm512_fmadd_ps(a3, s, t); a4 = _mm512_fmadd_ps(a4, s, t); a5 = _mm512_fmadd_ps(a5, s, t);
-    a6 = _mm512_fmadd_ps(a6, s, t); a7 = _mm512_fmadd_ps(a7, s, t); a8 = _mm512_fmadd_ps(a8, s, t);
-    a9 = _mm512_fmadd_ps(a9, s, t); a10 = _mm512_fmadd_ps(a10, s, t); a11 = _mm512_fmadd_ps(a11, s, t);
-    KEEP(a0); KEEP(a1); KEEP(a2); KEEP(a3); KEEP(a4); KEEP(a5); KEEP(a6); KEEP(a7); KEEP(a8); KEEP(a9); KEEP(a10); KEEP(a11);
-  }
-  return 12.0 * 16 * kIters;
+  return chains(_mm512_set1_ps(0.999f), _mm512_set1_ps(1e-3f),
+                [](__m512 a, __m512 x, __m512 w) { return _mm512_fmadd_ps(a, x, w); }, 16);
 }
 
 // the kernel's mix: per block, for each of 8 rows, 8 vpdpbusd (the row's codes broadcast from L1), then
