@@ -107,6 +107,7 @@ class PositionalAcceptance:
         self.trials = [[0.0] * max_rank for _ in range(max_depth)]
         self.hits = [[0.0] * max_rank for _ in range(max_depth)]
         self.observed = 0
+        self.used = (0, 0)  # (depths, ranks) ever tried: the cells past them are 0 and stay 0 under the decay
 
     def observe(self, parents: Sequence[int], accepted: Sequence[int], judged: int | None = None) -> None:
         """One row's tree (parents of its real nodes) and its accepted path (node indices, root down).
@@ -115,8 +116,10 @@ class PositionalAcceptance:
         if not parents:
             return
         self.observed += 1
-        for row_t, row_h in zip(self.trials, self.hits):
-            for r in range(self.max_rank):
+        depths, ranks = self.used
+        for d in range(depths):  # the decay, over the cells ever tried (a chain's: one rank)
+            row_t, row_h = self.trials[d], self.hits[d]
+            for r in range(ranks):
                 row_t[r] *= self.decay
                 row_h[r] *= self.decay
         ok = set(accepted)
@@ -130,6 +133,8 @@ class PositionalAcceptance:
             if (p < 0 or p in ok) and d < self.max_depth and r < self.max_rank and (judged is None or d < judged):
                 self.trials[d][r] += 1.0
                 self.hits[d][r] += 1.0 if i in ok else 0.0
+                depths, ranks = max(depths, d + 1), max(ranks, r + 1)
+        self.used = (depths, ranks)
 
     def observe_chain(self, drafted: int, accepted: int) -> None:
         """One row's chain (a tree with one rank per depth): ``drafted`` nodes, the first ``accepted``

@@ -62,10 +62,14 @@ class Processing:
             raise ValueError(f"logprobs (top tokens reported) must be in [0, {MAX_TOP_LOGPROBS}], got {self.logprobs}")
 
     @property
+    def penalizes(self) -> bool:
+        """Whether a penalty reads the tokens seen and their counts (else nobody keeps them)."""
+        return self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
+
+    @property
     def changes_scores(self) -> bool:
         """Whether any step applies (else the logits go to the verifier untouched)."""
-        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0
-                or bool(self.logit_bias) or self.grammar is not None)
+        return self.penalizes or bool(self.logit_bias) or self.grammar is not None
 
     def check_vocab(self, vocab_size: int) -> None:
         """A ValueError names a biased token outside the model's vocabulary."""
@@ -93,9 +97,13 @@ class RowProcessor:
         options.check_vocab(vocab_size)
         self.options = options
         self.vocab_size = vocab_size
-        self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # [V] in the prompt or the output
-        self.seen[torch.tensor(prompt, dtype=torch.long)] = True
-        self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # [V] occurrences in the output
+        # what a penalty reads, kept only where one does
+        self.seen: torch.Tensor | None = None
+        self.counts: torch.Tensor | None = None
+        if options.penalizes:
+            self.seen = torch.zeros(vocab_size, dtype=torch.bool)  # [V] in the prompt or the output
+            self.seen[torch.tensor(prompt, dtype=torch.long)] = True
+            self.counts = torch.zeros(vocab_size, dtype=torch.float32)  # [V] occurrences in the output
         self.bias = None  # [V] float32
         if options.logit_bias:
             self.bias = torch.zeros(vocab_size, dtype=torch.float32)
@@ -107,9 +115,10 @@ class RowProcessor:
         """Tokens committed to the sequence (after the ones before)."""
         if not tokens:
             return
-        ids = torch.tensor(tokens, dtype=torch.long)
-        self.seen[ids] = True
-        self.counts.index_put_((ids,), torch.ones(len(tokens), dtype=torch.float32), accumulate=True)
+        if self.options.penalizes:
+            ids = torch.tensor(tokens, dtype=torch.long)
+            self.seen[ids] = True
+            self.counts.index_put_((ids,), torch.ones(len(tokens), dtype=torch.float32), accumulate=True)
         if self.grammar is not None:
             self.grammar.consume(tokens)
 
@@ -141,7 +150,7 @@ class RowProcessor:
         scores = logits.to(torch.float32, copy=True)  # one copy, then processed in place
         R = 1 + len(tokens)  # the real rows
         head = scores[:R]
-        if opts.repetition_penalty != 1.0 or opts.frequency_penalty != 0.0 or opts.presence_penalty != 0.0:
+        if opts.penalizes:
             counts = self.counts.expand(R, -1).clone()  # [R, V] output counts on each row's path
             rows, toks = _path_pairs(parents, tokens)
             if rows:
