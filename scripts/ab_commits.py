@@ -8,7 +8,9 @@ under an op namespace of their own), the checkout's ``specdec`` beside it, so bo
 process and machine noise hits both alike. Each code version loads its own copy of the target
 (state a package keeps on a model object stays apart); HF generate runs on a third copy. Per
 question the order of methods rotates; the summary gives each method's after / before speed with
-a 95% bootstrap interval over the questions, and HF's tokens/s of the run.
+a 95% bootstrap interval over the questions, and HF's tokens/s of the run. ``identical``: equal to HF's
+greedy output, or with ``--numerics int8`` (a target that is its own reference) to the new tree's ``none``,
+which the methods then must include.
 """
 
 from __future__ import annotations
@@ -79,6 +81,8 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=0, help="also run batches of this size (0: none)")
     ap.add_argument("--no-batch-1", action="store_true", help="only the batches (with --batch-size)")
     ap.add_argument("--weights", default="fp32", help="the targets' weights (load_model's: fp32, packed, q8_0, ...)")
+    ap.add_argument("--numerics", default="exact", choices=("exact", "int8"),
+                    help="the targets' numerics (int8: outputs compared with the new tree's none, not HF's)")
     ap.add_argument("--out", default="results/ab.jsonl")
     args = ap.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -106,9 +110,11 @@ def main() -> None:
     hf = new_models.load_model("default", weights="fp32")
     tok = hf.tokenizer
     eos = hf.model.generation_config.eos_token_id
-    old_m = old_models.load_model("default", weights=args.weights).model
-    new_m = new_models.load_model("default", weights=args.weights).model
+    old_m = old_models.load_model("default", weights=args.weights, numerics=args.numerics).model
+    new_m = new_models.load_model("default", weights=args.weights, numerics=args.numerics).model
     methods = args.methods.split(",")
+    if args.numerics == "int8" and "none" not in methods:
+        raise SystemExit("--numerics int8: --methods must include none (the target's own reference)")
     decoders = {}
     for name in methods:
         decoders[("before", name)] = OldDecoder(old_m, old_registry.make_drafter(name, old_m))
@@ -141,7 +147,7 @@ def main() -> None:
             results[k] = seq[0, ids.shape[1]:].tolist()
             times[k].append(dt)
             tokens[k].append(len(results[k]))
-        ref = results[("hf", None)]
+        ref = results[("hf", None) if args.numerics == "exact" else ("after", "none")]
         for k in decoders:
             same[k] += results[k] == ref
         rec = {"question_id": q["question_id"], "category": q["category"],
