@@ -219,10 +219,10 @@ def layer_ops(ops) -> list[dict]:
                    torch.randn(576, generator=g))
         gu, qkv = torch.randn(1, rows, 2 * 1536, generator=g), torch.randn(1, rows, 960, generator=g)
         cos, sin = torch.randn(1, rows, 64, generator=g), torch.randn(1, rows, 64, generator=g)
-        calls = max(5, 2000 // rows)
-        norm = timed(lambda: ops.add_rms_norm(x, d, w, 1e-5), calls)
-        silu = timed(lambda: ops.silu_mul(gu), calls)
-        rope = timed(lambda: ops.rope_split(qkv, cos, sin, 9, 3), calls)
+        n = max(5, 2000 // rows)  # calls timed
+        norm = timed(lambda: ops.add_rms_norm(x, d, w, 1e-5), n)
+        silu = timed(lambda: ops.silu_mul(gu), n)
+        rope = timed(lambda: ops.rope_split(qkv, cos, sin, 9, 3), n)
         out.append({"rows": rows, "add_rms_norm_us": norm * 1e6, "silu_mul_us": silu * 1e6,
                     "rope_split_us": rope * 1e6, "layer_us": (2 * norm + silu + rope) * 1e6})
     return out

@@ -530,7 +530,7 @@ void group_rows(const uint8_t* grp, int64_t nb, const Rounded& x, int64_t K, int
                 int64_t N) {
   int64_t r = a;
   // the K formats in tiles of at most 4 rows: with 8, their sub-block scales and codes outgrow the registers
-  // (decision 019: 8 rows of a 896 x 4864 Q4_K call 227-231 µs as two tiles of 4, 273-329 as one of 8)
+  // (docs/decisions/019-int8-numerics.md: the K formats in row tiles of 4)
   constexpr int kTile = Type == kQ4_K || Type == kQ5_K || Type == kQ6_K ? 4 : kGroupRows;
   for (; r + kTile <= b; r += kTile) group_tile<Type, kTile>(grp, nb, x, K, r, y, N);
   switch (b - r) {
