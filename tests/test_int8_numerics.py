@@ -187,6 +187,54 @@ def test_row_attention_is_each_rows_own_and_matches_sdpa(ops, D, R, L):
         assert torch.equal(_ops(variant).row_attention(q, k, v, bias, 0.125), out), variant
 
 
+@pytest.mark.parametrize("D, R, L", [(64, 8, 70), (64, 3, 69), (128, 7, 70), (24, 8, 70)])
+def test_row_attention_reads_a_bf16_store_as_its_fp32_values(ops, D, R, L):
+    """K/V held in bf16 (an int8 target's store) attend exactly as fp32 K/V of the same values: the row
+    kernel widens them as it loads them, the arithmetic unchanged, in both builds."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 3, R, D, generator=g)
+    k, v = (torch.randn(2, 3, L, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    bias = torch.where(torch.rand(2, 1, R, L, generator=g) < 0.3, NEG, 0.0)
+    bias[..., 0] = 0.0
+    want = ops.row_attention(q, k.float(), v.float(), bias, 0.125)
+    for variant in VARIANTS:
+        assert torch.equal(_ops(variant).row_attention(q, k, v, bias, 0.125), want), variant
+    with pytest.raises(RuntimeError, match="both float32 or both bfloat16"):
+        ops.row_attention(q, k, v.float(), bias, 0.125)
+
+
+def test_an_int8_targets_store_holds_bf16_written_alike_by_the_one_call_and_the_loop(monkeypatch):
+    """An int8 target's K/V store holds bf16 (an exact target's fp32); the compiled call's write (csrc/layers.cpp)
+    rounds as the store's own (torch's copy), so the one call and the loop leave the same store and logits."""
+    from conftest import ragged_blocks
+    from specdec import fastpath
+    from test_layer_ops import _count_one_calls
+    from test_quant import tiny_quant_llama
+
+    assert BMCCache.for_model(tiny_quant_llama("Q4_1"), 1).kv_dtype is None  # exact numerics: the model's fp32
+    runtime = RuntimeConfig(calibrate=False)
+    model = _int8_llama(2)
+    stores = {}
+    with use(runtime):
+        path = fastpath.get(model, runtime)
+        assert path is not None and path.one_call
+        calls = _count_one_calls(monkeypatch)
+        outs = {}
+        for one_call in (True, False):
+            path.one_call = one_call
+
+            def store(m, batch, one_call=one_call):
+                stores[one_call] = BMCCache.for_model(m, batch, BMCConfig(8))
+                return stores[one_call]
+            outs[one_call] = ragged_blocks(model, store=store)
+    assert calls["ran"] >= 2
+    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+    for a, b in zip(stores[True].layers, stores[False].layers):
+        assert a.keys.dtype == torch.bfloat16 and a.values.dtype == torch.bfloat16
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 def _int8_llama(seed: int = 0, fmt: str = "Q4_1"):
     model = tiny_llama(seed, layers=2).float()
     quantize_model(model, fmt)
@@ -435,3 +483,20 @@ def real_int8():
         pytest.skip(f"the default model is not installed: {e}")
     with use(RuntimeConfig()):
         return load_model("default", weights="packed", numerics="int8")
+
+
+def test_perplexity_through_the_store_scores_the_rows_decoding_computes():
+    """`specdec perplexity --path decode`: a book's logits through verify blocks over the K/V store are the
+    prefill's to fp32 rounding on an exact target, and on an int8 target (its store in bf16) the same bits for
+    any block size, as its verify rows are."""
+    from specdec.bench.perplexity import book_nll, store_logits
+    from specdec.forward import prompt_logits
+
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(1, 128, (1, 23), generator=g)
+    exact = tiny_llama(4, layers=2).float()
+    torch.testing.assert_close(store_logits(exact, ids, 5), prompt_logits(exact, ids), rtol=1e-4, atol=1e-4)
+    model = _int8_llama(4)
+    assert torch.equal(store_logits(model, ids, 4), store_logits(model, ids, 7))
+    nll, n = book_nll(model, ids, "decode", 4)
+    assert n == 22 and nll == pytest.approx(book_nll(model, ids)[0], rel=1e-2)  # close to its prefill's

@@ -43,6 +43,15 @@ def test_prompt_attention_is_causal_attention_of_bf16_inputs(bf16_ops, D):
         assert err < 2e-2, (n, Q, err)
 
 
+def test_a_bf16_store_is_read_as_held(bf16_ops):
+    """K/V from a store that holds bf16 (an int8 target's) give the bits of the fp32 values they round from:
+    the kernel rounds fp32 K/V to bf16 (round to nearest even, as the store's write does) and takes bf16 as is."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 3, m, 64, generator=g) for m in (2 * 37, 37, 37))
+    want = bf16_ops.prompt_attention(q, k, v, 0.125)
+    assert torch.equal(bf16_ops.prompt_attention(q, k.to(torch.bfloat16), v.to(torch.bfloat16), 0.125), want)
+
+
 def test_a_rows_output_is_its_own(bf16_ops):
     """Bit-equal in a prompt cut after it, and with one thread or two: nothing but its query and the keys up
     to it reach a row (why the prefill of a prompt is the same whatever follows it)."""

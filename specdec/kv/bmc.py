@@ -38,6 +38,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from specdec.introspect import text_config
 from specdec.kv.blocks import BlockInputs, WritePlan, block_bias, causal, causal_bias
+from specdec.quant.numerics import kv_dtype
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class BMCLayer(CacheLayerMixin):
         return 0 if self.keys is None else self.keys.shape[2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = key_states.dtype, key_states.device
+        self.dtype, self.device = self.store.kv_dtype or key_states.dtype, key_states.device
         self.is_initialized = True
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
@@ -88,8 +89,9 @@ class BMCLayer(CacheLayerMixin):
             self.values[:, :, s : s + Q] = value_states
         else:
             idx_k = plan.row_index[:, None, :, None].expand(B, H, Q, D)
-            self.keys.scatter_(2, idx_k, key_states)
-            self.values.scatter_(2, plan.row_index[:, None, :, None].expand_as(value_states), value_states)
+            self.keys.scatter_(2, idx_k, key_states.to(self.keys.dtype))
+            self.values.scatter_(2, plan.row_index[:, None, :, None].expand_as(value_states),
+                                 value_states.to(self.values.dtype))
         # Attend over a view of the rows in use, not the whole padded buffer (the view is what makes
         # BMC match a sliced preallocation; a masked full buffer costs ~2x at long lengths).
         return self.keys[:, :, : plan.end], self.values[:, :, : plan.end]
@@ -98,7 +100,7 @@ class BMCLayer(CacheLayerMixin):
         store = self.store
         if self.layer_idx == 0 and store.period_policy is not None:  # layer 0 grows first: it sets T
             store.set_period(store.period_policy(store.max_length))
-        self.resize(math.ceil(needed / store.period) * store.period, k, v, k.shape[0])
+        self.resize(math.ceil(needed / store.period) * store.period, k, v, k.shape[0], store.kv_dtype)
         if self.layer_idx == 0:
             self.store.num_allocations += 1
 
@@ -154,11 +156,11 @@ class BMCLayer(CacheLayerMixin):
         with torch.inference_mode():
             if self.keys is None:
                 B, (H, _, Dk), Dv = self.store.batch_size, keys.shape, values.shape[-1]
-                self.dtype, self.device = keys.dtype, keys.device
+                self.dtype, self.device = self.store.kv_dtype or keys.dtype, keys.device
                 self.is_initialized = True
                 # zeros, not empty: padding must be finite (see reshape)
-                self.adopt(torch.zeros(B, H, capacity, Dk, dtype=keys.dtype, device=keys.device),
-                            torch.zeros(B, H, capacity, Dv, dtype=values.dtype, device=values.device), B)
+                self.adopt(torch.zeros(B, H, capacity, Dk, dtype=self.dtype, device=keys.device),
+                            torch.zeros(B, H, capacity, Dv, dtype=self.dtype, device=values.device), B)
             self.keys[b, :, : keys.shape[1]] = keys
             self.values[b, :, : values.shape[1]] = values
 
@@ -221,9 +223,11 @@ class BMCCache(Cache):
     layer_class = BMCLayer  # what holds each layer's buffers
 
     def __init__(self, num_layers: int, batch_size: int, config: BMCConfig = BMCConfig(),
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.config = config
-        self.dtype = dtype
+        self.dtype = dtype  # the forward's: its bias masks'
+        self.kv_dtype = kv_dtype  # the buffers' (written rounded to it); None: the states' own
         self.device = torch.device(device)
         self.lengths: list[int] = [0] * batch_size  # committed rows per batch row (host copy: no syncs)
         self.num_allocations = 0  # reallocations so far (counted once for all layers)
@@ -236,7 +240,9 @@ class BMCCache(Cache):
 
     @classmethod
     def for_model(cls, model, batch_size: int, config: BMCConfig = BMCConfig()) -> "BMCCache":
-        return cls(text_config(model).num_hidden_layers, batch_size, config, model.dtype, model.device)
+        """A store for ``model``'s K/V in the dtype its numerics keeps them in (``quant.numerics.kv_dtype``)."""
+        return cls(text_config(model).num_hidden_layers, batch_size, config, model.dtype, model.device,
+                   kv_dtype(model))
 
     def set_period(self, period: int) -> None:
         """Grow by ``period`` rows from the next reallocation on (rows held stay where they are)."""

@@ -39,6 +39,7 @@ import torch
 from specdec.introspect import text_config
 from specdec.kv.blocks import BlockInputs, WritePlan, block_bias, causal
 from specdec.kv.bmc import BMCCache, BMCConfig, BMCLayer
+from specdec.quant.numerics import kv_dtype
 from specdec.runtime.graphs import CAPTURES, StepGraphs
 
 
@@ -82,9 +83,10 @@ class StaticLayer(BMCLayer):
         B, H, Q, D = key_states.shape
         assert tuple(plan.row_index.shape) == (B, Q), f"block {B}x{Q} != planned {tuple(plan.row_index.shape)}"
         if self.keys is None:
-            self.resize(self.store.capacity_rows, key_states, value_states, B)
-        self.keys.scatter_(2, plan.row_index[:, None, :, None].expand(B, H, Q, D), key_states)
-        self.values.scatter_(2, plan.row_index[:, None, :, None].expand_as(value_states), value_states)
+            self.resize(self.store.capacity_rows, key_states, value_states, B, self.store.kv_dtype)
+        self.keys.scatter_(2, plan.row_index[:, None, :, None].expand(B, H, Q, D), key_states.to(self.keys.dtype))
+        self.values.scatter_(2, plan.row_index[:, None, :, None].expand_as(value_states),
+                             value_states.to(self.values.dtype))
         return self.keys, self.values  # every row: the bias hides the ones not this block's
 
     def adopt(self, rk: torch.Tensor, rv: torch.Tensor, rows: int) -> None:
@@ -100,16 +102,19 @@ class StaticCache(BMCCache):
     layer_class = StaticLayer
 
     def __init__(self, num_layers: int, batch_size: int, rows: int, shapes: StaticShapes = StaticShapes(),
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.shapes = shapes
         self.capacity_rows = shapes.capacity(rows)  # C, what buffers are made with
         self.graphs = StepGraphs(shapes.capture, torch.device(device))
-        super().__init__(num_layers, batch_size, BMCConfig(period=shapes.capacity_step), dtype, device)
+        super().__init__(num_layers, batch_size, BMCConfig(period=shapes.capacity_step), dtype, device, kv_dtype)
 
     @classmethod
     def for_model(cls, model, batch_size: int, rows: int, shapes: StaticShapes = StaticShapes()) -> "StaticCache":
-        """A store for ``model``'s layers, ``batch_size`` rows, sequences of up to ``rows`` rows."""
-        return cls(text_config(model).num_hidden_layers, batch_size, rows, shapes, model.dtype, model.device)
+        """A store for ``model``'s layers, ``batch_size`` rows, sequences of up to ``rows`` rows, K/V in the dtype
+        its numerics keeps them in (``quant.numerics.kv_dtype``)."""
+        return cls(text_config(model).num_hidden_layers, batch_size, rows, shapes, model.dtype, model.device,
+                   kv_dtype(model))
 
     def moved(self) -> None:
         """A layer's buffers moved: the graphs captured on the old ones go."""

@@ -4,7 +4,8 @@
   outputs as the dequantized model up to summation order (``QuantLinear.reference`` defines it).
 - ``int8``: every linear layer (Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K) rounds its input per row to 8-bit blocks of 32
   and multiplies the blocks' codes by them as integers, fp32 scales (``runtime/csrc/int8_linear.cpp``),
-  and attention runs one query row at a time over the keys that row sees (``runtime/csrc/row_attention.cpp``). A target in int8
+  and attention runs one query row at a time over the keys that row sees (``runtime/csrc/row_attention.cpp``), which
+  its K/V store holds in bf16 (``kv_dtype``: each value rounded once, as written, then read exactly). A target in int8
   numerics is its own reference: both ops are batch-invariant (a row's outputs are bit-equal computed
   alone, at any place in a block of any size, in a ragged batch, with any thread count), the norms,
   rotary and elementwise ops are per row, so a verify's rows are bit-equal to plain decoding's and
@@ -23,6 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from enum import Enum
 
+import torch
 import torch.nn as nn
 
 from specdec.quant.modules import QuantLinear
@@ -66,6 +68,13 @@ _ATTR = "specdec_numerics"  # the model's attribute, read by the forward (``nume
 def numerics_of(model) -> Numerics:
     """The numerics a model computes in (EXACT unless ``set_numerics`` said otherwise)."""
     return getattr(model, _ATTR, Numerics.EXACT)
+
+
+def kv_dtype(model) -> torch.dtype | None:
+    """The dtype a K/V store holds ``model``'s keys and values in: bf16 in int8 numerics (half the bytes a
+    step's attention reads; the values are rounded once, as written, and attended in fp32: docs/decisions/
+    019-int8-numerics.md), else None: the model's own."""
+    return torch.bfloat16 if numerics_of(model) is Numerics.INT8 else None
 
 
 def int8_problem(model: nn.Module) -> str | None:

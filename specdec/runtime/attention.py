@@ -28,6 +28,8 @@ from specdec.runtime import state
 # them) and the nearest number of keys (geometrically)
 ATTENTION_ROWS = 64
 ATTENTION_POINTS = ((3, 6, 12, 24, 48), (256, 2048))
+# what the row and prompt kernels read a store's K/V in: fp32, or bf16 (int8 numerics: quant.numerics.kv_dtype)
+STORE_DTYPES = (torch.float32, torch.bfloat16)
 
 # row b of a SPLIT block attends columns [0, ends[b]) (set by ``block_scope``)
 _split_ends: contextvars.ContextVar[list[int] | None] = contextvars.ContextVar("specdec_split_ends", default=None)
@@ -147,6 +149,8 @@ def grouped_attention(module, query, key, value, attention_mask, scaling=None, d
                         scaling if scaling is not None else D**-0.5)
         if out is not None:  # the kernel, where the self-check found it faster than SDPA
             return out.view(B, Hq, Q, D).transpose(1, 2).contiguous(), None
+    if key.dtype != query.dtype:  # a store in bf16 (int8 numerics) read by SDPA: its values in the query's dtype
+        key, value = key.to(query.dtype), value.to(query.dtype)
     if attention_mask is None or n == 1 or not plain:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
@@ -165,8 +169,8 @@ def prompt_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     exact numerics). query [B, H, n * Q, D] grouped (row r * Q + i: head r's query at position past + i),
     key / value [B, H, past + Q, D] -> [B, H, n * Q, D]. A row's output does not depend on how the prompt was
     cut into blocks. Why: docs/decisions/019-int8-numerics.md."""
-    if not prompt_kernel(query.shape[-1], query.dtype, query.device) or key.dtype != torch.float32 \
-            or value.dtype != torch.float32 or key.stride(-1) != 1 or value.stride(-1) != 1:
+    if not prompt_kernel(query.shape[-1], query.dtype, query.device) or key.dtype not in STORE_DTYPES \
+            or value.dtype != key.dtype or key.stride(-1) != 1 or value.stride(-1) != 1:
         return None
     return state.active().ops.prompt_attention(query, key, value, scale, past)
 

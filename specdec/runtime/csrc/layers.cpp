@@ -7,8 +7,9 @@
 // streaming its weights. ``layers`` runs the same ops in the same order for every layer of a block:
 //   h = the first layer's input norm (the caller's); for each layer i:
 //     q, k, v = rope_split(linear(h, qkv_i));  k, v written at rows starts[b] .. starts[b] + Q of the
-//     store's buffers (as BMCLayer.update writes them); o = attention(q, k_view, v_view, mask) over the
-//     first ``end`` rows, or with ``split`` per batch row over its own start + Q rows (SPLIT attention);
+//     store's buffers (fp32, or bf16 in int8 numerics) as BMCLayer.update writes them;
+//     o = attention(q, k_view, v_view, mask) over the first ``end`` rows, or with ``split`` per batch row
+//     over its own start + Q rows (SPLIT attention);
 //     each by the kernel or, where the self-check found SDPA faster, SDPA over the grouped query rows
 //     as runtime/attention.py grouped_attention calls it;  x, h = add_rms_norm(x, linear(o, o_i), norm2_i);
 //     x, h = add_rms_norm(x, linear(silu_mul(linear(h, gate_up_i)), down_i), next_norm_i)
@@ -33,6 +34,7 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include <cstdint>
 #include <cstring>
 #include <optional>
 #include <string>
@@ -90,6 +92,16 @@ struct Group {
 };
 
 enum Route : int64_t { kLinear = 0, kMm = 1, kPacked = 2, kWide = 3 };
+
+// n floats into a store's bf16 buffer (int8 numerics' store), rounded to nearest even as torch's copy_ rounds
+// them (a NaN as its vectorized path writes it), so this write and BMCLayer.update's leave the same bits
+void to_bf16(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, src + i, 4);
+    dst[i] = src[i] != src[i] ? uint16_t(0xFFFF) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+}
 
 // A quantized target's linears: per linear, its parts' blocks (uint8 [N_p, row_bytes]) and GGML types
 struct QuantParts {
@@ -219,17 +231,23 @@ Triple layers(const Tensor& x0, const Tensor& h0, at::TensorList weights, at::Te
     const int64_t D = q.size(3);
     TORCH_CHECK(kb.dim() == 4 && kb.size(0) == B && kb.size(1) == hkv && kb.size(3) == D && kb.size(2) >= end &&
                     kb.is_contiguous() && vb.sizes() == kb.sizes() && vb.is_contiguous() &&
-                    kb.scalar_type() == at::kFloat && vb.scalar_type() == at::kFloat,
+                    vb.scalar_type() == kb.scalar_type() &&
+                    (kb.scalar_type() == at::kFloat || (rows && kb.scalar_type() == at::kBFloat16)),
                 "layers: layer ", i, "'s K/V buffers ", kb.sizes(), " do not hold ", end, " rows of [", B, ", ", hkv,
-                ", ", D, "] float32");
+                ", ", D, "] float32 (or bfloat16, attended a row at a time)");
+    const bool bf16 = kb.scalar_type() == at::kBFloat16;
     const int64_t C = kb.size(2);
     for (int64_t b = 0; b < B; ++b)  // the store's write: Q rows per (sequence, head) at starts[b]
       for (int64_t j = 0; j < hkv; ++j) {
-        const size_t bytes = static_cast<size_t>(Q * D) * sizeof(float);
-        std::memcpy(kb.data_ptr<float>() + ((b * hkv + j) * C + starts[b]) * D,
-                    k.data_ptr<float>() + (b * hkv + j) * Q * D, bytes);
-        std::memcpy(vb.data_ptr<float>() + ((b * hkv + j) * C + starts[b]) * D,
-                    v.data_ptr<float>() + (b * hkv + j) * Q * D, bytes);
+        const int64_t at = ((b * hkv + j) * C + starts[b]) * D, from = (b * hkv + j) * Q * D;
+        if (bf16) {
+          to_bf16(reinterpret_cast<uint16_t*>(kb.data_ptr()) + at, k.data_ptr<float>() + from, Q * D);
+          to_bf16(reinterpret_cast<uint16_t*>(vb.data_ptr()) + at, v.data_ptr<float>() + from, Q * D);
+        } else {
+          const size_t bytes = static_cast<size_t>(Q * D) * sizeof(float);
+          std::memcpy(kb.data_ptr<float>() + at, k.data_ptr<float>() + from, bytes);
+          std::memcpy(vb.data_ptr<float>() + at, v.data_ptr<float>() + from, bytes);
+        }
       }
     const Tensor qg = q.view({B, hkv, hq / hkv * Q, D});  // a KV head's query heads as rows of one block
     std::vector<Tensor> outs;

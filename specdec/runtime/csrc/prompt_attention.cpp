@@ -1,6 +1,7 @@
 // A prompt's causal attention over itself in bf16 products (AVX512-BF16): the prefill of a target in int8
-// numerics (docs/decisions/019-int8-numerics.md). q, k, v are rounded to bf16 (round to nearest even), q.k and
-// p.v are vdpbf16ps dot products accumulated in fp32, the softmax in fp32 (vec.h's vexp), p rounded to bf16.
+// numerics (docs/decisions/019-int8-numerics.md). q, k, v are rounded to bf16 (round to nearest even; a store's
+// bf16 K/V are taken as held), q.k and p.v are vdpbf16ps dot products accumulated in fp32, the softmax in fp32
+// (vec.h's vexp), p rounded to bf16.
 // Position i's rows (the grouped heads that share its KV head) attend keys 0..i in blocks of 32 keys from key 0,
 // online softmax (running max and sum, rescaled only when the max grows, which leaves the same bits as
 // rescaling by 1): a row's output depends only on its query and keys 0..i, never on the prompt's length, the
@@ -32,30 +33,35 @@ inline uint16_t to_bf16(float f) {  // round to nearest even (the prompts' value
   return static_cast<uint16_t>(u >> 16);
 }
 
+inline uint16_t to_bf16(uint16_t b) { return b; }  // a store's bf16 K/V (int8 numerics): as held
+
 // x[0], x[1] as one 32-bit word of two bf16 (x[0] in the low half): vdpbf16ps's pair
-inline uint32_t bf16_pair(const float* x) {
+template <typename T>
+inline uint32_t bf16_pair(const T* x) {
   return static_cast<uint32_t>(to_bf16(x[0])) | (static_cast<uint32_t>(to_bf16(x[1])) << 16);
 }
 
-// keys [L, D] (row stride ks) -> [blocks][D / 2 words][32 keys] 32-bit words: word p of key j holds its bf16
-// dims 2p, 2p + 1; keys past L are zeros (their scores are masked)
-void pack_keys(const float* k, int64_t ks, int64_t L, int64_t D, uint32_t* out) {
+// keys [L, D] (row stride ks; fp32, or a store's bf16) -> [blocks][D / 2 words][32 keys] 32-bit words: word p
+// of key j holds its bf16 dims 2p, 2p + 1; keys past L are zeros (their scores are masked)
+template <typename T>
+void pack_keys(const T* k, int64_t ks, int64_t L, int64_t D, uint32_t* out) {
   const int64_t blocks = (L + kBlock - 1) / kBlock, W = D / 2;
   std::memset(out, 0, blocks * W * kBlock * sizeof(uint32_t));
   for (int64_t j = 0; j < L; ++j) {
-    const float* row = k + j * ks;
+    const T* row = k + j * ks;
     uint32_t* dst = out + (j / kBlock) * W * kBlock + (j % kBlock);
     for (int64_t p = 0; p < W; ++p) dst[p * kBlock] = bf16_pair(row + 2 * p);
   }
 }
 
-// values [L, D] (row stride vs) -> [blocks][16 key pairs][D] 32-bit words: word d of pair c holds the bf16 of
-// dim d of keys 2c, 2c + 1 of the block (zeros past L)
-void pack_values(const float* v, int64_t vs, int64_t L, int64_t D, uint32_t* out) {
+// values [L, D] (row stride vs; fp32 or bf16) -> [blocks][16 key pairs][D] 32-bit words: word d of pair c holds
+// the bf16 of dim d of keys 2c, 2c + 1 of the block (zeros past L)
+template <typename T>
+void pack_values(const T* v, int64_t vs, int64_t L, int64_t D, uint32_t* out) {
   const int64_t blocks = (L + kBlock - 1) / kBlock;
   std::memset(out, 0, blocks * (kBlock / 2) * D * sizeof(uint32_t));
   for (int64_t j = 0; j < L; ++j) {
-    const float* row = v + j * vs;
+    const T* row = v + j * vs;
     uint32_t* dst = out + (j / kBlock) * (kBlock / 2) * D + ((j % kBlock) / 2) * D;
     const int shift = (j % 2) * 16;
     for (int64_t d = 0; d < D; ++d) dst[d] |= static_cast<uint32_t>(to_bf16(row[d])) << shift;
@@ -158,8 +164,9 @@ bool prompt_attention_supports(int64_t D) { return kBuilt && (D == 64 || D == 12
 at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value, double scale,
                             int64_t past) {
   TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "prompt_attention: 4-d query, key, value");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
-              "prompt_attention: float32 only");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && value.scalar_type() == key.scalar_type() &&
+                  (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
+              "prompt_attention: a float32 query; key and value both float32 or both bfloat16 (a store's)");
   const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3), L = key.size(2);
   const int64_t Q = L - past;
   TORCH_CHECK(key.size(0) == B && key.size(1) == H && key.size(3) == D && value.sizes() == key.sizes(),
@@ -179,9 +186,14 @@ at::Tensor prompt_attention(const at::Tensor& query, const at::Tensor& key, cons
   at::parallel_for(0, B * H, 1, [&](int64_t a0, int64_t a1) {
     for (int64_t a = a0; a < a1; ++a) {
       const int64_t b = a / H, h = a % H;
-      pack_keys(key.data_ptr<float>() + b * key.stride(0) + h * key.stride(1), key.stride(2), L, D, kp + a * per);
-      pack_values(value.data_ptr<float>() + b * value.stride(0) + h * value.stride(1), value.stride(2), L, D,
-                  vp + a * per);
+      const int64_t ko = b * key.stride(0) + h * key.stride(1), vo = b * value.stride(0) + h * value.stride(1);
+      if (key.scalar_type() == at::kBFloat16) {  // bf16 as held: the rounding below would leave it as it is
+        pack_keys(reinterpret_cast<const uint16_t*>(key.data_ptr()) + ko, key.stride(2), L, D, kp + a * per);
+        pack_values(reinterpret_cast<const uint16_t*>(value.data_ptr()) + vo, value.stride(2), L, D, vp + a * per);
+      } else {
+        pack_keys(key.data_ptr<float>() + ko, key.stride(2), L, D, kp + a * per);
+        pack_values(value.data_ptr<float>() + vo, value.stride(2), L, D, vp + a * per);
+      }
     }
   });
   const float* qp = qc.data_ptr<float>();

@@ -14,6 +14,8 @@
 // independent chains (one key at a time, a row ran one latency-bound chain; decision 019). Each row's
 // operations stay the ones above, in the same order, whichever rows share its group.
 // Threads split (sequence, head, row group) items, never a row's keys.
+// Keys and values come as the store holds them: fp32, or bf16 (int8 numerics' store) widened exactly to fp32
+// as they are loaded, so the arithmetic above is the same on either.
 // Floating-point expressions are computed as written (no FMA contraction): the AVX2 and native builds, and the
 // kernel's instances per head size, then round alike.
 #pragma GCC optimize("fp-contract=off")
@@ -38,6 +40,7 @@ namespace {
 using specdec_vec::hmax8;
 using specdec_vec::hsum8;
 using specdec_vec::hsum8x4;
+using specdec_vec::load8;
 #endif
 
 constexpr float kMasked = -1e30f;  // a bias at or below this hides its key (HF's masks use the dtype's min)
@@ -67,23 +70,25 @@ struct Scratch {
 
 // the weighted values of a row's n visible keys (rank r: key j[r], weight p[r]) in rank order, D / 8 lanes of
 // 8 floats each accumulating one FMA per key
-inline void weigh_values_any(const float* p, const int64_t* j, int64_t n, const float* v, int64_t vs, int64_t D,
+template <typename T>
+inline void weigh_values_any(const float* p, const int64_t* j, int64_t n, const T* v, int64_t vs, int64_t D,
                              float l, float* acc, float* out) {
   for (int64_t d = 0; d < D; d += 8) _mm256_storeu_ps(acc + d, _mm256_setzero_ps());
   for (int64_t r = 0; r < n; ++r) {
     const __m256 w = _mm256_set1_ps(p[r]);
-    const float* vr = v + j[r] * vs;
+    const T* vr = v + j[r] * vs;
     for (int64_t d = 0; d < D; d += 8)
-      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + d), _mm256_loadu_ps(acc + d)));
+      _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(w, load8(vr + d), _mm256_loadu_ps(acc + d)));
   }
   for (int64_t d = 0; d < D; ++d) out[d] = acc[d] / l;
 }
 
 // the dot product of a query with a key: a product, FMAs over D in 8 lanes (lane i sums d = i, i + 8, ... in
 // order) and hsum8's fixed horizontal sum
-inline float dot_any(const float* a, const float* b, int64_t D) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-  for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
+template <typename T>
+inline float dot_any(const float* a, const T* b, int64_t D) {
+  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), load8(b));
+  for (int64_t i = 8; i < D; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), load8(b + i), acc);
   return hsum8(acc);
 }
 
@@ -110,7 +115,8 @@ inline float sum_of(const float* s, int64_t n) {
 }
 
 // one row, any head size (a multiple of 8): the three steps above, one key at a time
-void one_row(const float* q, const float* k, int64_t ks, const float* v, int64_t vs, const float* bias, int64_t L,
+template <typename T>
+void one_row(const float* q, const T* k, int64_t ks, const T* v, int64_t vs, const float* bias, int64_t L,
              int64_t D, float scale, float* out, Scratch& w) {
   int64_t n = 0;  // 1. the visible keys' scores, compacted (rank order)
   for (int64_t j = 0; j < L; ++j) {
@@ -143,20 +149,20 @@ struct GroupScratch {
 
 // the dot products of G queries with 4 keys (k0, k0 + ks, ...): raw[g] lane t = q[g] . key t, dot_any's
 // operations (hsum8's sum by hsum8x4)
-template <int D, int G>
-__attribute__((always_inline)) inline void dots_4_keys(const float* const* q, const float* k0, int64_t ks,
+template <int D, int G, typename T>
+__attribute__((always_inline)) inline void dots_4_keys(const float* const* q, const T* k0, int64_t ks,
                                                        __m128* raw) {
   __m256 acc[G][4];
   for (int g = 0; g < G; ++g) {
     const __m256 q0 = _mm256_loadu_ps(q[g]);
-    for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_mul_ps(q0, _mm256_loadu_ps(k0 + t * ks));
+    for (int t = 0; t < 4; ++t) acc[g][t] = _mm256_mul_ps(q0, load8(k0 + t * ks));
   }
   for (int d = 1; d < D / 8; ++d) {
     // each key and query vector loaded once into a register for its FMAs (the empty asm keeps the compiler
     // from folding the load into every FMA that uses it: then the loads, not the FMAs, bound the loop)
     __m256 kv[4];
     for (int t = 0; t < 4; ++t) {
-      kv[t] = _mm256_loadu_ps(k0 + t * ks + 8 * d);
+      kv[t] = load8(k0 + t * ks + 8 * d);
       __asm__("" : "+v"(kv[t]));
     }
     for (int g = 0; g < G; ++g) {
@@ -171,17 +177,17 @@ __attribute__((always_inline)) inline void dots_4_keys(const float* const* q, co
 // the same apart from its caller, for groups of 2 or 4: their accumulators, 4 key and a query vector then get the
 // registers to themselves (inlined, GCC spilled accumulators to the stack, an FMA chain through memory; one row's
 // fit beside the caller's, and its call would cost more than it saves)
-template <int D, int G>
-__attribute__((noinline)) void dots_4_keys_apart(const float* const* q, const float* k0, int64_t ks, __m128* raw) {
-  dots_4_keys<D, G>(q, k0, ks, raw);
+template <int D, int G, typename T>
+__attribute__((noinline)) void dots_4_keys_apart(const float* const* q, const T* k0, int64_t ks, __m128* raw) {
+  dots_4_keys<D, G, T>(q, k0, ks, raw);
 }
 
 // the scores of G rows, 4 keys at a time (each key block loaded once for all the rows), times the scale plus
 // the bias (two roundings, as one_row's); a key no row sees is skipped. -> the number of keys some row sees
 // (w.j, w.seen); n[g]: row g's count; *shared: how many of the first keys every row sees (a row's rank there
 // is the key's)
-template <int D, int G>
-int64_t group_scores(const float* const* q, const float* k, int64_t ks, const float* const* bias, int64_t L,
+template <int D, int G, typename T>
+int64_t group_scores(const float* const* q, const T* k, int64_t ks, const float* const* bias, int64_t L,
                      float scale, GroupScratch& w, int64_t* n, int64_t* shared) {
   constexpr unsigned kAll = (1u << G) - 1;
   int64_t nu = 0, j = 0;
@@ -208,9 +214,9 @@ int64_t group_scores(const float* const* q, const float* k, int64_t ks, const fl
     if (!any) continue;
     __m128 raw[G];
     if constexpr (G == 1)
-      dots_4_keys<D, G>(q, k + j * ks, ks, raw);
+      dots_4_keys<D, G, T>(q, k + j * ks, ks, raw);
     else
-      dots_4_keys_apart<D, G>(q, k + j * ks, ks, raw);
+      dots_4_keys_apart<D, G, T>(q, k + j * ks, ks, raw);
     if (every == 0xF) {  // every row sees the 4 keys (most blocks)
       for (int g = 0; g < G; ++g) _mm_storeu_ps(s + g * L + n[g], _mm_add_ps(_mm_mul_ps(raw[g], scale4), b[g]));
       for (int g = 0; g < G; ++g) n[g] += 4;
@@ -249,12 +255,12 @@ int64_t group_scores(const float* const* q, const float* k, int64_t ks, const fl
 
 // G rows of one head (query q[g], bias row bias[g], output out[g]): one_row's three steps, with the scores and
 // the values of each key shared by the rows
-template <int D, int G>
-void row_group(const float* const* q, const float* k, int64_t ks, const float* v, int64_t vs,
+template <int D, int G, typename T>
+void row_group(const float* const* q, const T* k, int64_t ks, const T* v, int64_t vs,
                const float* const* bias, int64_t L, float scale, float* const* out, GroupScratch& w) {
   constexpr int kChunk = std::min(D / 8, kAccs / G);  // vectors of D a pass over the keys accumulates
   int64_t n[G], shared;
-  const int64_t nu = group_scores<D, G>(q, k, ks, bias, L, scale, w, n, &shared);
+  const int64_t nu = group_scores<D, G, T>(q, k, ks, bias, L, scale, w, n, &shared);
   const float* p = w.s.data();
   float l[G];
   for (int g = 0; g < G; ++g) {  // 2. each row's softmax, as one_row's
@@ -269,9 +275,9 @@ void row_group(const float* const* q, const float* k, int64_t ks, const float* v
       for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_setzero_ps();
     int64_t u = 0;
     for (; u < shared; ++u) {  // keys every row sees: a row's rank is u
-      const float* vr = v + w.j[u] * vs + 8 * c;
+      const T* vr = v + w.j[u] * vs + 8 * c;
       __m256 vv[kChunk];
-      for (int e = 0; e < kChunk; ++e) vv[e] = _mm256_loadu_ps(vr + 8 * e);
+      for (int e = 0; e < kChunk; ++e) vv[e] = load8(vr + 8 * e);
       for (int g = 0; g < G; ++g) {
         const __m256 pg = _mm256_set1_ps(p[g * L + u]);
         for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_fmadd_ps(pg, vv[e], acc[g][e]);
@@ -280,12 +286,12 @@ void row_group(const float* const* q, const float* k, int64_t ks, const float* v
     int64_t rank[G];
     for (int g = 0; g < G; ++g) rank[g] = shared;
     for (; u < nu; ++u) {  // the rest: each row's own ranks
-      const float* vr = v + w.j[u] * vs + 8 * c;
+      const T* vr = v + w.j[u] * vs + 8 * c;
       const unsigned seen = w.seen[u];
       for (int g = 0; g < G; ++g) {
         if (!(seen >> g & 1)) continue;
         const __m256 pg = _mm256_set1_ps(p[g * L + rank[g]++]);
-        for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_fmadd_ps(pg, _mm256_loadu_ps(vr + 8 * e), acc[g][e]);
+        for (int e = 0; e < kChunk; ++e) acc[g][e] = _mm256_fmadd_ps(pg, load8(vr + 8 * e), acc[g][e]);
       }
     }
     for (int g = 0; g < G; ++g) {
@@ -299,13 +305,14 @@ void row_group(const float* const* q, const float* k, int64_t ks, const float* v
       for (int64_t d = 0; d < D; ++d) out[g][d] = 0.f;
 }
 
-using GroupFn = void (*)(const float* const*, const float*, int64_t, const float*, int64_t, const float* const*,
+template <typename T>
+using GroupFn = void (*)(const float* const*, const T*, int64_t, const T*, int64_t, const float* const*,
                          int64_t, float, float* const*, GroupScratch&);
 
-template <int D>
-GroupFn group_fn_of(int G) {
-  if (G >= kMaxGroup) return &row_group<D, kMaxGroup>;  // group_size gives at most kMaxGroup
-  return G >= 2 ? &row_group<D, 2> : &row_group<D, 1>;
+template <int D, typename T>
+GroupFn<T> group_fn_of(int G) {
+  if (G >= kMaxGroup) return &row_group<D, kMaxGroup, T>;  // group_size gives at most kMaxGroup
+  return G >= 2 ? &row_group<D, 2, T> : &row_group<D, 1, T>;
 }
 
 // the group size for R rows a head: the largest that repeats at most a quarter of them to fill its last group
@@ -316,46 +323,21 @@ int group_size(int64_t R) {
   return 1;
 }
 
-#endif  // __AVX2__
-
-// query [B, H, R, D], key / value [B, H, L, D] (rows contiguous: a store's views), bias additive
-// [B or 1, 1, Q, L] with R a multiple of Q (row r uses bias row r % Q) or None -> [B, H, R, D]
-at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
-                         const std::optional<at::Tensor>& bias, double scale) {
-  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "row_attention: 4-d query, key, value");
-  TORCH_CHECK(query.scalar_type() == at::kFloat && key.scalar_type() == at::kFloat && value.scalar_type() == at::kFloat,
-              "row_attention: float32 only");
-  const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3), L = key.size(2);
-  TORCH_CHECK(key.size(0) == B && key.size(1) == H && key.size(3) == D && value.sizes() == key.sizes(),
-              "row_attention: key / value [B, H, L, D] matching the query");
-  TORCH_CHECK(D % 8 == 0, "row_attention: head size a multiple of 8");
-  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "row_attention: key / value rows contiguous");
-  const float* bp = nullptr;
-  int64_t Q = R, bb = 0, bq = 0;
-  at::Tensor bc;
-  if (bias.has_value() && bias->defined()) {
-    bc = bias->contiguous();
-    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.dim() == 4 && bc.size(1) == 1 && bc.size(3) == L
-                && (bc.size(0) == B || bc.size(0) == 1) && bc.size(2) >= 1 && R % bc.size(2) == 0,
-                "row_attention: bias float32 [B or 1, 1, Q, L] with R a multiple of Q");
-    Q = bc.size(2);
-    bb = bc.size(0) == 1 ? 0 : Q * L;
-    bq = L;
-    bp = bc.data_ptr<float>();
-  }
-  const at::Tensor qc = query.contiguous();
-  at::Tensor out = at::empty({B, H, R, D}, query.options());
-#if defined(__AVX2__)
+// row_attention's work over K/V of element type T (float, or uint16_t: bf16), into ``out``
+template <typename T>
+void attend(const at::Tensor& qc, const at::Tensor& key, const at::Tensor& value, const float* bp, int64_t bb,
+            int64_t bq, int64_t Q, double scale, at::Tensor& out) {
+  const int64_t B = qc.size(0), H = qc.size(1), R = qc.size(2), D = qc.size(3), L = key.size(2);
   const float* qp = qc.data_ptr<float>();
-  const float* kp = key.data_ptr<float>();
-  const float* vp = value.data_ptr<float>();
+  const T* kp = reinterpret_cast<const T*>(key.data_ptr());
+  const T* vp = reinterpret_cast<const T*>(value.data_ptr());
   float* op = out.data_ptr<float>();
   const int64_t ks0 = key.stride(0), ks1 = key.stride(1), ks = key.stride(2);
   const int64_t vs0 = value.stride(0), vs1 = value.stride(1), vs = value.stride(2);
   const float sc = static_cast<float>(scale);
   if (D == 64 || D == 128) {  // a head's rows in groups of G
     const int G = group_size(R);
-    const GroupFn row_group = D == 64 ? group_fn_of<64>(G) : group_fn_of<128>(G);
+    const GroupFn<T> row_group = D == 64 ? group_fn_of<64, T>(G) : group_fn_of<128, T>(G);
     const int64_t groups = (R + G - 1) / G;
     at::parallel_for(0, B * H * groups, 1, [&](int64_t i0, int64_t i1) {
       GroupScratch w;
@@ -378,7 +360,7 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
         row_group(q, kp + b * ks0 + h * ks1, ks, vp + b * vs0 + h * vs1, vs, brow, L, sc, o, w);
       }
     });
-    return out;
+    return;
   }
   at::parallel_for(0, B * H * R, 1, [&](int64_t i0, int64_t i1) {
     Scratch w;
@@ -388,9 +370,45 @@ at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const a
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = i / (H * R), h = (i / R) % H, r = i % R;
       const float* brow = bp == nullptr ? nullptr : bp + b * bb + (r % Q) * bq;
-      one_row(qp + i * D, kp + b * ks0 + h * ks1, ks, vp + b * vs0 + h * vs1, vs, brow, L, D, sc, op + i * D, w);
+      one_row<T>(qp + i * D, kp + b * ks0 + h * ks1, ks, vp + b * vs0 + h * vs1, vs, brow, L, D, sc, op + i * D, w);
     }
   });
+}
+#endif  // __AVX2__
+
+// query [B, H, R, D] float32, key / value [B, H, L, D] float32 or bf16 (rows contiguous: a store's views), bias additive
+// [B or 1, 1, Q, L] with R a multiple of Q (row r uses bias row r % Q) or None -> [B, H, R, D]
+at::Tensor row_attention(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                         const std::optional<at::Tensor>& bias, double scale) {
+  TORCH_CHECK(query.dim() == 4 && key.dim() == 4 && value.dim() == 4, "row_attention: 4-d query, key, value");
+  TORCH_CHECK(query.scalar_type() == at::kFloat && value.scalar_type() == key.scalar_type() &&
+                  (key.scalar_type() == at::kFloat || key.scalar_type() == at::kBFloat16),
+              "row_attention: a float32 query; key and value both float32 or both bfloat16 (a store's)");
+  const int64_t B = query.size(0), H = query.size(1), R = query.size(2), D = query.size(3), L = key.size(2);
+  TORCH_CHECK(key.size(0) == B && key.size(1) == H && key.size(3) == D && value.sizes() == key.sizes(),
+              "row_attention: key / value [B, H, L, D] matching the query");
+  TORCH_CHECK(D % 8 == 0, "row_attention: head size a multiple of 8");
+  TORCH_CHECK(key.stride(3) == 1 && value.stride(3) == 1, "row_attention: key / value rows contiguous");
+  const float* bp = nullptr;
+  int64_t Q = R, bb = 0, bq = 0;
+  at::Tensor bc;
+  if (bias.has_value() && bias->defined()) {
+    bc = bias->contiguous();
+    TORCH_CHECK(bc.scalar_type() == at::kFloat && bc.dim() == 4 && bc.size(1) == 1 && bc.size(3) == L
+                && (bc.size(0) == B || bc.size(0) == 1) && bc.size(2) >= 1 && R % bc.size(2) == 0,
+                "row_attention: bias float32 [B or 1, 1, Q, L] with R a multiple of Q");
+    Q = bc.size(2);
+    bb = bc.size(0) == 1 ? 0 : Q * L;
+    bq = L;
+    bp = bc.data_ptr<float>();
+  }
+  const at::Tensor qc = query.contiguous();
+  at::Tensor out = at::empty({B, H, R, D}, query.options());
+#if defined(__AVX2__)
+  if (key.scalar_type() == at::kBFloat16)
+    attend<uint16_t>(qc, key, value, bp, bb, bq, Q, scale, out);
+  else
+    attend<float>(qc, key, value, bp, bb, bq, Q, scale, out);
 #else
   TORCH_CHECK(false, "row_attention: this build has no AVX2");
 #endif

@@ -70,6 +70,13 @@ static inline __m128 hsum8x4(__m256 a, __m256 b, __m256 c, __m256 d) {
   return _mm_unpacklo_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
 }
 
+// 8 keys' or values' floats from a store: fp32 as held, or bf16 (a store in int8 numerics holds K/V as the
+// upper halves of fp32: docs/decisions/019-int8-numerics.md) widened exactly
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
 // the maximum of 8 floats (exact in any order)
 static inline float hmax8(__m256 v) {
   __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
