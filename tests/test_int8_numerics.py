@@ -206,31 +206,20 @@ def test_row_attention_reads_a_bf16_store_as_its_fp32_values(ops, D, R, L):
 def test_an_int8_targets_store_holds_bf16_written_alike_by_the_one_call_and_the_loop(monkeypatch):
     """An int8 target's K/V store holds bf16 (an exact target's fp32); the compiled call's write (csrc/layers.cpp)
     rounds as the store's own (torch's copy), so the one call and the loop leave the same store and logits."""
-    from conftest import ragged_blocks
-    from specdec import fastpath
-    from test_layer_ops import _count_one_calls
     from test_quant import tiny_quant_llama
+    from test_quant_kernel import one_call_and_loop
 
     assert BMCCache.for_model(tiny_quant_llama("Q4_1"), 1).kv_dtype is None  # exact numerics: the model's fp32
-    runtime = RuntimeConfig(calibrate=False)
-    model = _int8_llama(2)
-    stores = {}
-    with use(runtime):
-        path = fastpath.get(model, runtime)
-        assert path is not None and path.one_call
-        calls = _count_one_calls(monkeypatch)
-        outs = {}
-        for one_call in (True, False):
-            path.one_call = one_call
+    stores = []  # the one call's, then the loop's
 
-            def store(m, batch, one_call=one_call):
-                stores[one_call] = BMCCache.for_model(m, batch, BMCConfig(8))
-                return stores[one_call]
-            outs[one_call] = ragged_blocks(model, store=store)
+    def store(m, batch):
+        stores.append(BMCCache.for_model(m, batch, BMCConfig(8)))
+        return stores[-1]
+    outs, calls = one_call_and_loop(_int8_llama(2), monkeypatch, store)
     assert calls["ran"] >= 2
     for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
         assert torch.equal(la, lb) and torch.equal(ha, hb)
-    for a, b in zip(stores[True].layers, stores[False].layers):
+    for a, b in zip(stores[0].layers, stores[1].layers):
         assert a.keys.dtype == torch.bfloat16 and a.values.dtype == torch.bfloat16
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 

@@ -91,12 +91,20 @@ def test_several_weights_in_one_call_equal_each_alone_bit_for_bit(variant):
 def test_one_call_over_quantized_blocks_is_the_loop_bit_for_bit(quant, monkeypatch):
     """All layers of a quantized target in one compiled call (csrc/layers.cpp over the parts' blocks) give
     the loop's logits and hidden states exactly, on a chain, a ragged tree block and a SPLIT block."""
+    _ops("native")
+    outs, calls = one_call_and_loop(tiny_quant_llama(quant), monkeypatch)
+    assert calls == {"ran": 2, "declined": 1}  # the first block makes the store's buffers
+    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+def one_call_and_loop(model, monkeypatch, store=None) -> tuple[dict, dict]:
+    """``conftest.ragged_blocks`` of ``model`` through the one compiled call (outs[True]) and through the loop
+    (outs[False]), on stores made by ``store`` (its default: BMC), and how often the one call ran or declined."""
     from conftest import ragged_blocks
     from test_layer_ops import _count_one_calls
 
-    _ops("native")
     runtime = RuntimeConfig(calibrate=False)
-    model = tiny_quant_llama(quant)
     with use(runtime):
         path = fastpath.get(model, runtime)
         assert path is not None and path.one_call
@@ -104,10 +112,8 @@ def test_one_call_over_quantized_blocks_is_the_loop_bit_for_bit(quant, monkeypat
         outs = {}
         for one_call in (True, False):
             path.one_call = one_call
-            outs[one_call] = ragged_blocks(model)
-    assert calls == {"ran": 2, "declined": 1}  # the first block makes the store's buffers
-    for (la, ha), (lb, hb) in zip(outs[True], outs[False]):
-        assert torch.equal(la, lb) and torch.equal(ha, hb)
+            outs[one_call] = ragged_blocks(model, store=store)
+    return outs, calls
 
 
 def test_one_call_inside_approximate_is_the_int8_loop_bit_for_bit(monkeypatch):
