@@ -489,3 +489,22 @@ def test_perplexity_through_the_store_scores_the_rows_decoding_computes():
     assert torch.equal(store_logits(model, ids, 4), store_logits(model, ids, 7))
     nll, n = book_nll(model, ids, "decode", 4)
     assert n == 22 and nll == pytest.approx(book_nll(model, ids)[0], rel=1e-2)  # close to its prefill's
+
+
+def test_compressed_drafts_over_an_int8_targets_bf16_store_equal_its_plain_decoding():
+    """Self-speculation on an int8 target: StreamingLLM's and SnapKV's stores hold the target store's bf16 rows
+    (SnapKV's votes read them in fp32), prompts longer than the budget, drafts accepted; tokens equal plain
+    decoding's at batch 1 and in a ragged batch of two."""
+    from specdec.drafters.self_spec import SnapKVDrafter
+
+    target = _int8_llama(4)
+    prompts = _prompts()
+    plain = SpecDecoder(target, None).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+    for drafter in (StreamingDrafter(target, budget=8, sink=2, overshoot=4),
+                    SnapKVDrafter(target, budget=8, window=4, kernel=3, overshoot=4)):
+        out = SpecDecoder(target, drafter).generate(prompts, max_new_tokens=NEW, eos_token_id=None)
+        for b in range(len(prompts)):
+            assert out.generated(b).tolist() == plain.generated(b).tolist(), (type(drafter).__name__, b)
+        assert sum(out.accepted_per_sequence) > 0 and drafter.cache.kv_dtype == torch.bfloat16
+        one = SpecDecoder(target, drafter).generate(prompts[1:], max_new_tokens=NEW, eos_token_id=None)
+        assert one.generated(0).tolist() == plain.generated(1).tolist(), type(drafter).__name__

@@ -41,6 +41,7 @@ from specdec.drafters.vocab import DraftVocabulary, VocabHead
 from specdec.forward import cache_arg, forward_block
 from specdec.introspect import attention_shape, float_dtype
 from specdec.kv.bmc import BMCCache
+from specdec.quant.numerics import kv_dtype
 from specdec.runtime import int8_linear
 from specdec.sampling import SamplingParams
 from specdec.kv.compressed import (CompressedCache, CompressedCacheConfig, StoreView, group_scores, snapkv_keep,
@@ -79,7 +80,7 @@ class SelfSpecDrafter(Drafter):
         ``controller.cost.shortest_paying_prompt``; docs/decisions/008-auto-sources.md)."""
         # parameters and buffers: a quantized target's weights are its blocks, held as buffers
         weights = sum(t.numel() * t.element_size() for t in (*self.target.parameters(), *self.target.buffers()))
-        element = float_dtype(self.target).itemsize  # the store's rows
+        element = (kv_dtype(self.target) or float_dtype(self.target)).itemsize  # the store's rows
         per_token = 2 * self.num_layers * self.num_kv_heads * self.head_dim * element * batch_size
         budget = self.cache_config.budget + self.cache_config.overshoot // 2  # between compactions: +32 on average
         return shortest_paying_prompt(weights, per_token, budget, max_ratio)
@@ -105,7 +106,8 @@ class SelfSpecDrafter(Drafter):
                           stacklevel=2)
         B = len(lengths)
         dtype = float_dtype(self.draft, self.source.dtype)  # the draft's: a quantized copy computes in fp32
-        self.cache = CompressedCache(self.num_layers, B, self.cache_config, dtype, self.source.device)
+        self.cache = CompressedCache(self.num_layers, B, self.cache_config, dtype, self.source.device,
+                                     kv_dtype(self.draft))  # bf16 where the draft attends in int8 numerics
         keep, protected = self.prompt_rows(prompt, self.source)
         self.cache.load(self.source, keep, protected)
         self._synced = list(self.source.lengths)
@@ -219,8 +221,9 @@ def _observe_attention(module, query, key, value, attention_mask, scaling, dropo
     key: query [B, Hq, w, D], key/value [B, H, L, D] -> votes[layer] [B, H, L]."""
     B, Hq, w, D = query.shape
     H = key.shape[1]
-    k = key.repeat_interleave(Hq // H, dim=1)  # query head q reads KV head q // (Hq / H)
-    v = value.repeat_interleave(Hq // H, dim=1)
+    # query head q reads KV head q // (Hq / H); a store in bf16 (int8 numerics) read in the query's dtype
+    k = key.to(query.dtype).repeat_interleave(Hq // H, dim=1)
+    v = value.to(query.dtype).repeat_interleave(Hq // H, dim=1)
     logits = torch.matmul(query, k.transpose(2, 3)) * scaling + attention_mask  # [B, Hq, w, L]
     weights = torch.softmax(logits, dim=-1, dtype=torch.float32)
     if snapkv_votes is not None:

@@ -132,8 +132,9 @@ class CompressedCache(BMCCache):
     """
 
     def __init__(self, num_layers: int, batch_size: int, config: CompressedCacheConfig = CompressedCacheConfig(),
-                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu") -> None:
-        super().__init__(num_layers, batch_size, BMCConfig(config.period), dtype, device)
+                 dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+                 kv_dtype: torch.dtype | None = None) -> None:
+        super().__init__(num_layers, batch_size, BMCConfig(config.period), dtype, device, kv_dtype)
         self.limits = config
         self.shift: list[int] = [0] * batch_size
         self.protected: list[int] = [0] * batch_size
@@ -198,7 +199,7 @@ class CompressedCache(BMCCache):
         cap = math.ceil(needed / self.period) * self.period
         for dst, src in zip(self.layers, source.layers):
             # padding zeros (a masked row still enters q.k^T), in this store's dtype (a draft's may differ)
-            dst.resize(cap, src.keys, src.values, self.batch_size, self.dtype)
+            dst.resize(cap, src.keys, src.values, self.batch_size, self.kv_dtype or self.dtype)
         self.num_allocations += 1
 
     # -- eviction --------------------------------------------------------------------------------
