@@ -11,7 +11,8 @@
   8 rows, the exact kernel against the int8 one, weights streamed (30 copies or more, past 96 MB, one a call; each
   timed for 3 s).
 - ``row-attention``: the int8 numerics' attention of one layer, 3 grouped rows (a decode step), 6, 12 and 24
-  (verifies of 2, 4 and 8 rows), 3 KV heads x 64, over 200 keys and a causal draft block: microseconds a call.
+  (verifies of 2, 4 and 8 rows), 3 KV heads x 64, over 200 keys and a causal draft block, and 3 and 24 rows over
+  7,000 keys; K/V in bf16, as the store holds them: microseconds a call (in cache: the same layer every call).
 - ``stream``: a 0.5B decode step's linears (``bench-scaling``'s ``0.5b`` shape: per layer q/k/v 1280 x 1024, o
   1024 x 1024, gate/up 9728 x 1024, down 1024 x 4864, 24 layers, then the tied 49,152 x 1024 output layer; random
   Q4_0 and Q4_K blocks, interleaved) at one row, each call on its own weights as a step streams them, beside a
@@ -231,15 +232,17 @@ def layer_ops(ops) -> list[dict]:
 def row_attention(ops) -> list[dict]:
     g = torch.Generator().manual_seed(0)
     out = []
-    for grouped in (3, 6, 12, 24):  # 3 query heads per KV head x 1, 2, 4 or 8 rows
+    # 3 query heads per KV head x 1, 2, 4 or 8 rows after 200 keys; 1 and 8 rows after 7,000 (a long context)
+    for grouped, past in ((3, 200), (6, 200), (12, 200), (24, 200), (3, 7000), (24, 7000)):
         q_rows = grouped // 3
-        keys = 200 + q_rows
+        keys = past + q_rows
         q = torch.randn(1, 3, grouped, 64, generator=g)
-        k, v = (torch.randn(1, 3, 256, 64, generator=g)[:, :, :keys] for _ in range(2))
+        # K/V as an int8 target's store holds them (bf16), in a buffer with room past the rows in use
+        k, v = (torch.randn(1, 3, keys + 56, 64, generator=g).to(torch.bfloat16)[:, :, :keys] for _ in range(2))
         bias = torch.zeros(1, 1, q_rows, keys)
         for i in range(q_rows):
-            bias[0, 0, i, 200 + i + 1:] = float("-inf")  # a chain of drafts: each row sees the rows before it
-        s = timed(lambda: ops.row_attention(q, k, v, bias, 0.125), 300)
+            bias[0, 0, i, past + i + 1:] = float("-inf")  # a chain of drafts: each row sees the rows before it
+        s = timed(lambda: ops.row_attention(q, k, v, bias, 0.125), 300 if past < 1000 else 30)
         out.append({"grouped_rows": grouped, "keys": keys, "us": s * 1e6, "ms_30_layers": s * 30e3})
     return out
 
