@@ -8,12 +8,15 @@ and ``answer`` (a Spec-Bench question answered as {"answer", "topic", "confidenc
 checked twice: token-identical between the two methods (greedy), and valid against its schema by an
 independent check (``valid``). The speedup is plain decoding's seconds over the drafter's, per task and
 over all; HF ``generate``'s tokens/s on the same model, unconstrained, before and after, says how fast the
-machine ran. Answers go to ``--out`` (JSONL) as they come; a run with the same file resumes.
+machine ran. With ``--repeats N`` each question is timed N times a method (the order alternating each time) and
+its median kept: a question's time is then less a draw of the machine's noise. Answers go to ``--out`` (JSONL) as
+they come; a run with the same file resumes.
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from pathlib import Path
 
@@ -53,6 +56,8 @@ def add_arguments(p) -> None:
     p.add_argument("--questions", default=None, help="a Spec-Bench question.jsonl (default: the shipped set)")
     p.add_argument("--per-task", type=positive_int, default=10, help="questions per task")
     p.add_argument("--max-new-tokens", type=positive_int, default=160)
+    p.add_argument("--repeats", type=positive_int, default=1,
+                   help="times each method decodes each question (alternating order); the median time is kept")
     p.add_argument("--out", default=None, help="JSONL of answers, written as they come; resumed if it exists")
 
 
@@ -143,15 +148,17 @@ def run(args) -> int:
                 continue
             ids = encode_prompt(tok, task["instruction"] + q.turns[0])
             kw = dict(max_new_tokens=args.max_new_tokens, constraint=grammars[name])
-            times, outs = {}, {}
-            for method in (("plain", "spec") if i % 2 == 0 else ("spec", "plain")):  # alternating
-                decoder = plain if method == "plain" else spec
-                t = time.perf_counter()
-                outs[method] = decoder.generate(ids, **kw)
-                times[method] = time.perf_counter() - t
+            times, outs = {"plain": [], "spec": []}, {}
+            for r in range(args.repeats):
+                for method in (("plain", "spec") if (i + r) % 2 == 0 else ("spec", "plain")):  # alternating
+                    decoder = plain if method == "plain" else spec
+                    t = time.perf_counter()
+                    outs[method] = decoder.generate(ids, **kw)  # greedy: the same answer every time
+                    times[method].append(time.perf_counter() - t)
             text = tok.decode(outs["spec"].generated(0), skip_special_tokens=True)
             row = {"task": name, "question_id": q.question_id, "tokens": outs["spec"].new_tokens,
-                   "plain_s": times["plain"], "spec_s": times["spec"], "tau": outs["spec"].mean_accepted_tokens,
+                   "plain_s": statistics.median(times["plain"]), "spec_s": statistics.median(times["spec"]),
+                   "tau": outs["spec"].mean_accepted_tokens,
                    "identical": outs["spec"].generated(0).tolist() == outs["plain"].generated(0).tolist(),
                    "valid": valid(name, text), "ended": outs["spec"].new_tokens < args.max_new_tokens, "text": text}
             rows.append(row)
