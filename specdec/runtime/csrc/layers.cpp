@@ -42,6 +42,7 @@
 #include <vector>
 
 #include "ops.h"
+#include "vec.h"
 
 #define SPECDEC_STR2(x) #x
 #define SPECDEC_STR(x) SPECDEC_STR2(x)
@@ -93,14 +94,9 @@ struct Group {
 
 enum Route : int64_t { kLinear = 0, kMm = 1, kPacked = 2, kWide = 3 };
 
-// n floats into a store's bf16 buffer (int8 numerics' store), rounded to nearest even as torch's copy_ rounds
-// them (a NaN as its vectorized path writes it), so this write and BMCLayer.update's leave the same bits
+// n floats into a store's bf16 buffer (int8 numerics' store), rounded as BMCLayer.update's write rounds them
 void to_bf16(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) {
-    uint32_t u;
-    std::memcpy(&u, src + i, 4);
-    dst[i] = src[i] != src[i] ? uint16_t(0xFFFF) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  }
+  for (int64_t i = 0; i < n; ++i) dst[i] = specdec_vec::bf16_of(src[i]);
 }
 
 // A quantized target's linears: per linear, its parts' blocks (uint8 [N_p, row_bytes]) and GGML types

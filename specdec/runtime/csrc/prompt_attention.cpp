@@ -26,12 +26,7 @@ constexpr int64_t kBlock = 32;  // keys per block: two vectors of scores (one ma
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 
-inline uint16_t to_bf16(float f) {  // round to nearest even (the prompts' values are finite)
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7FFFu + ((u >> 16) & 1u);
-  return static_cast<uint16_t>(u >> 16);
-}
+inline uint16_t to_bf16(float f) { return specdec_vec::bf16_of(f); }  // round to nearest even
 
 inline uint16_t to_bf16(uint16_t b) { return b; }  // a store's bf16 K/V (int8 numerics): as held
 

@@ -29,6 +29,15 @@ static inline void store(float* p, vec v) { std::memcpy(p, &v, sizeof(vec)); }
 
 static inline vec splat(float x) { return vec{} + x; }
 
+// fp32 -> bf16 rounded to nearest even, as torch's copy_ rounds (a NaN as its vectorized path writes it): the one
+// rounding of an int8 target's bf16 K/V store (csrc/layers.cpp's write, BMCLayer.update's) and of the prompt
+// attention's operands
+static inline uint16_t bf16_of(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return f != f ? uint16_t(0xFFFF) : static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
 static inline float hsum(vec v) {
 #if defined(__AVX512F__)
   return _mm512_reduce_add_ps(reinterpret_cast<__m512>(v));
