@@ -454,3 +454,29 @@ def test_a_grammar_draft_is_forced_tokens_and_the_guesses_it_allows(tok, vocab):
     assert tok.decode(out) == '{"name":"Bo","n":12', tok.decode(out)
     assert torch.equal(state.allowed(), before)
     assert state.draft(3, lambda drafted: []) == out[:3]  # the budget caps it
+
+
+def test_the_grammar_drafters_class_is_how_its_chains_open(vocab, tok):
+    """2 where some row's chain opens with a token the grammar forces, 1 where every chain opens with a guess
+    the grammar allows (what followed the text's last n-gram before), 0 where no row has a chain."""
+    from specdec.drafters.base import Prompt
+
+    grammar = Constraint.regex("ab|ac").compile(vocab)
+    a, b, x = tok.convert_tokens_to_ids(["a", "b", "x"])
+    V = len(tok)
+
+    def row(text: list[int], committed: list[int]) -> tuple[list[int], RowProcessor]:
+        proc = RowProcessor(text, Processing(grammar=grammar), V)
+        proc.advance(committed)
+        return text, proc
+
+    forced = row([x, x], [])  # "a" is the grammar's only way to start
+    guess = row([a, b, x, a], [a])  # after "a": b or c; "a" was followed by "b" before
+    nothing = row([x, x, a], [a])  # "a" was never followed by anything
+    for rows, want in (([forced], 2), ([guess], 1), ([nothing], 0), ([guess, forced], 2), ([nothing, guess], 1)):
+        d = GrammarDrafter()
+        n = max(len(t) for t, _ in rows)
+        d.begin(Prompt(torch.tensor([t + [0] * (n - len(t)) for t, _ in rows]), torch.tensor([len(t) for t, _ in rows]),
+                       processors=[p for _, p in rows]))
+        assert d.draft_class() == want, (rows, want)
+    assert d.propose(3).tokens.tolist() == [[0], [b]] and d.propose(3).num_nodes.tolist() == [0, 1]

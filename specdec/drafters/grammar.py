@@ -39,9 +39,23 @@ class GrammarDrafter(Drafter):
         """2: some row's chain opens with a token the grammar forces; 1: only guesses the grammar allows;
         0: no row has a chain (no draft of this class this step). Decided on each chain's first token; the
         chains are walked by ``propose``, only as far as its budget (why: docs/decisions/020-constraints.md)."""
-        if not any(self._chains(1)):
+        openings = [self._opening(p, t) for p, t in zip(self.processors, self.texts)]
+        if not any(openings):
             return 0
-        return 2 if any(p is not None and p.forced(1) for p in self.processors) else 1
+        return 2 if "forced" in openings else 1
+
+    def _opening(self, processor, text: NgramIndex) -> str | None:
+        """How a row's chain opens: "forced" (a token the grammar forces), "guess" (a guess it allows), or None
+        (no chain): one token of ``_chains``' walk, whose first step is the grammar's forced tokens."""
+        guessed = False
+
+        def guess(drafted: list[int]) -> list[int]:
+            nonlocal guessed
+            guessed = True
+            return self._guess(text, drafted)
+        if processor is None or not processor.draft(1, guess):
+            return None
+        return "guess" if guessed else "forced"
 
     def _chains(self, budget: int) -> list[list[int]]:
         """Each row's chain of at most ``budget`` tokens (the grammar state unmoved)."""
