@@ -70,8 +70,12 @@ class BMCLayer(CacheLayerMixin):
         return 0 if self.keys is None else self.keys.shape[2]
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self.dtype, self.device = self.store.kv_dtype or key_states.dtype, key_states.device
+        self.dtype, self.device = self._buffer_dtype(key_states), key_states.device
         self.is_initialized = True
+
+    def _buffer_dtype(self, states: torch.Tensor) -> torch.dtype:
+        """What this layer's buffers hold: the store's ``kv_dtype`` (written rounded to it), else the states' own."""
+        return self.store.kv_dtype or states.dtype
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         # key_states, value_states: [B, H, Q, D]
@@ -100,7 +104,7 @@ class BMCLayer(CacheLayerMixin):
         store = self.store
         if self.layer_idx == 0 and store.period_policy is not None:  # layer 0 grows first: it sets T
             store.set_period(store.period_policy(store.max_length))
-        self.resize(math.ceil(needed / store.period) * store.period, k, v, k.shape[0], store.kv_dtype)
+        self.resize(math.ceil(needed / store.period) * store.period, k, v, k.shape[0])
         if self.layer_idx == 0:
             self.store.num_allocations += 1
 
@@ -121,12 +125,12 @@ class BMCLayer(CacheLayerMixin):
                dtype: torch.dtype | None = None) -> None:
         """Buffers of ``capacity`` rows keeping the committed rows (``reshape``); where there are none yet,
         zeros for ``rows`` batch rows with the heads, width and device of ``like_k`` / ``like_v`` [*, H, *, D],
-        in ``dtype`` (default: theirs)."""
+        in ``dtype`` (default: ``_buffer_dtype``'s)."""
         if self.keys is not None:
             self.reshape(self.room_rows, capacity)
             return
         H, Dk, Dv = like_k.shape[1], like_k.shape[-1], like_v.shape[-1]
-        dtype = like_k.dtype if dtype is None else dtype
+        dtype = self._buffer_dtype(like_k) if dtype is None else dtype
         self.adopt(torch.zeros(rows, H, capacity, Dk, dtype=dtype, device=like_k.device),
                    torch.zeros(rows, H, capacity, Dv, dtype=dtype, device=like_v.device), rows)
         self.dtype, self.device, self.is_initialized = dtype, like_k.device, True
@@ -156,7 +160,7 @@ class BMCLayer(CacheLayerMixin):
         with torch.inference_mode():
             if self.keys is None:
                 B, (H, _, Dk), Dv = self.store.batch_size, keys.shape, values.shape[-1]
-                self.dtype, self.device = self.store.kv_dtype or keys.dtype, keys.device
+                self.dtype, self.device = self._buffer_dtype(keys), keys.device
                 self.is_initialized = True
                 # zeros, not empty: padding must be finite (see reshape)
                 self.adopt(torch.zeros(B, H, capacity, Dk, dtype=self.dtype, device=keys.device),

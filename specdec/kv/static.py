@@ -83,7 +83,7 @@ class StaticLayer(BMCLayer):
         B, H, Q, D = key_states.shape
         assert tuple(plan.row_index.shape) == (B, Q), f"block {B}x{Q} != planned {tuple(plan.row_index.shape)}"
         if self.keys is None:
-            self.resize(self.store.capacity_rows, key_states, value_states, B, self.store.kv_dtype)
+            self.resize(self.store.capacity_rows, key_states, value_states, B)
         self.keys.scatter_(2, plan.row_index[:, None, :, None].expand(B, H, Q, D), key_states.to(self.keys.dtype))
         self.values.scatter_(2, plan.row_index[:, None, :, None].expand_as(value_states),
                              value_states.to(self.values.dtype))
