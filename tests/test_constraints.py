@@ -480,3 +480,28 @@ def test_the_grammar_drafters_class_is_how_its_chains_open(vocab, tok):
                        processors=[p for _, p in rows]))
         assert d.draft_class() == want, (rows, want)
     assert d.propose(3).tokens.tolist() == [[0], [b]] and d.propose(3).num_nodes.tolist() == [0, 1]
+
+
+def test_opening_and_forced_tokens_follow_the_committed_state(tok, vocab):
+    """``GrammarState.opening`` (a step's class, asked before its draft) is how ``draft(1)`` opens, and the
+    forced tokens it keeps for the step are those of the state after every commit: random walks through a
+    schema's answers, each state checked against a state that consumed the same tokens afresh."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                               "tags": {"type": "array", "items": {"type": "integer"}}},
+              "required": ["name", "tags"], "additionalProperties": False}
+    grammar = Constraint.json_schema(schema).compile(vocab)
+    rng = random.Random(3)
+    for _ in range(6):
+        state, committed = grammar.start(), []
+        while not state.done and len(committed) < 40:
+            allowed = state.allowed().nonzero().flatten().tolist()
+            guess = [rng.choice(allowed), rng.randrange(len(tok))]
+            fresh = grammar.start()
+            fresh.consume(committed)
+            forced = fresh.forced(8)
+            drafted = fresh.draft(1, lambda out: list(guess))
+            assert state.forced(8) == forced
+            assert state.opening(lambda out: list(guess)) == ("forced" if forced else "guess" if drafted else None)
+            step = forced[: rng.randint(1, 3)] or [rng.choice(allowed)]
+            state.consume(step)
+            committed += step

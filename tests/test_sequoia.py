@@ -6,7 +6,7 @@ import random
 import pytest
 
 from specdec.controller.cost import best_budget
-from specdec.controller.sequoia import best_trees, one_step_beyond
+from specdec.controller.sequoia import best_trees, best_values, one_step_beyond
 from specdec.controller.tables import PositionalAcceptance
 
 
@@ -69,6 +69,33 @@ def test_dynamic_program_matches_brute_force_on_random_acceptance():
             assert values[n] == pytest.approx(best), (acc, n)
             assert len(shapes[n]) <= n and tree_value(shapes[n], acc) == pytest.approx(values[n])
             assert all(p < i for i, p in enumerate(shapes[n]))
+
+
+def scalar_program(acc, n_max):
+    """The recursion of ``best_trees``' docstring, one (depth, rank, m, j) at a time: the values."""
+    D = len(acc)
+    split = [[[0.0] * (n_max + 1) for _ in range(len(acc[d]) + 1)] for d in range(D)]
+    for d in range(D - 1, -1, -1):
+        sub = [0.0] + [1.0 + (split[d + 1][0][m - 1] if d + 1 < D else 0.0) for m in range(1, n_max + 1)]
+        for r in range(len(acc[d]) - 1, -1, -1):
+            for m in range(1, n_max + 1):
+                split[d][r][m] = max([0.0] + [acc[d][r] * sub[j] + split[d][r + 1][m - j] for j in range(1, m + 1)])
+    return [split[0][0][n] if D else 0.0 for n in range(n_max + 1)]
+
+
+def test_vector_program_is_the_recursion_at_the_controllers_sizes():
+    """Tables as deep and wide as the controller's (up to 12 levels, 5 ranks, 33 nodes), with exact 0, 1/2 and
+    1 cells (ties): the vector steps give the scalar recursion's values, and each tree is worth its value."""
+    rng = random.Random(2)
+    for _ in range(150):
+        acc = [[rng.choice([0.0, 0.5, 1.0, rng.random()]) for _ in range(rng.randint(1, 5))]
+               for _ in range(rng.randint(0, 12))]
+        n_max = rng.randint(0, 33)
+        values, shapes = best_trees(acc, n_max)
+        assert best_values(acc, n_max) == values
+        assert values == pytest.approx(scalar_program(acc, n_max), abs=1e-9)
+        for n in range(n_max + 1):
+            assert tree_value(shapes[n], acc) == pytest.approx(values[n], abs=1e-9)
 
 
 def test_budget_trades_expected_tokens_against_measured_verify_time():

@@ -12,7 +12,7 @@ from specdec import SpecDecoder, SpecDecoderConfig
 from specdec.controller import DraftLengthConfig
 from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.suffix import (SEPARATOR, CorpusDoc, SuffixAutomaton, SuffixConfig, SuffixCorpus,
-                                     SuffixDrafter, TreeLimits, child_probs, expand_tree, match_bucket,
+                                     SuffixDrafter, TreeLimits, expand_tree, match_bucket,
                                      read_text_corpus, read_token_jsonl, tree_limits)
 from specdec.kv.bmc import BMCConfig
 from specdec.registry import make_drafter
@@ -101,18 +101,61 @@ def test_tree_grows_with_the_match_length():
     assert [match_bucket(m) for m in (0, 1, 2, 3, 4, 7, 8, 15, 16, 99)] == [0, 1, 2, 3, 4, 4, 8, 8, 16, 16]
 
 
-def test_child_probs_are_count_shares():
-    assert child_probs([3, 1]) == [0.75, 0.25]
-    assert child_probs([]) == []
+def _ranked(index):
+    """A hand-made index's children as ``expand_tree`` takes them: (total count, best first)."""
+    def children(key):
+        kids = sorted(index[key], key=lambda k: (-k[1], k[0]))
+        return sum(n for _, n, _ in kids), kids
+    return children
 
 
 def test_expansion_is_best_first_and_stops_at_min_prob_and_depth():
     # root -> 7 (x3) -> 8 (x2); root -> 9 (x1)
-    index = {"r": [(7, 3, "a"), (9, 1, "b")], "a": [(8, 2, "c")], "b": [], "c": [(5, 1, "d")], "d": []}
-    assert expand_tree(index.__getitem__, "r", TreeLimits(3, 2), 0.2) == ([7, 8, 9], [-1, 0, -1], [0.75, 0.75, 0.25])
-    assert expand_tree(index.__getitem__, "r", TreeLimits(9, 9), 0.5)[0] == [7, 8, 5]  # 9 (.25) is too unlikely
-    assert expand_tree(index.__getitem__, "r", TreeLimits(9, 1), 0.0)[0] == [7, 9]
-    assert expand_tree(index.__getitem__, "r", TreeLimits(0, 5), 0.0)[0] == []
+    index = _ranked({"r": [(9, 1, "b"), (7, 3, "a")], "a": [(8, 2, "c")], "b": [], "c": [(5, 1, "d")], "d": []})
+    assert expand_tree(index, "r", TreeLimits(3, 2), 0.2) == ([7, 8, 9], [-1, 0, -1], [0.75, 0.75, 0.25])
+    assert expand_tree(index, "r", TreeLimits(9, 9), 0.5)[0] == [7, 8, 5]  # 9 (.25) is too unlikely
+    assert expand_tree(index, "r", TreeLimits(9, 1), 0.0)[0] == [7, 9]
+    assert expand_tree(index, "r", TreeLimits(0, 5), 0.0)[0] == []
+
+
+def _expand_every_child(sam, root, limits, min_prob):
+    """Best-first over every child of every placed node (no order assumed, none left out): the reference."""
+    import heapq
+    out, heap = ([], [], []), []
+
+    def push(state, parent, p_parent, depth):
+        kids = sam.children(state)
+        total = sum(n for _, n, _ in kids)
+        for tok, n, child in kids:
+            p = p_parent * (n / total)
+            if p >= min_prob and p > 0:
+                heapq.heappush(heap, (-p, -n, tok, parent, depth, child))
+
+    if limits.nodes > 0 and limits.depth > 0:
+        push(root, -1, 1.0, 1)
+    while heap and len(out[0]) < limits.nodes:
+        neg_p, _, tok, parent, depth, child = heapq.heappop(heap)
+        for part, x in zip(out, (tok, parent, -neg_p)):
+            part.append(x)
+        if depth < limits.depth:
+            push(child, len(out[0]) - 1, -neg_p, depth + 1)
+    return out
+
+
+def test_ranked_children_and_pruned_pushes_give_the_full_expansion():
+    """``expand_tree`` pushes only a node's likeliest children (as many as nodes are left, above min_prob),
+    from ``ranked``'s cached order: on random repetitive texts, growing between trees, every tree is the one
+    best-first over all children gives."""
+    rng = random.Random(5)
+    for _ in range(60):
+        sam = SuffixAutomaton()
+        for _ in range(rng.randint(20, 300)):
+            sam.extend(rng.choice([1, 2, 3, 4, 5, 6, 7, 8, SEPARATOR]) if rng.random() < 0.9 else rng.randint(9, 40))
+            if rng.random() < 0.1:
+                state = rng.randrange(sam.num_states)
+                limits, min_prob = TreeLimits(rng.randint(0, 16), rng.randint(0, 9)), rng.choice([0.0, 0.01, 0.1, 0.3])
+                assert expand_tree(sam.ranked, state, limits, min_prob) == _expand_every_child(sam, state, limits,
+                                                                                                min_prob)
 
 
 def test_branching_text_gives_the_expected_tree():

@@ -67,7 +67,7 @@ def chain_size(acc: PositionalAcceptance, k_max: int, step_time: dict[int, float
 def tree_values(acc: PositionalAcceptance, n_max: int = 32) -> list[float]:
     """Sequoia's expected accepted drafts of the best tree of n = 0..n_max nodes from the measured
     table with one step of optimism beyond it (``sequoia.one_step_beyond``)."""
-    return sequoia.best_trees(sequoia.one_step_beyond(acc.table()), n_max)[0]
+    return sequoia.best_values(sequoia.one_step_beyond(acc.table()), n_max)
 
 
 def gain_floor(priced: int, gain: float | None, judged: bool = True) -> int:

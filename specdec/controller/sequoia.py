@@ -27,6 +27,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
+import numpy as np
+
 
 def best_trees(acc: Sequence[Sequence[float]], n_max: int) -> tuple[list[float], list[list[int]]]:
     """For n = 0..n_max drafted nodes, the most expected accepted tokens of a tree of n nodes, and
@@ -40,35 +42,56 @@ def best_trees(acc: Sequence[Sequence[float]], n_max: int) -> tuple[list[float],
         sub(d, m)     = 1 + split(d + 1, 0, m - 1)                 (m >= 1)
         split(d, r, 0) = 0
         split(d, r, m) = max over j in 1..m of acc[d][r] * sub(d, j) + split(d, r + 1, m - j)
-    values[n] = split(depth 1, rank 0, n). O(depth x ranks x n_max^2).
+    values[n] = split(depth 1, rank 0, n). O(depth x ranks x n_max^2), one vector step per (depth, rank).
     """
+    split, choice = _program(acc, n_max, choices=True)
+    choice = [c.tolist() for c in choice]
+    return _values(split, n_max), [_rebuild(choice, acc, n) for n in range(n_max + 1)]
+
+
+def best_values(acc: Sequence[Sequence[float]], n_max: int) -> list[float]:
+    """``best_trees``' values alone (what the controller prices; the trees are not rebuilt)."""
+    return _values(_program(acc, n_max)[0], n_max)
+
+
+def _values(split: list[np.ndarray], n_max: int) -> list[float]:
+    return split[0][0].tolist() if split else [0.0] * (n_max + 1)
+
+
+def _program(acc: Sequence[Sequence[float]], n_max: int,
+             choices: bool = False) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """The recursion's tables per depth d: split[d] [ranks + 1, n_max + 1] and, with ``choices``, the j
+    that made each entry (choice, 0: no node), deepest level first (sub at d needs split at d + 1,
+    split at d needs sub at d). A near tie (1e-12) goes to the smallest j: fewer nodes under the
+    better-ranked child."""
     if n_max < 0:
         raise ValueError(f"n_max must be >= 0, got {n_max}")
     for d, row in enumerate(acc):
         for r, a in enumerate(row):
             if not 0.0 <= a <= 1.0:
                 raise ValueError(f"acceptance must be in [0, 1], got acc[{d}][{r}] = {a}")
-    D = len(acc)
-    # sub[d][m]: best value of an m-node subtree rooted at depth d + 1 (its root counts 1); split[d][r][m]
-    # and the choice j that made it, for rebuilding the tree
-    sub = [[0.0] * (n_max + 1) for _ in range(D)]
-    split = [[[0.0] * (n_max + 1) for _ in range(len(acc[d]) + 1)] for d in range(D)]
-    choice = [[[0] * (n_max + 1) for _ in range(len(acc[d]) + 1)] for d in range(D)]
-    for d in range(D - 1, -1, -1):  # deepest level first: sub[d] needs split[d + 1], split[d] needs sub[d]
-        for m in range(1, n_max + 1):
-            sub[d][m] = 1.0 + (split[d + 1][0][m - 1] if d + 1 < D else 0.0)
-        R = len(acc[d])
-        for r in range(R - 1, -1, -1):
-            for m in range(1, n_max + 1):
-                best, pick = 0.0, 0
-                for j in range(1, m + 1):
-                    v = acc[d][r] * sub[d][j] + split[d][r + 1][m - j]
-                    if v > best + 1e-12:
-                        best, pick = v, j
-                split[d][r][m], choice[d][r][m] = best, pick
-    values = [split[0][0][n] if D else 0.0 for n in range(n_max + 1)]
-    shapes = [_rebuild(choice, acc, n) for n in range(n_max + 1)]
-    return values, shapes
+    D, N = len(acc), n_max + 1
+    # rest[m, j - 1] = m - j, the nodes left for the later ranks when a child's subtree takes j of m (j in
+    # 1..m; ``closed`` is -inf where j > m): one (depth, rank) is one step over every m and j at once
+    rest = np.arange(N)[:, None] - np.arange(1, N)[None, :]
+    closed = np.where(rest >= 0, 0.0, -np.inf)
+    rest = np.maximum(rest, 0)
+    split: list[np.ndarray] = [np.zeros((0, N))] * D
+    choice: list[np.ndarray] = [np.zeros((0, N), dtype=np.int64)] * D
+    for d in range(D - 1, -1, -1):
+        sub = 1.0 + (split[d + 1][0][:-1] if d + 1 < D else np.zeros(n_max))  # sub[j - 1]: a j-node subtree
+        split[d] = np.zeros((len(acc[d]) + 1, N))
+        choice[d] = np.zeros((len(acc[d]) + 1, N), dtype=np.int64)
+        if n_max == 0:
+            continue
+        for r in range(len(acc[d]) - 1, -1, -1):
+            v = acc[d][r] * sub[None, :] + split[d][r + 1][rest] + closed  # [N, N - 1]: v[m, j - 1]
+            best = v.max(axis=1)
+            keep = best > 1e-12
+            split[d][r] = np.where(keep, best, 0.0)
+            if choices:
+                choice[d][r] = np.where(keep, np.argmax(v >= (best - 1e-12)[:, None], axis=1) + 1, 0)
+    return split, choice
 
 
 def _rebuild(choice, acc, n: int) -> list[int]:

@@ -46,16 +46,10 @@ class GrammarDrafter(Drafter):
 
     def _opening(self, processor, text: NgramIndex) -> str | None:
         """How a row's chain opens: "forced" (a token the grammar forces), "guess" (a guess it allows), or None
-        (no chain): one token of ``_chains``' walk, whose first step is the grammar's forced tokens."""
-        guessed = False
-
-        def guess(drafted: list[int]) -> list[int]:
-            nonlocal guessed
-            guessed = True
-            return self._guess(text, drafted)
-        if processor is None or not processor.draft(1, guess):
+        (no chain): the first token of ``_chains``' walk, whose first step is the grammar's forced tokens."""
+        if processor is None:
             return None
-        return "guess" if guessed else "forced"
+        return processor.opening(lambda drafted: self._guess(text, drafted))
 
     def _chains(self, budget: int) -> list[list[int]]:
         """Each row's chain of at most ``budget`` tokens (the grammar state unmoved)."""

@@ -89,12 +89,6 @@ def tree_limits(matched: int, config: SuffixConfig) -> TreeLimits:
     return TreeLimits(min(config.max_nodes, config.nodes_per_match * matched), min(config.max_depth, matched + 1))
 
 
-def child_probs(counts: Sequence[int]) -> list[float]:
-    """Each continuation's share of its context's continuations: [3, 1] -> [0.75, 0.25]."""
-    total = sum(counts)
-    return [c / total for c in counts] if total else [0.0] * len(counts)
-
-
 @dataclass(frozen=True)
 class Proposal:
     """One row's tree before batching; parents index into tokens, -1 = the pending token."""
@@ -111,14 +105,16 @@ class Proposal:
         return sum(self.probs)
 
 
-def expand_tree(children: Callable[[object], list[tuple[int, int, object]]], root, limits: TreeLimits,
+def expand_tree(children: Callable[[object], tuple[int, list[tuple[int, int, object]]]], root, limits: TreeLimits,
                 min_prob: float) -> tuple[list[int], list[int], list[float]]:
     """Best-first tree over a continuation index: (tokens, parents, path probabilities).
 
-    ``children(key)`` -> [(token, count, child key)]. Nodes are taken in decreasing path probability
-    (ties: higher count, then lower token id, so the result is deterministic) while it is >=
-    ``min_prob``, the node count is below ``limits.nodes`` and the depth within ``limits.depth``.
-    A node is pushed only once its parent is placed, so parents precede children.
+    ``children(key)`` -> (their total count, [(token, count, child key)] by count descending, then token
+    ascending: ``SuffixAutomaton.ranked``). Nodes are taken in decreasing path probability (ties: higher
+    count, then lower token id, so the result is deterministic) while it is >= ``min_prob``, the node count
+    is below ``limits.nodes`` and the depth within ``limits.depth``. A node is pushed only once its parent is
+    placed, so parents precede children; of a node's children only as many as nodes are left can ever be
+    placed, and siblings are taken in their order, so no more are pushed.
 
     Example: root followed by 7 three times (then 8 twice) and by 9 once, limits (3 nodes, depth 2),
     min_prob 0.2 -> 7 (p .75), then 8 under 7 (.75 x 1), then 9 (.25):
@@ -132,12 +128,12 @@ def expand_tree(children: Callable[[object], list[tuple[int, int, object]]], roo
     heap: list = []
 
     def push(key, parent: int, p_parent: float, depth: int) -> None:
-        kids = children(key)
-        shares = child_probs([n for _, n, _ in kids])
-        for (tok, n, child), share in zip(kids, shares):
-            p = p_parent * share
-            if p >= min_prob and p > 0:
-                heapq.heappush(heap, (-p, -n, tok, parent, depth, child))
+        total, kids = children(key)
+        for tok, n, child in kids[: limits.nodes - len(tokens)]:
+            p = p_parent * (n / total)  # its share of the context's continuations: [3, 1] -> .75, .25
+            if p < min_prob or p <= 0:
+                break  # the rest are no likelier
+            heapq.heappush(heap, (-p, -n, tok, parent, depth, child))
 
     push(root, -1, 1.0, 1)
     while heap and len(tokens) < limits.nodes:
@@ -302,11 +298,11 @@ class SuffixDrafter(Drafter, Corpus):
     def _propose_row(self, row: _Row) -> Proposal:
         cfg = self.config
         state, matched = row.local.longest_repeat()
-        tok, par, probs = expand_tree(row.local.children, state, tree_limits(matched, cfg), cfg.min_prob)
+        tok, par, probs = expand_tree(row.local.ranked, state, tree_limits(matched, cfg), cfg.min_prob)
         best = Proposal(tok, par, probs, matched, "local")
         index, state, matched = self._corpus_match(row)
         if index is not None:
-            tok, par, probs = expand_tree(index.children, state, tree_limits(matched, cfg), cfg.min_prob)
+            tok, par, probs = expand_tree(index.ranked, state, tree_limits(matched, cfg), cfg.min_prob)
             other = Proposal(tok, par, probs, matched, "corpus")
             if cfg.corpus_weight * other.score > best.score:
                 best = other

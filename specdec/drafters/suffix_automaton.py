@@ -31,7 +31,7 @@ class SuffixAutomaton:
     count[trans[1][2]] = 1: "a" was followed by "b" once.
     """
 
-    __slots__ = ("trans", "link", "length", "count", "last")
+    __slots__ = ("trans", "link", "length", "count", "last", "_ranked")
 
     def __init__(self, tokens: Iterable[int] = ()) -> None:
         self.trans: list[dict[int, int]] = [{}]  # [S] token -> state
@@ -39,6 +39,7 @@ class SuffixAutomaton:
         self.length: list[int] = [0]  # [S] longest substring of the state
         self.count: list[int] = [0]  # [S] end positions of the state's substrings (occurrences)
         self.last = 0  # the state of the whole text
+        self._ranked: dict[int, tuple[int, list[tuple[int, int, int]]]] = {}  # ``ranked``'s, until the text grows
         for t in tokens:
             self.extend(t)
 
@@ -58,6 +59,8 @@ class SuffixAutomaton:
         return len(self.length) - 1
 
     def extend(self, c: int) -> None:
+        if self._ranked:
+            self._ranked = {}
         trans, link, length = self.trans, self.link, self.length
         cur = self._new_state(length[self.last] + 1, 0, {}, 0)
         p = self.last
@@ -111,3 +114,14 @@ class SuffixAutomaton:
         """(token, count, state) of each continuation of ``state``'s context, separators left out."""
         count = self.count
         return [(c, count[u], u) for c, u in self.trans[state].items() if c != SEPARATOR]
+
+    def ranked(self, state: int) -> tuple[int, list[tuple[int, int, int]]]:
+        """(total count, ``children``) with the children by count descending, then token ascending:
+        ``suffix.expand_tree``'s order. Kept per state until the text grows: a corpus's, which grows only when
+        a document is added, serves every step's tree from it (near its root a state has thousands of
+        continuations, of which a tree takes a few)."""
+        out = self._ranked.get(state)
+        if out is None:
+            kids = sorted(self.children(state), key=lambda k: (-k[1], k[0]))
+            out = self._ranked[state] = (sum(n for _, n, _ in kids), kids)
+        return out

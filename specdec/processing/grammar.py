@@ -276,6 +276,7 @@ class GrammarState:
         self.vocab_size = vocab_size
         self._eos = frozenset(eos)
         self._bits = _llguidance().torch.allocate_token_bitmask(1, vocab_size)  # [1, ceil(V / 32)] int32
+        self._forced: list[int] | None = None  # the engine's forced tokens here, until a commit moves the state
 
     @property
     def done(self) -> bool:
@@ -290,6 +291,8 @@ class GrammarState:
 
     def consume(self, tokens: list[int]) -> None:
         """Committed tokens, each allowed where it was chosen (the verifier masked the target there)."""
+        if tokens:
+            self._forced = None
         for t in tokens:
             if self.matcher.is_stopped():
                 return  # the sequence ends at its end-of-sequence token; nothing follows it
@@ -302,7 +305,24 @@ class GrammarState:
         canonical tokens), without moving the state."""
         if self.matcher.is_stopped() or limit <= 0:
             return []
-        return list(self.matcher.compute_ff_tokens())[:limit]
+        return self._forced_here()[:limit]
+
+    def _forced_here(self) -> list[int]:
+        """``compute_ff_tokens`` at the committed tokens, asked once a step (~10 us where a token is forced):
+        a step's class and its draft both open with it."""
+        if self._forced is None:
+            self._forced = list(self.matcher.compute_ff_tokens())
+        return self._forced
+
+    def opening(self, guess) -> str | None:
+        """How ``draft``'s chain would open, the state unmoved: "forced" (the grammar forces a token), "guess"
+        (``guess([])``'s first token, which it allows), or None (no chain)."""
+        if self.matcher.is_stopped():
+            return None
+        if self._forced_here():
+            return "forced"
+        first = [int(t) for t in guess([])][:1]
+        return "guess" if first and self.matcher.validate_tokens(first) else None
 
     def draft(self, budget: int, guess) -> list[int]:
         """Up to ``budget`` tokens the grammar allows from here, the state unmoved: the tokens it forces,
@@ -314,7 +334,7 @@ class GrammarState:
         taken = 0  # tokens consumed here, rolled back at the end
         try:
             while len(out) < budget and not self.matcher.is_stopped():
-                step = list(self.matcher.compute_ff_tokens())[: budget - len(out)]
+                step = (list(self.matcher.compute_ff_tokens()) if taken else self._forced_here())[: budget - len(out)]
                 if not step:
                     guessed = [int(t) for t in guess(out)][: budget - len(out)]
                     step = guessed[: self.matcher.validate_tokens(guessed)] if guessed else []

@@ -126,6 +126,10 @@ class RowProcessor:
         """Tokens the grammar forces next (none without a grammar)."""
         return self.grammar.forced(limit) if self.grammar is not None else []
 
+    def opening(self, guess) -> str | None:
+        """How the grammar's chain would open (``GrammarState.opening``); None without a grammar."""
+        return self.grammar.opening(guess) if self.grammar is not None else None
+
     def draft(self, budget: int, guess) -> list[int]:
         """A chain the grammar allows: its forced tokens and the guesses it accepts (``GrammarState.draft``);
         none without a grammar."""
