@@ -293,6 +293,7 @@ class SpecDecoder:
         models (``specdec.fastpath``, built and checked here, not in step 1) and the linear
         layers' kernel routes, weights packed."""
         modules = [self.target] + (self.drafter.torch_modules() if self.drafter is not None else [])
+        modules = list({id(m): m for m in modules}.values())  # a self-drafter's is the target: walked once
         runtime = self.config.runtime or current_runtime()
         paths = [p for p in (fastpath.get(m, runtime) for m in modules) if p is not None]
         replaced = [m for p in paths for m in p.replaced()]
