@@ -1,8 +1,10 @@
 """Where a decoding step's time goes, by how many tokens it verified: `bench-structured`'s JSON-schema answers
 (20 questions, greedy) decoded with one method, each step timed whole and in its parts, medians per drafted
-count. Parts: the grammar's cut of the draft (``constrain``), the target's forward (``forward_block``; within
-it the lean forward, and the layers without the output layer), the verdict on the processed rows (``judge``),
-the commit. ``step`` minus ``forward`` is the step's bookkeeping: drafting, the grammar, the controller.
+count, and the mean of every step. Parts: the draft (``draft``: the sources' classes, the controller's plans,
+the drafts, shadows included), the grammar's cut of it (``constrain``), the target's forward (``forward_block``;
+within it the lean forward, and the layers without the output layer), the verdict on the processed rows
+(``judge``), the commit, what the controller learns (``learn``). ``step`` minus ``forward`` is the step's
+bookkeeping.
 
     .venv/bin/python scripts/step_split.py --drafter auto      # and --drafter none: plain decoding's steps
 
@@ -27,7 +29,7 @@ from specdec.processing import Constraint
 from specdec.prompting import encode_prompt
 from specdec.registry import make_drafter
 
-PARTS = ("step", "constrain", "forward", "lean", "layers", "judge", "commit")
+PARTS = ("step", "draft", "constrain", "forward", "lean", "layers", "judge", "commit", "learn")
 
 
 def timing(part: str, step: dict, fn):
@@ -65,9 +67,11 @@ def main() -> None:
         return out
 
     session.forward_block = timing("forward", step, forward)
+    session.draft_step = timing("draft", step, session.draft_step)
     session.constrain = timing("constrain", step, session.constrain)
     session.judge_processed = timing("judge", step, session.judge_processed)
     session.make_commit = timing("commit", step, session.make_commit)
+    session.learn_step = timing("learn", step, session.learn_step)
     session.DecodeSession.step = whole_step
     fastpath.FastPath.__call__ = timing("lean", step, fastpath.FastPath.__call__)
     fastpath.FastPath._layers = timing("layers", step, fastpath.FastPath._layers)
@@ -88,6 +92,9 @@ def main() -> None:
         if len(times["forward"][n]) >= 5:
             cells = " ".join(f"{1e3 * statistics.median(times[p][n]) if times[p][n] else 0:9.2f}" for p in PARTS)
             print(f"{n:7d} {len(times['forward'][n]):6d} {cells}")
+    every = {p: [s for n in times[p] for s in times[p][n]] for p in PARTS}
+    steps = len(every["step"])
+    print("   mean " + f"{steps:6d} " + " ".join(f"{1e3 * sum(every[p]) / steps:9.2f}" for p in PARTS))
 
 
 if __name__ == "__main__":
