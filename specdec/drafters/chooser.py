@@ -24,6 +24,7 @@ Every source sees every commit, so a source not used stays in step.
 
 from __future__ import annotations
 
+import functools
 import time
 from abc import ABC, abstractmethod
 from collections import Counter
@@ -76,10 +77,11 @@ class Chooser(ABC):
     def _started(self) -> list[Drafter]:
         return list(self.sources.values())
 
-    @property
+    @functools.cached_property
     def capabilities(self) -> Capabilities:
         """What the decoder may rely on: hidden states if any source reads them; a batch or sampling
-        only if every source handles it."""
+        only if every source handles it. Read once (the decoder asks every step): the sources and their
+        capabilities are fixed when they are made."""
         caps = [d.capabilities for d in self.sources.values()]
         return Capabilities(reads_hidden_states=any(c.reads_hidden_states for c in caps),
                             hidden_layers=_hidden_layers(self.sources),
