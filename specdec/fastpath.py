@@ -39,7 +39,7 @@ from specdec.patch import skinny_linears
 from specdec.quant.modules import QuantLinear
 from specdec.quant.numerics import exact_numerics
 from specdec.runtime import attention as attn
-from specdec.runtime import state
+from specdec.runtime import int8_linear, state
 from specdec.runtime.attention import grouped_attention, split_attention
 
 MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -122,7 +122,8 @@ class FastPath:
     def __call__(self, cache, input_ids: torch.Tensor, position_ids: torch.Tensor,
                  attention_mask: torch.Tensor | None, attention, logits_rows: int | None = None,
                  keep: tuple[int, ...] = (), head: nn.Module | None = None,
-                 unread: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                 unread: torch.Tensor | None = None,
+                 vocab: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, Q], position_ids [B, Q], attention_mask [B, 1, Q, L] additive, or None for a
         causal block over an empty cache (a prefill: SDPA's causal path, as HF runs it); attention: the HF
         attention function to run; logits_rows: only the last this many rows' logits (a prefill's last);
@@ -130,6 +131,7 @@ class FastPath:
         head: an output layer in the model's place (a module: a draft's ``drafters.vocab.VocabHead``).
         unread: [B, Q] bool, rows whose logits nobody reads (a grammar allows one token there): the output
         layer skips them and their logits are zeros.
+        vocab: int64 [G], the groups of 16 token ids whose logits are read (``_output``).
         Returns (logits [B, Q or logits_rows, V], last hidden state after the norm [B, Q, C], or the
         kept layers' inputs [B, Q, C * len(keep)])."""
         x = self.decoder.embed_tokens(input_ids)  # [B, Q, C]
@@ -138,21 +140,41 @@ class FastPath:
         kept: dict[int, torch.Tensor | None] = dict.fromkeys(keep)  # filled by the loop
         hidden = self._layers(HF_OPS if ops is None else ops, cache, x, cos, sin, attention_mask, attention, kept)
         rows = hidden if logits_rows is None else hidden[:, -logits_rows:]
-        if unread is not None and head is None and logits_rows is None and bool(unread.any()):
-            logits = self._read_rows(rows, ~unread.to(rows.device))
+        if head is not None:
+            logits = head(rows)
+        elif unread is not None and logits_rows is None and bool(unread.any()):
+            logits = self._read_rows(rows, ~unread.to(rows.device), vocab)
         else:
-            logits = apply(self.head, rows) if head is None else head(rows)
+            logits = self._output(rows, vocab)
         return logits, torch.cat([kept[j] for j in keep], -1) if keep else hidden
 
-    def _read_rows(self, rows: torch.Tensor, read: torch.Tensor) -> torch.Tensor:
+    def _read_rows(self, rows: torch.Tensor, read: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
         """The output layer over the rows ``read`` [B, Q] names of rows [B, Q, C]; zeros elsewhere -> [B, Q, V].
         A row's logits are what the whole block would give it wherever the layer is batch-invariant (int8
-        numerics); elsewhere up to summation order, as any block's."""
+        numerics); elsewhere up to summation order, as any block's. vocab: ``_output``'s."""
         B, Q, _ = rows.shape
         out = torch.zeros(B, Q, self.head.out_features, dtype=rows.dtype, device=rows.device)
         if bool(read.any()):
-            out[read] = apply(self.head, rows[read][None])[0]
+            out[read] = self._output(rows[read][None], vocab)[0]
         return out
+
+    def _output(self, rows: torch.Tensor, vocab: torch.Tensor | None = None) -> torch.Tensor:
+        """The output layer over rows [..., C] -> [..., V]. With ``vocab`` (int64 [G], groups of 16 token ids) and
+        an int8 layer (``quant.numerics``), only those groups' logits, zeros elsewhere: the layer's groups of 16
+        features side by side (``int8_linear.interleave``) taken alone; each logit is its own feature's integer
+        dot product, so it has the bits the whole layer gives it (decision 020). Under a grammar that allows a
+        few tokens (a number's digits, a key's quote) a decode step then skips the layer's 28 MB read
+        (the default model)."""
+        head = self.head
+        if vocab is None or not (isinstance(head, QuantLinear) and head.numerics == "int8"
+                                 and head.out_features % 16 == 0):
+            return apply(head, rows)
+        blocks = head.int8_blocks()
+        part = blocks.view(-1, 16, blocks.shape[-1]).index_select(0, vocab).reshape(-1, blocks.shape[-1])
+        cols = (vocab[:, None] * 16 + torch.arange(16, dtype=torch.long)).reshape(-1)
+        bias = None if head.bias is None else head.bias.index_select(0, cols)
+        out = torch.zeros(*rows.shape[:-1], head.out_features, dtype=rows.dtype, device=rows.device)
+        return out.index_copy_(-1, cols, int8_linear.linear(rows, [part], [head.fmt], bias))
 
     def _fused_ops(self, x: torch.Tensor, cos: torch.Tensor) -> LayerOps | None:
         """The kernels' fused layer ops if they take this forward (fp32 on CPU, the rotary table as wide

@@ -74,7 +74,7 @@ def hidden_of(hidden_states: tuple[torch.Tensor, ...], layers: tuple[int, ...]) 
 def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: torch.Tensor | None,
                   depth: torch.Tensor | None, want_hidden: bool = False, split: bool = False,
                   layers: tuple[int, ...] = (), head=None, last_only: bool = False,
-                  unread: torch.Tensor | None = None) -> BlockOutput:
+                  unread: torch.Tensor | None = None, vocab: torch.Tensor | None = None) -> BlockOutput:
     """input_ids [B, Q]; block_mask [B, Q, Q] bool; depth [B, Q] position offsets within the block.
 
     block_mask = depth = None means a causal block (chain, plain decode): the store's fast path.
@@ -87,6 +87,8 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
     would cost more than the chunk's attention).
     unread: [B, Q] bool, rows whose logits the caller will not read (a grammar allows one token there): the
     lean forward leaves them zeros instead of running the output layer over them; other paths compute them.
+    vocab: the groups of 16 token ids whose logits are read (``judging.read_groups``): an int8 output layer
+    on the lean forward computes those alone, zeros elsewhere; other paths compute every logit.
     """
     if isinstance(cache, StaticCache):
         return static_block(model, cache, input_ids, block_mask, depth, keep=layers if want_hidden else None,
@@ -110,7 +112,7 @@ def forward_block(model, cache: BMCCache, input_ids: torch.Tensor, block_mask: t
             # the cache's device is the model's (``model.device`` walks its modules at every call)
             logits, hidden = path(cache, input_ids.to(cache.device), inputs.position_ids, inputs.attention_mask,
                                   split_attention if split else grouped_attention, keep=keep, head=head,
-                                  logits_rows=1 if last_only else None, unread=unread)
+                                  logits_rows=1 if last_only else None, unread=unread, vocab=vocab)
             return BlockOutput(logits, hidden if want_hidden else None)
         config._attn_implementation = SPLIT if split else PAD  # HF's layers look the function up
         try:

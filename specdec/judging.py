@@ -147,6 +147,21 @@ def unread_rows(masks: list[Masks | None], width: int) -> torch.Tensor | None:
     return out if bool(out.any()) else None
 
 
+def read_groups(masks: list[Masks | None], vocab_size: int) -> torch.Tensor | None:
+    """The groups of 16 token ids (``Masks.groups``) any block row's grammar allows, int64 [G], where every row
+    has a grammar and they are at most a quarter of the vocabulary's groups: the only logits a rule reads (the
+    others it masks to -inf), so an int8 output layer computes those alone (``fastpath``). None: all of them
+    (a row without a grammar, a string's wide mask, a vocabulary not in whole groups)."""
+    if not masks or any(m is None for m in masks) or vocab_size % 16:
+        return None
+    wanted = masks[0].groups()
+    for m in masks[1:]:
+        wanted = wanted | m.groups()
+    if 4 * int(wanted.sum()) > len(wanted):
+        return None
+    return torch.from_numpy(wanted.nonzero()[0].astype("int64"))
+
+
 def judge_processed(judge, procs: list[RowProcessor | None], logits: torch.Tensor, tree: DraftTree,
                     masks: list) -> tuple[Verification, list | None]:
     """``judge``'s verdict on the logits [B, 1 + N, V] as each row's processor makes them on each node's

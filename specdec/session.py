@@ -41,7 +41,7 @@ from specdec.drafters.base import Commit, Prompt
 from specdec.drafters.chooser import draft_step
 from specdec.forward import forward_block, prefill, prefill_aligned
 from specdec.introspect import attention_shape
-from specdec.judging import Judge, constrain, is_chain, judge_processed, make_commit, unread_rows
+from specdec.judging import Judge, constrain, is_chain, judge_processed, make_commit, read_groups, unread_rows
 from specdec.kv.bmc import BMCCache
 from specdec.kv.static import StaticCache
 from specdec.processing import Processing, RowProcessor
@@ -320,7 +320,7 @@ class DecodeSession:
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         split = self._split(1 + N)
         res = forward_block(d.target, cache, block_ids, mask, depth, want_hidden, split, d.hidden_layers,
-                            unread=unread_rows(masks, 1 + N))
+                            unread=unread_rows(masks, 1 + N), vocab=read_groups(masks, d.vocab_size))
         ver, logprobs = judge_processed(self.judge, self.batch.live_processors(), res.logits, tree, masks)
         kept = ver.kept_rows()
         cache.commit(kept)

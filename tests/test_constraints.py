@@ -505,3 +505,59 @@ def test_opening_and_forced_tokens_follow_the_committed_state(tok, vocab):
             step = forced[: rng.randint(1, 3)] or [rng.choice(allowed)]
             state.consume(step)
             committed += step
+
+
+def test_read_groups_are_the_groups_of_16_tokens_the_grammars_allow_where_few():
+    from specdec.judging import read_groups
+    from specdec.processing.grammar import Masks
+
+    one = Masks(torch.tensor([[0b1, 1 << 20, 0, 0, 0, 0, 0, 0]], dtype=torch.int32), 256)  # tokens 0 and 52
+    assert one.groups().tolist() == [True, False, False, True] + [False] * 12
+    other = Masks(torch.tensor([[0, 0, 0, 0, 0, 0, 0, -(1 << 31)], [0, 0, 1, 0, 0, 0, 0, 0]], dtype=torch.int32), 256)
+    assert read_groups([one, other], 256).tolist() == [0, 3, 4, 15]  # tokens 0, 52, 64, 255: any row's
+    assert read_groups([one, None], 256) is None  # a row without a grammar reads every logit
+    wide = Masks(torch.full((1, 8), 0x00010001, dtype=torch.int32), 256)  # a token in every group
+    assert read_groups([wide], 256) is None
+    assert read_groups([Masks(one.bits[:, :7], 224)], 224).tolist() == [0, 3]
+    assert read_groups([Masks(one.bits, 250)], 250) is None  # not whole groups
+
+
+def test_an_int8_output_layer_computes_only_the_logits_a_grammar_reads(tok, monkeypatch):
+    """Where every row's grammar allows few groups of 16 tokens (a number's digits, an enum's words), an int8
+    target's output layer computes those groups alone (``fastpath``): each logit it computes is the whole
+    layer's bit for bit, and decoding gives the tokens and logprobs of every logit computed, plain and drafting,
+    greedy and sampled, in a ragged batch."""
+    import specdec.fastpath as fastpath
+    import specdec.session as session
+    from specdec.quant import quantize_model
+    from specdec.quant.numerics import set_numerics
+
+    V = (len(tok) + 15) // 16 * 16
+    target = set_numerics(quantize_model(tiny_llama(3, vocab=V, dtype=torch.float32), "Q4_1"), "int8")
+    target.generation_config.eos_token_id = EOS
+    real_output, real_groups, taken = fastpath.FastPath._output, session.read_groups, []
+
+    def output(self, rows, vocab=None):
+        out = real_output(self, rows, vocab)
+        if vocab is not None:
+            cols = (vocab[:, None] * 16 + torch.arange(16)).reshape(-1)
+            assert torch.equal(out[..., cols], real_output(self, rows)[..., cols])
+            taken.append(len(vocab))
+        return out
+
+    monkeypatch.setattr(fastpath.FastPath, "_output", output)
+    ps = prompts(tok)
+    for drafter in (None, GrammarDrafter):
+        for sampled in (False, True):
+            kw = dict(constraint=CONSTRAINTS["json_schema"], tokenizer=tok, logprobs=2)
+            if sampled:
+                kw |= dict(do_sample=True, temperature=0.8, seed=5)
+            taken.clear()
+            out = run(target, drafter and Sources({"grammar": drafter(), "lookup": PromptLookupDrafter()}), ps, **kw)
+            assert taken and max(taken) * 4 <= V // 16  # some steps read few groups
+            monkeypatch.setattr(session, "read_groups", lambda m, v: None)
+            full = run(target, drafter and Sources({"grammar": drafter(), "lookup": PromptLookupDrafter()}), ps, **kw)
+            monkeypatch.setattr(session, "read_groups", real_groups)
+            assert answers(out, 3) == answers(full, 3), (drafter, sampled)
+            for b in range(3):
+                assert [(x.token, x.logprob) for x in out.logprobs[b]] == [(x.token, x.logprob) for x in full.logprobs[b]]

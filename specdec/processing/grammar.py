@@ -254,6 +254,13 @@ class Masks:
             words[:, -1] &= np.uint32((1 << (self.vocab_size % 32)) - 1)
         return torch.from_numpy(np.bitwise_count(words).sum(axis=1, dtype=np.int64))
 
+    def groups(self) -> np.ndarray:
+        """[ceil(V / 16)] bool: the groups of 16 token ids (group u: 16u .. 16u + 15) some row allows a token of,
+        read off the words' halves. Example: bits [[0b1, 1 << 20]] (a row allowing 0 and 52), V 64 -> [T, F, F, T]."""
+        words = np.bitwise_or.reduce(self.bits.contiguous().numpy().view(np.uint32), axis=0)
+        halves = np.stack([(words & 0xFFFF) != 0, (words >> 16) != 0], axis=1).reshape(-1)
+        return halves[: (self.vocab_size + 15) // 16]
+
     def allows(self, row: int, token: int) -> bool:
         """Whether row ``row`` allows ``token`` (one bit read)."""
         return bool((int(self.bits[row, token >> 5]) >> (token & 31)) & 1)
