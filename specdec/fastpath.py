@@ -166,12 +166,13 @@ class FastPath:
         few tokens (a number's digits, a key's quote) a decode step then skips the layer's 28 MB read
         (the default model)."""
         head = self.head
+        G = int8_linear.GROUP
         if vocab is None or not (isinstance(head, QuantLinear) and head.numerics == "int8"
-                                 and head.out_features % 16 == 0):
+                                 and head.out_features % G == 0):
             return apply(head, rows)
         blocks = head.int8_blocks()
-        part = blocks.view(-1, 16, blocks.shape[-1]).index_select(0, vocab).reshape(-1, blocks.shape[-1])
-        cols = (vocab[:, None] * 16 + torch.arange(16, dtype=torch.long)).reshape(-1)
+        part = blocks.view(-1, G, blocks.shape[-1]).index_select(0, vocab).reshape(-1, blocks.shape[-1])
+        cols = (vocab[:, None] * G + torch.arange(G, dtype=torch.long)).reshape(-1)
         bias = None if head.bias is None else head.bias.index_select(0, cols)
         out = torch.zeros(*rows.shape[:-1], head.out_features, dtype=rows.dtype, device=rows.device)
         return out.index_copy_(-1, cols, int8_linear.linear(rows, [part], [head.fmt], bias))

@@ -17,7 +17,7 @@ import torch
 
 from specdec.drafters.base import Commit
 from specdec.processing import Masks, RowProcessor
-from specdec.runtime import kernels
+from specdec.runtime import int8_linear, kernels
 from specdec.sampling import SamplingParams, target_probs
 from specdec.tree import DraftTree
 from specdec.verifiers.sampling import verify_sampling
@@ -151,8 +151,9 @@ def read_groups(masks: list[Masks | None], vocab_size: int) -> torch.Tensor | No
     """The groups of 16 token ids (``Masks.groups``) any block row's grammar allows, int64 [G], where every row
     has a grammar and they are at most a quarter of the vocabulary's groups: the only logits a rule reads (the
     others it masks to -inf), so an int8 output layer computes those alone (``fastpath``). None: all of them
-    (a row without a grammar, a string's wide mask, a vocabulary not in whole groups)."""
-    if not masks or any(m is None for m in masks) or vocab_size % 16:
+    (a row without a grammar, a string's wide mask, a vocabulary not in whole groups). The groups are the int8
+    layer's (``int8_linear.GROUP``: a mask word's halves)."""
+    if not masks or any(m is None for m in masks) or vocab_size % int8_linear.GROUP:
         return None
     wanted = masks[0].groups()
     for m in masks[1:]:

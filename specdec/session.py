@@ -45,6 +45,7 @@ from specdec.judging import Judge, constrain, is_chain, judge_processed, make_co
 from specdec.kv.bmc import BMCCache
 from specdec.kv.static import StaticCache
 from specdec.processing import Processing, RowProcessor
+from specdec.quant.numerics import Numerics, numerics_of
 from specdec.steps import Batch, SequenceResult, StepEvent, StepOutcome, StepStats, learn_step
 from specdec.tree import DraftTree, ancestor_mask, node_depths
 from specdec.verifiers.tree import Verification
@@ -319,8 +320,10 @@ class DecodeSession:
             mask = ancestor_mask(tree.parents, tree.num_nodes)
             depth = torch.cat([torch.zeros(B, 1, dtype=torch.long), node_depths(tree.parents)], dim=1)
         split = self._split(1 + N)
+        # the groups of tokens read: only an int8 output layer computes them alone (``fastpath``)
+        vocab = read_groups(masks, d.vocab_size) if numerics_of(d.target) is Numerics.INT8 else None
         res = forward_block(d.target, cache, block_ids, mask, depth, want_hidden, split, d.hidden_layers,
-                            unread=unread_rows(masks, 1 + N), vocab=read_groups(masks, d.vocab_size))
+                            unread=unread_rows(masks, 1 + N), vocab=vocab)
         ver, logprobs = judge_processed(self.judge, self.batch.live_processors(), res.logits, tree, masks)
         kept = ver.kept_rows()
         cache.commit(kept)

@@ -42,6 +42,7 @@ APPROX_CHECK_ROUNDS = 9
 APPROXIMATES: dict[tuple[str | None, str], bool] = {}
 _approximate: ContextVar[bool] = ContextVar("specdec_approximate", default=False)
 INTERLEAVED = 0x100  # a format code's flag to quant_linear_i8: the part's blocks are ``interleave``d
+GROUP = 16  # features a group of the interleaved copy: computed together, each its own dot product
 # an interleaved K-format copy's bytes per feature and 256 weights (the file's: 144, 176, 210)
 K_INTERLEAVED_BYTES = {"Q4_K": 148, "Q5_K": 180, "Q6_K": 210}
 INTERLEAVE_FEATURES = 1024  # features rearranged at a time: the temporaries stay a few MB whatever the weight
