@@ -162,9 +162,7 @@ class FastPath:
         """The output layer over rows [..., C] -> [..., V]. With ``vocab`` (int64 [G], groups of 16 token ids) and
         an int8 layer (``quant.numerics``), only those groups' logits, zeros elsewhere: the layer's groups of 16
         features side by side (``int8_linear.interleave``) taken alone; each logit is its own feature's integer
-        dot product, so it has the bits the whole layer gives it (decision 020). Under a grammar that allows a
-        few tokens (a number's digits, a key's quote) a decode step then skips the layer's 28 MB read
-        (the default model)."""
+        dot product, so it has the bits the whole layer gives it. Why: docs/decisions/020-constraints.md."""
         head = self.head
         G = int8_linear.GROUP
         if vocab is None or not (isinstance(head, QuantLinear) and head.numerics == "int8"

@@ -315,8 +315,8 @@ class GrammarState:
         return self._forced_here()[:limit]
 
     def _forced_here(self) -> list[int]:
-        """``compute_ff_tokens`` at the committed tokens, asked once a step (~10 us where a token is forced):
-        a step's class and its draft both open with it."""
+        """``compute_ff_tokens`` at the committed tokens, asked once a step: a step's class and its draft both
+        open with it (choosing is paid every step: docs/decisions/008-auto-sources.md)."""
         if self._forced is None:
             self._forced = list(self.matcher.compute_ff_tokens())
         return self._forced
